@@ -1,0 +1,41 @@
+// cpidx/comm.h: the communicator the context-parallel decode uses, modelled on ncclAllGather.
+// Implementations: ranks as threads of one process (comm_threads), MPI processes (cpidx_comm_mpi),
+// NCCL (cpidx_comm_nccl). No framework header is included here.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "cpidx/status.h"
+
+// Forward declaration keeps cuda_runtime.h out of CPU-only builds.
+typedef struct CUstream_st* cudaStream_t;
+
+namespace cpidx {
+
+enum class MemorySpace { kHost, kDevice };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // Where all_gather's buffers must live.
+  virtual MemorySpace memory_space() const = 0;
+  // Rank i's `bytes_per_rank` bytes land at recv + i * bytes_per_rank on every rank. In place
+  // when send == recv + rank * bytes_per_rank. Host communicators complete before returning
+  // (stream is ignored); device communicators are stream-ordered.
+  virtual Status all_gather(const void* send, void* recv, size_t bytes_per_rank,
+                            cudaStream_t stream) = 0;
+  // Every rank must agree on `value` (for example the batch size) before a collective runs:
+  // returns kCommError naming `what` and the values on a mismatch, on every rank.
+  virtual Status check_agree(long long value, const char* what);
+  virtual Status barrier() = 0;
+};
+
+// P communicators whose ranks are threads of this process (one communicator per thread).
+// Host memory. Each rank must call every collective from its own thread, in the same order.
+std::vector<std::unique_ptr<Communicator>> make_thread_communicators(int world_size);
+
+}  // namespace cpidx

@@ -1,0 +1,88 @@
+// cpidx/indexer.h: the GPU decode indexer. One Decoder per (device, geometry) holds every buffer
+// a decode step needs, sized at construction from maxima; a step allocates nothing, never
+// synchronises with the host, and can be captured in a CUDA graph (collectives included when
+// the communicator is stream-ordered). One Decoder serves every layer of a model.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "cpidx/comm.h"
+#include "cpidx/contract.h"
+#include "cpidx/params.h"
+#include "cpidx/status.h"
+
+namespace cpidx {
+
+struct DecodeConfig {
+  int total_heads = 4;               // T: index heads of the model
+  int world_size = 1;                // P
+  int rank = 0;                      // r
+  int max_tokens = 0;                // bound on decode rows per call (requests x Q)
+  int32_t max_seq_len = 0;           // bound on tokens per request (pass max_model_len)
+  int max_query_len = kMaxQueryLen;  // bound on Q
+  Selection sel;                     // K, init, local
+  DType cache_dtype = DType::kBF16;
+  int head_dim = kHeadDim;
+};
+
+// Launch facts chosen at construction (for reports and benchmarks).
+struct DecodePlan {
+  int grid = 0;             // persistent CTAs of the scoring kernel
+  int stages = 0;           // key pages in flight per CTA
+  size_t smem_bytes = 0;    // dynamic shared memory per CTA
+  size_t workspace_bytes = 0;
+};
+
+class Decoder {
+ public:
+  // Checks the configuration (geometry, K, D, dtype, maxima), plans the kernels for `device` and
+  // allocates the workspace there. Nothing else allocates afterwards.
+  static Status create(const DecodeConfig& config, int device, std::unique_ptr<Decoder>* out);
+  ~Decoder();
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+
+  const DecodeConfig& config() const;
+  const Geometry& geometry() const;
+  const DecodePlan& plan() const;
+
+  // Plain decode (no context parallelism) of every head in `in` (in.num_heads <= T):
+  // ids [in.num_heads, n, K] into `out`; optional sparse table when in.num_heads == 1.
+  Status decode(const DecodeInputs& in, const TopkOutput& out, const SparseTableOutput* table,
+                cudaStream_t stream);
+
+  // Context-parallel rank work, exchanges left to the caller (simulated ranks, custom
+  // transports). shard_keys: `in` holds all T heads' queries; writes this rank's ordered shard
+  // top-K keys [T, n, K] (contiguous, device memory). merge: `gathered` is [P, T, n, K] (rank
+  // major); writes ids [L, n, K] of the owned heads. `batch` supplies seq_lens, Q and n.
+  Status shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t stream);
+  Status merge(const Key* gathered, const DecodeInputs& batch, const TopkOutput& out,
+               const SparseTableOutput* table, cudaStream_t stream);
+
+  // The whole context-parallel step over a device communicator: gather the local queries
+  // `local` ([n, L, D]), score all heads on this rank's shard, gather the keys, merge the owned
+  // heads into `out` ([L, n, K]). Every rank must call it with the same batch shape.
+  Status cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
+                   const SparseTableOutput* table, cudaStream_t stream);
+
+  // Device int32: OR of DeviceError bits raised by bad device-side values since the last clear.
+  // The library never reads it back itself.
+  int32_t* error_flag() const;
+  Status clear_error_flag(cudaStream_t stream);
+
+  // Device buffers of the exchange (for communicators that need registered memory).
+  void* exchange_buffer() const;
+  size_t exchange_buffer_bytes() const;
+
+ private:
+  struct Impl;
+  explicit Decoder(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// True when the library was built with CUDA and a device is visible.
+bool gpu_available();
+
+}  // namespace cpidx

@@ -1,0 +1,28 @@
+// cpidx/workspace.h: the decode workspace, sized and carved by one routine (offsets from a
+// base), so the byte count a caller allocates and the buffers the kernels use cannot drift.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace cpidx {
+
+struct DecodeConfig;
+
+struct DecodeWorkspaceLayout {
+  // Byte offsets from the workspace base.
+  size_t partial = 0;     // [grid + max_tokens, T * Qmax, K] keys: per-(CTA, request) lists
+  size_t arrivals = 0;    // [max_tokens] int32 arrival counters (kept at zero between steps)
+  size_t error_flag = 0;  // int32
+  size_t q_send = 0;      // [max_tokens, L, D] bf16 (context-parallel only)
+  size_t q_recv = 0;      // [P, max_tokens, L, D] bf16
+  size_t keys_send = 0;   // [T, max_tokens, K] keys
+  size_t keys_recv = 0;   // [P, T, max_tokens, K] keys
+  size_t total = 0;       // bytes to allocate
+  int64_t num_slots = 0;  // rows of `partial`
+};
+
+// `grid` is the scoring kernel's CTA count (DecodePlan::grid).
+DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& config, int grid);
+
+}  // namespace cpidx

@@ -1,0 +1,306 @@
+// src/cuda/decoder.cc: the Decoder object: host-side validation (before any kernel runs), the
+// one-time plan and workspace, and the decode steps as short launch sequences on the caller's
+// stream. No allocation, synchronisation or device query happens after create().
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <sstream>
+
+#include "cpidx/indexer.h"
+#include "cpidx/reference.h"
+#include "cpidx/workspace.h"
+#include "kernels.h"
+
+namespace cpidx {
+namespace {
+
+Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::ok();
+  std::ostringstream os;
+  os << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
+  return Status(StatusCode::kCudaError, os.str());
+}
+
+#define CPIDX_CUDA_TRY(expr) CPIDX_RETURN_IF_ERROR(cuda_status((expr), #expr))
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
+  DecodeWorkspaceLayout w;
+  Geometry geo;
+  if (!make_geometry(c.total_heads, c.world_size, c.rank, &geo).is_ok()) return w;
+  const size_t K = static_cast<size_t>(c.sel.topk), T = c.total_heads, P = c.world_size;
+  const size_t n = static_cast<size_t>(c.max_tokens), L = geo.local_heads;
+  size_t o = 0;
+  auto take = [&](size_t bytes) {
+    o = align_up(o, 256);
+    size_t at = o;
+    o += bytes;
+    return at;
+  };
+  w.num_slots = static_cast<int64_t>(grid) + c.max_tokens;
+  w.partial = take(static_cast<size_t>(w.num_slots) * T * c.max_query_len * K * sizeof(Key));
+  w.arrivals = take(n * sizeof(int32_t));
+  w.error_flag = take(sizeof(int32_t));
+  const bool cp = P > 1;
+  w.q_send = take(cp ? n * L * kHeadDim * 2 : 0);
+  w.q_recv = take(cp ? P * n * L * kHeadDim * 2 : 0);
+  w.keys_send = take(cp ? T * n * K * sizeof(Key) : 0);
+  w.keys_recv = take(cp ? P * T * n * K * sizeof(Key) : 0);
+  w.total = align_up(o, 256);
+  return w;
+}
+
+struct Decoder::Impl {
+  DecodeConfig cfg;
+  Geometry geo;
+  DecodePlan plan;
+  cuda::ScoreTopkLaunch launch;
+  DecodeWorkspaceLayout layout;
+  int device = 0;
+  uint8_t* workspace = nullptr;
+
+  template <typename T>
+  T* at(size_t offset) const { return reinterpret_cast<T*>(workspace + offset); }
+
+  Status check_inputs(const DecodeInputs& in, int expected_heads) const {
+    CPIDX_RETURN_IF_ERROR(ref::validate(in, cfg.sel, cfg.max_tokens));
+    CPIDX_CHECK(in.num_heads == expected_heads,
+                "query heads (num_heads) must be " << expected_heads << ", got " << in.num_heads);
+    CPIDX_CHECK(in.max_seq_len == cfg.max_seq_len,
+                "max_seq_len must equal the Decoder's bound " << cfg.max_seq_len << ", got "
+                                                              << in.max_seq_len);
+    CPIDX_CHECK(in.cache.dtype == cfg.cache_dtype,
+                "index_cache dtype must be " << to_string(cfg.cache_dtype) << ", got "
+                                             << to_string(in.cache.dtype));
+    CPIDX_CHECK(in.query_len <= cfg.max_query_len,
+                "query_len must be <= max_query_len " << cfg.max_query_len << ", got "
+                                                      << in.query_len);
+    CPIDX_CHECK(reinterpret_cast<uintptr_t>(in.query) % 16 == 0 && in.q_row_stride % 8 == 0 &&
+                    in.q_head_stride % 8 == 0,
+                "index_query must be 16-byte aligned with row and head strides that are "
+                "multiples of 8 elements (got row stride "
+                    << in.q_row_stride << ", head stride " << in.q_head_stride << ")");
+    CPIDX_CHECK(reinterpret_cast<uintptr_t>(in.cache.data) % 16 == 0,
+                "index_cache must be 16-byte aligned");
+    return Status::ok();
+  }
+
+  cuda::ScoreTopkParams score_params(const DecodeInputs& in, int world, int rank) const {
+    cuda::ScoreTopkParams p;
+    for (int h = 0; h < in.num_heads; ++h) {
+      p.q_head[h] = reinterpret_cast<const __nv_bfloat16*>(in.query) + h * in.q_head_stride;
+    }
+    p.q_row_stride = in.q_row_stride;
+    p.num_heads = in.num_heads;
+    p.cache = in.cache.data;
+    p.num_pages = in.cache.num_pages;
+    p.block_table = in.block_table;
+    p.bt_row_stride = in.bt_row_stride;
+    p.seq_lens = in.seq_lens;
+    p.num_reqs = in.num_reqs;
+    p.query_len = in.query_len;
+    p.max_seq_len = in.max_seq_len;
+    p.max_blocks = in.max_blocks();
+    p.scale = in.scale;
+    p.topk = cfg.sel.topk;
+    p.init_blocks = cfg.sel.init_blocks;
+    p.local_blocks = cfg.sel.local_blocks;
+    p.world = world;
+    p.rank = rank;
+    p.partial = at<Key>(layout.partial);
+    p.num_slots = layout.num_slots;
+    p.arrivals = at<int32_t>(layout.arrivals);
+    p.error_flag = at<int32_t>(layout.error_flag);
+    return p;
+  }
+
+  static cuda::SparseTableArgs table_args(const SparseTableOutput* t) {
+    cuda::SparseTableArgs a;
+    if (t && t->enabled()) {
+      a.attention_block_table = t->attention_block_table;
+      a.attn_bt_row_stride = t->attn_bt_row_stride;
+      a.table = t->table;
+      a.table_row_stride = t->table_row_stride;
+      a.context_lens = t->context_lens;
+      a.block_page_stride = t->block_page_stride;
+    }
+    return a;
+  }
+};
+
+Decoder::Decoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Decoder::~Decoder() {
+  if (impl_ && impl_->workspace) cudaFree(impl_->workspace);
+}
+
+Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decoder>* out) {
+  CPIDX_CHECK(out != nullptr, "out must not be null");
+  auto impl = std::make_unique<Impl>();
+  impl->cfg = c;
+  CPIDX_RETURN_IF_ERROR(make_geometry(c.total_heads, c.world_size, c.rank, &impl->geo));
+  CPIDX_CHECK(c.head_dim == kHeadDim, "head_dim must be " << kHeadDim << ", got " << c.head_dim);
+  CPIDX_CHECK(c.sel.topk >= 1 && c.sel.topk <= kMaxTopK,
+              "topk must be in [1, " << kMaxTopK << "], got " << c.sel.topk);
+  CPIDX_CHECK(c.sel.init_blocks >= 0 && c.sel.local_blocks >= 0,
+              "init_blocks and local_blocks must be >= 0, got " << c.sel.init_blocks << " and "
+                                                               << c.sel.local_blocks);
+  CPIDX_CHECK(c.max_tokens >= 1, "max_tokens must be >= 1, got " << c.max_tokens);
+  CPIDX_CHECK(c.max_seq_len >= 1, "max_seq_len must be >= 1, got " << c.max_seq_len);
+  CPIDX_CHECK(c.max_query_len >= 1 && c.max_query_len <= kMaxQueryLen,
+              "max_query_len must be in [1, " << kMaxQueryLen << "], got " << c.max_query_len);
+  CPIDX_CHECK(c.world_size <= 8, "world_size must be <= 8, got " << c.world_size);
+  int count = 0;
+  CPIDX_CUDA_TRY(cudaGetDeviceCount(&count));
+  CPIDX_CHECK(device >= 0 && device < count,
+              "device must be in [0, " << count << "), got " << device);
+  impl->device = device;
+  int prev = 0;
+  CPIDX_CUDA_TRY(cudaGetDevice(&prev));
+  CPIDX_CUDA_TRY(cudaSetDevice(device));
+  Status st = [&]() -> Status {
+    CPIDX_CUDA_TRY(cuda::plan_score_topk(c.total_heads * c.max_query_len, c.sel.topk,
+                                         c.cache_dtype, c.max_tokens, device, &impl->launch));
+    impl->layout = decode_workspace_layout(c, impl->launch.grid);
+    CPIDX_CUDA_TRY(cudaMalloc(&impl->workspace, impl->layout.total));
+    CPIDX_CUDA_TRY(cudaMemset(impl->workspace, 0, impl->layout.total));
+    CPIDX_CUDA_TRY(cudaDeviceSynchronize());
+    return Status::ok();
+  }();
+  cudaSetDevice(prev);
+  if (!st.is_ok()) {
+    if (impl->workspace) cudaFree(impl->workspace);
+    return st;
+  }
+  impl->plan.grid = impl->launch.grid;
+  impl->plan.stages = impl->launch.stages;
+  impl->plan.smem_bytes = impl->launch.smem_bytes;
+  impl->plan.workspace_bytes = impl->layout.total;
+  out->reset(new Decoder(std::move(impl)));
+  return Status::ok();
+}
+
+const DecodeConfig& Decoder::config() const { return impl_->cfg; }
+const Geometry& Decoder::geometry() const { return impl_->geo; }
+const DecodePlan& Decoder::plan() const { return impl_->plan; }
+int32_t* Decoder::error_flag() const { return impl_->at<int32_t>(impl_->layout.error_flag); }
+void* Decoder::exchange_buffer() const { return impl_->workspace + impl_->layout.q_send; }
+size_t Decoder::exchange_buffer_bytes() const {
+  return impl_->layout.total - impl_->layout.q_send;
+}
+
+Status Decoder::clear_error_flag(cudaStream_t stream) {
+  CPIDX_CUDA_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
+  return Status::ok();
+}
+
+Status Decoder::decode(const DecodeInputs& in, const TopkOutput& out,
+                       const SparseTableOutput* table, cudaStream_t stream) {
+  CPIDX_CHECK(in.num_heads >= 1 && in.num_heads <= impl_->cfg.total_heads,
+              "query heads (num_heads) must be in [1, " << impl_->cfg.total_heads << "], got "
+                                                        << in.num_heads);
+  CPIDX_RETURN_IF_ERROR(impl_->check_inputs(in, in.num_heads));
+  CPIDX_CHECK(out.ids != nullptr, "out (ids) must not be null");
+  if (table) CPIDX_RETURN_IF_ERROR(ref::validate(*table, in.num_heads));
+  cuda::ScoreTopkParams p = impl_->score_params(in, 1, 0);
+  p.ids = out.ids;
+  p.ids_head_stride = out.head_stride;
+  p.ids_row_stride = out.row_stride;
+  p.table = Impl::table_args(table);
+  CPIDX_CUDA_TRY(cuda::launch_score_topk(p, in.cache.dtype, impl_->launch, stream));
+  return Status::ok();
+}
+
+Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t stream) {
+  CPIDX_RETURN_IF_ERROR(impl_->check_inputs(in, impl_->cfg.total_heads));
+  CPIDX_CHECK(keys != nullptr, "keys must not be null");
+  cuda::ScoreTopkParams p =
+      impl_->score_params(in, impl_->cfg.world_size, impl_->cfg.rank);
+  p.keys = keys;
+  CPIDX_CUDA_TRY(cuda::launch_score_topk(p, in.cache.dtype, impl_->launch, stream));
+  return Status::ok();
+}
+
+Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const TopkOutput& out,
+                      const SparseTableOutput* table, cudaStream_t stream) {
+  CPIDX_CHECK(gathered != nullptr, "gathered keys must not be null");
+  CPIDX_CHECK(out.ids != nullptr, "out (ids) must not be null");
+  CPIDX_CHECK(batch.seq_lens != nullptr, "seq_lens must not be null");
+  CPIDX_CHECK(batch.num_rows() <= impl_->cfg.max_tokens,
+              "num_reqs * query_len (" << batch.num_rows() << ") exceeds max_tokens ("
+                                       << impl_->cfg.max_tokens << ")");
+  if (table) CPIDX_RETURN_IF_ERROR(ref::validate(*table, impl_->geo.local_heads));
+  cuda::MergeParams m;
+  m.gathered = gathered;
+  m.world = impl_->cfg.world_size;
+  m.total_heads = impl_->cfg.total_heads;
+  m.n = batch.num_rows();
+  m.topk = impl_->cfg.sel.topk;
+  m.head_offset = impl_->geo.head_offset;
+  m.local_heads = impl_->geo.local_heads;
+  m.ids = out.ids;
+  m.ids_head_stride = out.head_stride;
+  m.ids_row_stride = out.row_stride;
+  m.table = Impl::table_args(table);
+  m.seq_lens = batch.seq_lens;
+  m.num_reqs = batch.num_reqs;
+  m.query_len = batch.query_len;
+  m.max_seq_len = impl_->cfg.max_seq_len;
+  CPIDX_CUDA_TRY(cuda::launch_merge_topk(m, stream));
+  return Status::ok();
+}
+
+Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
+                          const SparseTableOutput* table, cudaStream_t stream) {
+  const Impl& im = *impl_;
+  const int P = im.cfg.world_size, T = im.cfg.total_heads, L = im.geo.local_heads;
+  CPIDX_CHECK(comm.world_size() == P && comm.rank() == im.cfg.rank,
+              "communicator (rank " << comm.rank() << " of " << comm.world_size()
+                                    << ") does not match the Decoder (rank " << im.cfg.rank
+                                    << " of " << P << ")");
+  CPIDX_CHECK(comm.memory_space() == MemorySpace::kDevice,
+              "communicator must exchange device memory for the GPU decode");
+  CPIDX_RETURN_IF_ERROR(im.check_inputs(local, L));
+  CPIDX_CHECK(out.ids != nullptr, "out (ids) must not be null");
+  if (table) CPIDX_RETURN_IF_ERROR(ref::validate(*table, L));
+  const int64_t n = local.num_rows();
+  if (P == 1) return decode(local, out, table, stream);
+
+  // 1. Gather the local queries [n, L, D] of every rank.
+  auto* q_send = im.at<__nv_bfloat16>(im.layout.q_send);
+  auto* q_recv = im.at<__nv_bfloat16>(im.layout.q_recv);
+  CPIDX_CUDA_TRY(cuda::launch_pack_queries(
+      reinterpret_cast<const __nv_bfloat16*>(local.query), local.q_row_stride,
+      local.q_head_stride, n, L, q_send, stream));
+  const size_t q_bytes = static_cast<size_t>(n) * L * kHeadDim * 2;
+  CPIDX_RETURN_IF_ERROR(comm.all_gather(q_send, q_recv, q_bytes, stream));
+
+  // 2-3. Score all T heads on this rank's shard; keep ordered top-K keys. Global head h comes
+  // from the lowest rank of its replica group: rank (h / L) * R, local head h % L.
+  DecodeInputs all = local;
+  all.num_heads = T;
+  cuda::ScoreTopkParams p = im.score_params(all, P, im.cfg.rank);
+  for (int h = 0; h < T; ++h) {
+    const int src_rank = (h / L) * im.geo.replicas;
+    p.q_head[h] = q_recv + static_cast<int64_t>(src_rank) * n * L * kHeadDim + (h % L) * kHeadDim;
+  }
+  p.q_row_stride = static_cast<int64_t>(L) * kHeadDim;
+  Key* keys_send = im.at<Key>(im.layout.keys_send);
+  Key* keys_recv = im.at<Key>(im.layout.keys_recv);
+  p.keys = keys_send;
+  CPIDX_CUDA_TRY(cuda::launch_score_topk(p, local.cache.dtype, im.launch, stream));
+
+  // 4. Gather the keys; 5. merge the owned heads.
+  const size_t k_bytes = static_cast<size_t>(T) * n * im.cfg.sel.topk * sizeof(Key);
+  CPIDX_RETURN_IF_ERROR(comm.all_gather(keys_send, keys_recv, k_bytes, stream));
+  return merge(keys_recv, local, out, table, stream);
+}
+
+bool gpu_available() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+}  // namespace cpidx

@@ -1,0 +1,105 @@
+// src/cuda/device_utils.cuh: small device helpers shared by the decode kernels: mbarrier +
+// bulk-copy wrappers (sm_90 async copy engine), the bf16 tensor-core MMA, and an exact
+// block-wide top-K by counting ranks (keys are unique, so rank = number of larger keys).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cpidx/contract.h"
+
+namespace cpidx {
+namespace cuda {
+
+// ---- mbarrier + bulk copy ------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+// Make barrier initialisation visible to the async proxy (the bulk-copy engine).
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t addr = smem_addr(bar);
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+}
+
+// Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
+// completing on `bar`. Streaming data: evict-first in L2.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
+                                              uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// ---- Tensor-core MMA: D[16x8] += A[16x16] * B[16x8], bf16 inputs, fp32 accumulation --------
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
+                                               uint32_t a2, uint32_t a3, uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// NaN-ignoring max (IEEE maxNum): the block max skips NaN dots unless every visible dot is NaN.
+__device__ __forceinline__ float max_num(float a, float b) { return fmaxf(a, b); }
+
+// ---- Exact top-K by rank counting ------------------------------------------------------------
+// Keys in `cand[0..count)` are unique real keys (> kPadKey). Writes the K largest, in
+// descending order, to out[0..K), padding with kPadKey. All threads of the block call it;
+// `out` must not alias `cand`. O(count^2 / threads), meant for count <= a few hundred.
+__device__ __forceinline__ void block_rank_topk(const Key* cand, int count, int k, Key* out) {
+  for (int i = threadIdx.x; i < k; i += blockDim.x) {
+    if (i >= count) out[i] = kPadKey;
+  }
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    Key mine = cand[i];
+    int rank = 0;
+    for (int j = 0; j < count; ++j) rank += cand[j] > mine;
+    if (rank < k) out[rank] = mine;
+  }
+}
+
+// The same within one warp (lane-strided).
+__device__ __forceinline__ void warp_rank_topk(const Key* cand, int count, int k, Key* out,
+                                               int lane) {
+  for (int i = lane; i < k; i += 32) {
+    if (i >= count) out[i] = kPadKey;
+  }
+  for (int i = lane; i < count; i += 32) {
+    Key mine = cand[i];
+    int rank = 0;
+    for (int j = 0; j < count; ++j) rank += cand[j] > mine;
+    if (rank < k) out[rank] = mine;
+  }
+}
+
+}  // namespace cuda
+}  // namespace cpidx

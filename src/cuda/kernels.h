@@ -1,0 +1,96 @@
+// src/cuda/kernels.h: Params structs and launchers of the decode kernels (no framework types).
+//  - score_topk: one pass over a rank's shard of the paged index cache; every key page is read
+//    once by the bulk-copy engine and scored on tensor cores against all (head, query-token)
+//    columns of its request; block max, causal mask, forcing and the shard top-K are fused.
+//  - merge_topk: P candidate lists of K keys per (owned head, row) -> final ids (+ sparse table).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cpidx/contract.h"
+#include "cpidx/params.h"
+
+namespace cpidx {
+namespace cuda {
+
+// Output of a shard's selection: final ids (P == 1) or ordered keys for the exchange.
+struct SparseTableArgs {
+  const int32_t* attention_block_table = nullptr;  // [num_reqs, >= G]
+  int64_t attn_bt_row_stride = 0;
+  int32_t* table = nullptr;  // [n, K * 8]
+  int64_t table_row_stride = 0;
+  int32_t* context_lens = nullptr;  // [n]
+  int block_page_stride = 0;
+};
+
+struct ScoreTopkParams {
+  // Queries of the scored heads: head h of row `row` at q_head[h] + row * q_row_stride.
+  const __nv_bfloat16* q_head[kMaxHeads];
+  int64_t q_row_stride = 0;
+  int num_heads = 0;                      // H (all T heads for context-parallel scoring)
+  const void* cache = nullptr;            // [num_pages, BS, D]
+  int64_t num_pages = 0;
+  const int32_t* block_table = nullptr;   // [num_reqs, >= G], column stride 1
+  int64_t bt_row_stride = 0;
+  const int32_t* seq_lens = nullptr;      // [num_reqs]
+  int num_reqs = 0;
+  int query_len = 1;                      // Q
+  int32_t max_seq_len = 0;
+  int64_t max_blocks = 0;                 // G
+  float scale = 1.f;
+  int topk = 16, init_blocks = 0, local_blocks = 1;
+  int world = 1, rank = 0;
+
+  // Outputs (exactly one of ids / keys).
+  int32_t* ids = nullptr;                 // [H, n, K] with strides (world == 1)
+  int64_t ids_head_stride = 0, ids_row_stride = 0;
+  SparseTableArgs table;                  // optional, H == 1 and ids mode only
+  Key* keys = nullptr;                    // [H, n, K] contiguous (exchange payload)
+
+  // Workspace.
+  Key* partial = nullptr;                 // [num_slots, H * Q, K]: per-(CTA, request) lists
+  int64_t num_slots = 0;
+  int32_t* arrivals = nullptr;            // [>= num_reqs], zero between launches
+  int32_t* error_flag = nullptr;          // OR of DeviceError bits
+};
+
+struct ScoreTopkLaunch {
+  int grid = 0;           // persistent CTAs (SMs x occupancy), fixed at construction
+  int stages = 0;         // key pages in flight per CTA
+  size_t smem_bytes = 0;  // dynamic shared memory
+  int max_reqs = 0;       // bound used to size the request prefix in shared memory
+  int ncols_pad = 0;      // padded columns (H * Q rounded up to 8) the launch was sized for
+  int topk = 0;           // K the layout was sized for
+};
+
+// Chooses the launch (stages, grid, shared memory) for the given maxima and sets the kernel's
+// shared-memory attribute. Called once at construction.
+cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_reqs, int device,
+                            ScoreTopkLaunch* launch);
+cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
+                              cudaStream_t stream);
+
+struct MergeParams {
+  const Key* gathered = nullptr;   // [world, total_heads, n, K]
+  int world = 1, total_heads = 0;
+  int64_t n = 0;
+  int topk = 16;
+  int head_offset = 0, local_heads = 1;
+  int32_t* ids = nullptr;          // [L, n, K] strided
+  int64_t ids_head_stride = 0, ids_row_stride = 0;
+  SparseTableArgs table;           // optional (L == 1)
+  const int32_t* seq_lens = nullptr;
+  int num_reqs = 0, query_len = 1;
+  int32_t max_seq_len = 0;
+};
+cudaError_t launch_merge_topk(const MergeParams& p, cudaStream_t stream);
+
+// Packs strided local queries [n, L, D] into a contiguous [n, L, D] buffer (the all-gather
+// payload).
+cudaError_t launch_pack_queries(const __nv_bfloat16* src, int64_t row_stride,
+                                int64_t head_stride, int64_t n, int heads,
+                                __nv_bfloat16* dst, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace cpidx

@@ -1,0 +1,86 @@
+// src/cuda/merge.cu: the context-parallel merge (one warp per (owned head, row) ranks the P*K
+// gathered candidate keys; exact because every shard kept a full K) with the optional fused
+// sparse table, and the packing of strided local queries into the all-gather payload.
+#include "device_utils.cuh"
+#include "kernels.h"
+#include "sparse_table.cuh"
+
+namespace cpidx {
+namespace cuda {
+namespace {
+
+constexpr int kMergeWarps = 4;
+constexpr int kMaxCand = 8 * kMaxTopK;  // world <= 8 ranks x K keys
+
+__global__ void __launch_bounds__(kMergeWarps * 32) merge_topk_kernel(const MergeParams p) {
+  __shared__ Key cand[kMergeWarps][kMaxCand];
+  __shared__ Key best[kMergeWarps][kMaxTopK];
+  __shared__ int count[kMergeWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + warp;
+  if (item >= p.local_heads * p.n) return;  // warp-uniform
+  const int j = static_cast<int>(item / p.n);
+  const int64_t row = item % p.n;
+  const int K = p.topk;
+  if (lane == 0) count[warp] = 0;
+  __syncwarp();
+  for (int x = lane; x < p.world * K; x += 32) {
+    const int w = x / K, i = x % K;
+    const Key k = p.gathered[((static_cast<int64_t>(w) * p.total_heads + p.head_offset + j) * p.n +
+                              row) * K + i];
+    if (k != kPadKey) cand[warp][atomicAdd(&count[warp], 1)] = k;
+  }
+  __syncwarp();
+  warp_rank_topk(cand[warp], count[warp], K, best[warp], lane);
+  __syncwarp();
+  int32_t* out = p.ids + j * p.ids_head_stride + row * p.ids_row_stride;
+  for (int i = lane; i < K; i += 32) {
+    out[i] = best[warp][i] == kPadKey ? -1 : key_block(best[warp][i]);
+  }
+  if (p.table.table) {  // L == 1
+    const int req = static_cast<int>(row / p.query_len), t = static_cast<int>(row % p.query_len);
+    int32_t err = 0;
+    const int32_t seq_len = clamp_seq_len(p.seq_lens[req], p.max_seq_len, &err);
+    write_sparse_row(p.table, best[warp], K, req, row,
+                     static_cast<int64_t>(seq_len) - p.query_len + t, lane);
+  }
+}
+
+__global__ void pack_queries_kernel(const __nv_bfloat16* src, int64_t row_stride,
+                                    int64_t head_stride, int64_t n, int heads,
+                                    __nv_bfloat16* dst) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per head row
+  const int64_t total = n * heads * kChunks;
+  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < total;
+       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = x / (heads * kChunks);
+    const int h = static_cast<int>((x / kChunks) % heads), c = static_cast<int>(x % kChunks);
+    reinterpret_cast<uint4*>(dst)[x] =
+        *reinterpret_cast<const uint4*>(src + row * row_stride + h * head_stride + c * 8);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_merge_topk(const MergeParams& p, cudaStream_t stream) {
+  if (p.world * p.topk > kMaxCand || p.topk > kMaxTopK) return cudaErrorInvalidValue;
+  const int64_t items = p.local_heads * p.n;
+  if (items == 0) return cudaSuccess;
+  const int64_t blocks = (items + kMergeWarps - 1) / kMergeWarps;
+  merge_topk_kernel<<<static_cast<unsigned>(blocks), kMergeWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_pack_queries(const __nv_bfloat16* src, int64_t row_stride,
+                                int64_t head_stride, int64_t n, int heads,
+                                __nv_bfloat16* dst, cudaStream_t stream) {
+  const int64_t chunks = n * heads * (kHeadDim / 8);
+  if (chunks == 0) return cudaSuccess;
+  const int64_t blocks = (chunks + 255) / 256;
+  pack_queries_kernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(
+      src, row_stride, head_stride, n, heads, dst);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace cpidx

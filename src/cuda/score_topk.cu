@@ -1,0 +1,563 @@
+// src/cuda/score_topk.cu: the fused decode kernel. A persistent grid splits the flattened list of
+// the shard's (request, owned block) pages evenly across CTAs; each 32 KB key page is brought in
+// once by the bulk-copy engine (a few pages in flight per CTA), scored on tensor cores against
+// every (head, query-token) column of its request, reduced to a block max under the causal mask,
+// forced, and kept in a running per-column top-K. A request split across CTAs is merged exactly
+// by the last CTA to finish it (arrival counter). Cost: one read of the shard's cache bytes.
+#include <cuda_fp8.h>
+
+#include <type_traits>
+
+#include "device_utils.cuh"
+#include "kernels.h"
+#include "sparse_table.cuh"
+
+namespace cpidx {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 128;                // 4 warps x 32 tokens = one 128-token page
+constexpr int kWarps = kThreads / 32;
+constexpr int kQStride = kHeadDim + 8;       // bf16 elements per query row in smem (padded)
+
+__host__ __device__ inline int cand_capacity(int topk) { return topk * 2 > 32 ? topk * 2 : 32; }
+
+// Shared-memory layout, computed identically on host (sizing) and device (carving).
+struct SmemLayout {
+  size_t stages_off, q_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, mbuf_off, prefix_off,
+      bar_off, misc_off, total;
+  __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int cap,
+                                 int max_reqs, int grid) {
+    size_t o = 0;
+    auto take = [&](size_t bytes, size_t align) {
+      o = (o + align - 1) / align * align;
+      size_t at = o;
+      o += bytes;
+      return at;
+    };
+    stages_off = take(static_cast<size_t>(stages) * page_bytes, 128);
+    q_off = take(static_cast<size_t>(ncols) * kQStride * 2, 16);
+    red_off = take(2ull * kWarps * ncols * sizeof(float), 16);
+    cbuf_off = take(static_cast<size_t>(ncols) * cap * sizeof(Key), 16);
+    tmp_off = take(static_cast<size_t>(ncols) * topk * sizeof(Key), 16);
+    cnt_off = take(static_cast<size_t>(ncols) * sizeof(int), 16);
+    tau_off = take(static_cast<size_t>(ncols) * sizeof(Key), 16);
+    mbuf_off = take((static_cast<size_t>(grid) + static_cast<size_t>(topk) * topk) * sizeof(Key), 16);
+    prefix_off = take((static_cast<size_t>(max_reqs) + 1) * sizeof(int64_t), 16);
+    bar_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
+    misc_off = take(8 * sizeof(int), 16);
+    total = o;
+  }
+};
+
+struct Smem {
+  uint8_t* pages;
+  __nv_bfloat16* q;   // [ncols][kQStride]
+  float* red;         // [2][kWarps][ncols]
+  Key* cbuf;          // [ncols][cap]
+  Key* tmp;           // [ncols][K]
+  int* cnt;           // [ncols]
+  Key* tau;           // [ncols]
+  Key* mbuf;          // [grid + K*K]
+  int64_t* prefix;    // [num_reqs + 1]
+  uint64_t* bars;     // [stages]
+  int* misc;          // [0] compact flag, [1] last-arriver flag, [2] candidate count
+};
+
+__device__ __forceinline__ int64_t cta_of(int64_t x, int64_t total, int64_t grid) {
+  return ((x + 1) * grid - 1) / total;  // largest i with floor(i * total / grid) <= x
+}
+
+template <DType kDType>
+struct PageTraits;
+template <>
+struct PageTraits<DType::kBF16> {
+  static constexpr int kBytes = kBlockSize * kHeadDim * 2;
+  static constexpr int kRowBytes = kHeadDim * 2;
+  // 8 bf16 of token `tok`, dims [32 j + 8 c4, +8).
+  __device__ static uint4 load8(const uint8_t* page, int tok, int j, int c4) {
+    return *reinterpret_cast<const uint4*>(page + tok * kRowBytes + j * 64 + c4 * 16);
+  }
+};
+template <>
+struct PageTraits<DType::kFP8E4M3> {
+  static constexpr int kBytes = kBlockSize * kHeadDim;
+  static constexpr int kRowBytes = kHeadDim;
+  __device__ static uint32_t cvt2(uint16_t two) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+    float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+    __nv_bfloat162 b = __float22bfloat162_rn(f);  // exact: e4m3 values fit bf16
+    return *reinterpret_cast<uint32_t*>(&b);
+  }
+  __device__ static uint4 load8(const uint8_t* page, int tok, int j, int c4) {
+    uint2 raw = *reinterpret_cast<const uint2*>(page + tok * kRowBytes + j * 32 + c4 * 8);
+    return make_uint4(cvt2(raw.x & 0xFFFF), cvt2(raw.x >> 16), cvt2(raw.y & 0xFFFF),
+                      cvt2(raw.y >> 16));
+  }
+};
+
+struct Cursor {  // position in the flattened (request, owned block) page list
+  int64_t x;
+  int req;
+  __device__ void advance(const int64_t* prefix, int64_t total) {
+    ++x;
+    while (x < total && prefix[req + 1] <= x) ++req;
+  }
+};
+
+__device__ __forceinline__ int find_req(const int64_t* prefix, int num_reqs, int64_t x) {
+  int lo = 0, hi = num_reqs - 1;  // last r with prefix[r] <= x (and a non-empty range)
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (prefix[mid] <= x) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ int32_t clamped_seq_len(const ScoreTopkParams& p, int r, int32_t* err) {
+  return clamp_seq_len(p.seq_lens[r], p.max_seq_len, err);
+}
+
+__device__ __forceinline__ int64_t request_blocks(int32_t seq_len, int64_t max_blocks) {
+  int64_t b = cdiv(seq_len, kBlockSize);
+  return b < max_blocks ? b : max_blocks;
+}
+
+// Copies the request's per-row lists (cbuf[col][0..K)) to the outputs.
+__device__ void finalize_request(const ScoreTopkParams& p, const Smem& s, int r, int32_t seq_len,
+                                 int ncols) {
+  const int Q = p.query_len, K = p.topk;
+  const int64_t n = static_cast<int64_t>(p.num_reqs) * Q;
+  for (int idx = threadIdx.x; idx < ncols * K; idx += blockDim.x) {
+    const int col = idx / K, i = idx % K;
+    const int h = col / Q, t = col % Q;
+    const int64_t row = static_cast<int64_t>(r) * Q + t;
+    const Key key = s.cbuf[col * cand_capacity(K) + i];
+    if (p.keys) {
+      p.keys[(h * n + row) * K + i] = key;
+    } else {
+      p.ids[h * p.ids_head_stride + row * p.ids_row_stride + i] =
+          key == kPadKey ? -1 : key_block(key);
+    }
+  }
+  if (p.table.table) {  // H == 1: one table row per query token
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int t = warp; t < Q; t += kWarps) {
+      const int64_t row = static_cast<int64_t>(r) * Q + t;
+      write_sparse_row(p.table, s.cbuf + t * cand_capacity(K), K, r, row,
+                       static_cast<int64_t>(seq_len) - Q + t, lane);
+    }
+  }
+}
+
+// Reduces every column's candidate buffer to its top K (ordered), resets the thresholds.
+__device__ void compact_all(const Smem& s, int ncols, int K) {
+  const int cap = cand_capacity(K);
+  for (int idx = threadIdx.x; idx < ncols * cap; idx += blockDim.x) {
+    const int col = idx / cap, i = idx % cap;
+    const int count = s.cnt[col];
+    if (i < K && i >= count) s.tmp[col * K + i] = kPadKey;
+    if (i < count) {
+      const Key* c = s.cbuf + col * cap;
+      const Key mine = c[i];
+      int rank = 0;
+      for (int j = 0; j < count; ++j) rank += c[j] > mine;
+      if (rank < K) s.tmp[col * K + rank] = mine;
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < ncols * K; idx += blockDim.x) {
+    const int col = idx / K, i = idx % K;
+    s.cbuf[col * cap + i] = s.tmp[idx];
+  }
+  __syncthreads();
+  for (int col = threadIdx.x; col < ncols; col += blockDim.x) {
+    const int count = s.cnt[col] < K ? s.cnt[col] : K;
+    s.cnt[col] = count;
+    s.tau[col] = count == K ? s.cbuf[col * cap + K - 1] : kPadKey;
+  }
+  __syncthreads();
+}
+
+// The last CTA to finish request r merges the per-CTA lists of slots [c0 + r, c1 + r] into
+// cbuf[col][0..K). Exact: a list whose best key is below the K-th best list head cannot
+// contribute, so at most K lists (K*K keys) are ranked.
+__device__ void merge_request(const ScoreTopkParams& p, const Smem& s, int r, int64_t c0,
+                              int64_t c1, int ncols) {
+  const int K = p.topk, cap = cand_capacity(K);
+  const int nseg = static_cast<int>(c1 - c0 + 1);
+  Key* heads = s.mbuf;            // [nseg]
+  Key* cand = s.mbuf + nseg;      // [<= K*K]
+  for (int col = 0; col < ncols; ++col) {
+    auto slot_list = [&](int seg) {
+      return p.partial + ((c0 + seg + r) * ncols + col) * static_cast<int64_t>(K);
+    };
+    if (threadIdx.x == 0) s.misc[2] = 0;
+    for (int seg = threadIdx.x; seg < nseg; seg += blockDim.x) {
+      const Key h = __ldcg(reinterpret_cast<const unsigned long long*>(slot_list(seg)));
+      if (h != kPadKey) heads[atomicAdd(&s.misc[3], 1)] = h;
+    }
+    __syncthreads();
+    const int nheads = s.misc[3];
+    block_rank_topk(heads, nheads, K, s.tmp);  // s.tmp[0..K): the K best heads
+    __syncthreads();
+    const Key tau = nheads >= K ? s.tmp[K - 1] : static_cast<Key>(1);
+    for (int idx = threadIdx.x; idx < nseg * K; idx += blockDim.x) {
+      const Key k = __ldcg(reinterpret_cast<const unsigned long long*>(slot_list(idx / K) + idx % K));
+      if (k != kPadKey && k >= tau) cand[atomicAdd(&s.misc[2], 1)] = k;
+    }
+    __syncthreads();
+    block_rank_topk(cand, s.misc[2], K, s.cbuf + col * cap);
+    __syncthreads();
+    if (threadIdx.x == 0) s.misc[3] = 0;
+  }
+  __syncthreads();
+}
+
+template <int NT, DType kDType>
+__global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkParams p,
+                                                              const int stages,
+                                                              const int max_reqs_smem) {
+  using Page = PageTraits<kDType>;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const int Q = p.query_len, H = p.num_heads, K = p.topk, cap = cand_capacity(K);
+  const int ncols = H * Q;  // <= NT * 8
+  const int grid = gridDim.x;
+  const SmemLayout lay(stages, Page::kBytes, NT * 8, K, cap, max_reqs_smem, grid);
+  const Smem s{smem_raw + lay.stages_off,
+               reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.q_off),
+               reinterpret_cast<float*>(smem_raw + lay.red_off),
+               reinterpret_cast<Key*>(smem_raw + lay.cbuf_off),
+               reinterpret_cast<Key*>(smem_raw + lay.tmp_off),
+               reinterpret_cast<int*>(smem_raw + lay.cnt_off),
+               reinterpret_cast<Key*>(smem_raw + lay.tau_off),
+               reinterpret_cast<Key*>(smem_raw + lay.mbuf_off),
+               reinterpret_cast<int64_t*>(smem_raw + lay.prefix_off),
+               reinterpret_cast<uint64_t*>(smem_raw + lay.bar_off),
+               reinterpret_cast<int*>(smem_raw + lay.misc_off)};
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
+  int32_t err = 0;
+
+  // ---- 1. Owned pages per request and their prefix sum (every CTA computes the same). -----
+  const int B = p.num_reqs;
+  {
+    const int per = (B + kThreads - 1) / kThreads;  // contiguous chunk per thread
+    const int r0 = tid * per, r1 = min(B, r0 + per);
+    int64_t sum = 0;
+    for (int r = r0; r < r1; ++r) {
+      const int64_t own =
+          owned_blocks(request_blocks(clamped_seq_len(p, r, &err), p.max_blocks), p.world, p.rank);
+      s.prefix[r + 1] = own;
+      sum += own;
+    }
+    // Block-wide exclusive scan of the per-thread sums (warp shuffles + one smem pass).
+    int64_t incl = sum;
+    for (int d = 1; d < 32; d *= 2) {
+      int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    __shared__ int64_t warp_tot[kWarps];
+    if (lane == 31) warp_tot[warp] = incl;
+    if (tid < 8) s.misc[tid] = 0;
+    if (tid < NT * 8) { s.cnt[tid] = 0; s.tau[tid] = kPadKey; }
+    __syncthreads();
+    int64_t base = 0;
+    for (int w = 0; w < warp; ++w) base += warp_tot[w];
+    int64_t run = base + incl - sum;
+    if (tid == 0) s.prefix[0] = 0;
+    for (int r = r0; r < r1; ++r) {
+      run += s.prefix[r + 1];
+      s.prefix[r + 1] = run;
+    }
+    __syncthreads();
+  }
+  const int64_t total = s.prefix[B];
+  const int64_t g_eff = total < grid ? total : grid;
+
+  // ---- 2. Requests with no owned page: their outputs are all padding. ----------------------
+  for (int r = blockIdx.x; r < B; r += grid) {
+    if (s.prefix[r + 1] != s.prefix[r]) continue;
+    for (int idx = tid; idx < ncols * cap; idx += kThreads) s.cbuf[idx] = kPadKey;
+    __syncthreads();
+    finalize_request(p, s, r, clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err), ncols);
+    __syncthreads();
+  }
+  if (blockIdx.x == 0 && err) atomicOr(p.error_flag, err);
+  err = 0;
+  if (blockIdx.x >= g_eff) return;
+
+  // ---- 3. Stream this CTA's pages: [start, end) of the flattened list. ----------------------
+  const int64_t start = blockIdx.x * total / g_eff, end = (blockIdx.x + 1) * total / g_eff;
+  if (tid == 0) {
+    for (int st = 0; st < stages; ++st) mbar_init(&s.bars[st], 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  Cursor prod{start, find_req(s.prefix, B, start)};
+  auto issue = [&](int64_t local_page) {  // thread 0 only: bring in page `prod`
+    const int r = prod.req;
+    const int64_t l = prod.x - s.prefix[r];
+    const int64_t gblk = l * p.world + p.rank;
+    const int32_t seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
+    const int64_t page =
+        clamp_page(p.block_table[r * p.bt_row_stride + gblk], p.num_pages, &err);
+    int64_t tokens = seq_len - gblk * kBlockSize;
+    tokens = tokens < kBlockSize ? tokens : kBlockSize;
+    const int st = static_cast<int>(local_page % stages);
+    const uint32_t bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
+    mbar_arrive_expect_tx(&s.bars[st], bytes);
+    bulk_copy_g2s(s.pages + static_cast<size_t>(st) * Page::kBytes,
+                  static_cast<const uint8_t*>(p.cache) + page * Page::kBytes, bytes, &s.bars[st]);
+    prod.advance(s.prefix, total);
+  };
+  if (tid == 0) {
+    for (int64_t i = 0; i < stages && start + i < end; ++i) issue(i);
+  }
+
+  Cursor cur{start, find_req(s.prefix, B, start)};
+  int seg_req = -1;
+  int32_t seq_len = 0;
+  for (int64_t lp = 0; cur.x < end; ++lp, cur.advance(s.prefix, total)) {
+    const int r = cur.req;
+    if (r != seg_req) {  // a new segment: load its queries
+      seg_req = r;
+      seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
+      for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kThreads) {
+        const int col = idx / (kHeadDim / 8), chunk = idx % (kHeadDim / 8);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (col < ncols) {
+          const int h = col / Q, t = col % Q;
+          v = *reinterpret_cast<const uint4*>(p.q_head[h] + (static_cast<int64_t>(r) * Q + t) *
+                                                                p.q_row_stride + chunk * 8);
+        }
+        *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
+      }
+      __syncthreads();
+    }
+    const int st = static_cast<int>(lp % stages);
+    mbar_wait(&s.bars[st], static_cast<uint32_t>((lp / stages) & 1));
+    const int64_t gblk = (cur.x - s.prefix[r]) * p.world + p.rank;
+    const uint8_t* page = s.pages + static_cast<size_t>(st) * Page::kBytes;
+
+    // Tensor-core scores of this warp's 32 tokens x all columns. Dims are permuted identically
+    // in A (keys) and B (queries) so each thread reads 16 contiguous bytes per row.
+    float acc[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint4 lo[2], hi[2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        lo[mt] = Page::load8(page, warp * 32 + mt * 16 + g, j, c4);
+        hi[mt] = Page::load8(page, warp * 32 + mt * 16 + g + 8, j, c4);
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint2 b = *reinterpret_cast<const uint2*>(s.q + (nt * 8 + g) * kQStride + j * 32 +
+                                                          c4 * 8 + half * 4);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            if (half == 0)
+              mma_bf16_16816(acc[mt][nt], lo[mt].x, hi[mt].x, lo[mt].y, hi[mt].y, b.x, b.y);
+            else
+              mma_bf16_16816(acc[mt][nt], lo[mt].z, hi[mt].z, lo[mt].w, hi[mt].w, b.x, b.y);
+          }
+        }
+      }
+    }
+    // Causal block max per column (masked tokens are NaN, which max_num ignores).
+    float* red = s.red + (lp & 1) * kWarps * NT * 8;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = nt * 8 + c4 * 2 + e;
+        const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
+        float v = __int_as_float(0x7fc00000);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int rh = 0; rh < 2; ++rh) {
+            const int64_t tok = gblk * kBlockSize + warp * 32 + mt * 16 + g + rh * 8;
+            if (tok <= pos) v = max_num(v, acc[mt][nt][rh * 2 + e]);
+          }
+        v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 4));
+        v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 8));
+        v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 16));
+        if (g == 0) red[warp * NT * 8 + col] = v;
+      }
+    }
+    __syncthreads();  // the page is consumed and the column maxima are complete
+    if (tid == 0 && prod.x < end) issue(lp + stages);
+    if (s.misc[0]) {  // a candidate buffer filled up on the previous page
+      __syncthreads();
+      if (tid == 0) s.misc[0] = 0;
+      compact_all(s, ncols, K);
+    }
+    if (tid < ncols) {
+      const int col = tid;
+      float v = red[col];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) v = max_num(v, red[w * NT * 8 + col]);
+      const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
+      const int64_t vis = visible_blocks(pos);
+      if (gblk < vis) {
+        const float score = forced_score(p.scale * v, gblk, vis, p.init_blocks, p.local_blocks);
+        const Key key = make_key(score, gblk);
+        if (key > s.tau[col]) {
+          s.cbuf[col * cap + s.cnt[col]] = key;
+          if (++s.cnt[col] == cap) s.misc[0] = 1;
+        }
+      }
+    }
+    const bool seg_end = cur.x + 1 == s.prefix[r + 1] || cur.x + 1 == end;
+    if (!seg_end) continue;
+
+    // ---- 4. End of this CTA's part of request r. ---------------------------------------------
+    __syncthreads();
+    if (tid == 0) s.misc[0] = 0;
+    compact_all(s, ncols, K);
+    const int64_t c0 = cta_of(s.prefix[r], total, g_eff);
+    const int64_t c1 = cta_of(s.prefix[r + 1] - 1, total, g_eff);
+    bool merged_here = c0 == c1;
+    if (!merged_here) {
+      for (int idx = tid; idx < ncols * K; idx += kThreads) {
+        const int col = idx / K, i = idx % K;
+        p.partial[((blockIdx.x + r) * ncols + col) * static_cast<int64_t>(K) + i] =
+            s.cbuf[col * cap + i];
+      }
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        const int old = atomicAdd(&p.arrivals[r], 1);
+        const bool last = old == static_cast<int>(c1 - c0);
+        if (last) p.arrivals[r] = 0;  // ready for the next launch (graph replays)
+        s.misc[1] = last;
+      }
+      __syncthreads();
+      merged_here = s.misc[1];
+      if (merged_here) {
+        __threadfence();
+        merge_request(p, s, r, c0, c1, ncols);
+      }
+    }
+    if (merged_here) finalize_request(p, s, r, seq_len, ncols);
+    __syncthreads();
+    for (int col = tid; col < ncols; col += kThreads) { s.cnt[col] = 0; s.tau[col] = kPadKey; }
+    __syncthreads();
+  }
+  if (err) atomicOr(p.error_flag, err);
+}
+
+template <int NT, DType kDType>
+cudaError_t set_smem(size_t bytes) {
+  return cudaFuncSetAttribute(score_topk_kernel<NT, kDType>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+template <int NT, DType kDType>
+cudaError_t occupancy(int* blocks, size_t bytes) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, score_topk_kernel<NT, kDType>,
+                                                       kThreads, bytes);
+}
+
+// Runtime (ncols, dtype) -> template instance.
+template <typename F>
+cudaError_t dispatch(int ncols_pad, DType dtype, F&& f) {
+  auto by_dtype = [&](auto nt_tag) -> cudaError_t {
+    constexpr int NT = decltype(nt_tag)::value;
+    if (dtype == DType::kBF16) return f(std::integral_constant<int, NT>{},
+                                        std::integral_constant<DType, DType::kBF16>{});
+    return f(std::integral_constant<int, NT>{}, std::integral_constant<DType, DType::kFP8E4M3>{});
+  };
+  switch (ncols_pad / 8) {
+    case 1: return by_dtype(std::integral_constant<int, 1>{});
+    case 2: return by_dtype(std::integral_constant<int, 2>{});
+    case 4: return by_dtype(std::integral_constant<int, 4>{});
+    case 8: return by_dtype(std::integral_constant<int, 8>{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+int pad_cols(int ncols) {
+  int nt = (ncols + 7) / 8;
+  int p2 = 1;
+  while (p2 < nt) p2 *= 2;
+  return p2 * 8;
+}
+
+}  // namespace
+
+cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_reqs, int device,
+                            ScoreTopkLaunch* launch) {
+  int sms = 0, smem_optin = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return e;
+  e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return e;
+  const int ncols = pad_cols(max_heads_x_q);
+  const int page_bytes = kBlockSize * kHeadDim * dtype_bytes(dtype);
+  // NOTE: two CTAs per SM keep one CTA streaming while the other selects or merges; each keeps
+  // `stages` pages in flight. Take the deepest pipeline that still fits two CTAs, else one.
+  const int grid_guess = 2 * sms;
+  for (int ctas = 2; ctas >= 1; --ctas) {
+    for (int stages = 6; stages >= 2; --stages) {
+      SmemLayout lay(stages, page_bytes, ncols, topk, cand_capacity(topk), max_reqs, grid_guess);
+      if (lay.total > static_cast<size_t>(smem_optin)) continue;
+      e = dispatch(ncols, dtype, [&](auto nt, auto dt) {
+        return set_smem<decltype(nt)::value, decltype(dt)::value>(lay.total);
+      });
+      if (e != cudaSuccess) return e;
+      int blocks = 0;
+      e = dispatch(ncols, dtype, [&](auto nt, auto dt) {
+        return occupancy<decltype(nt)::value, decltype(dt)::value>(&blocks, lay.total);
+      });
+      if (e != cudaSuccess) return e;
+      if (blocks < ctas) continue;
+      launch->grid = ctas * sms;
+      launch->stages = stages;
+      launch->smem_bytes = lay.total;
+      launch->max_reqs = max_reqs;
+      launch->ncols_pad = ncols;
+      launch->topk = topk;
+      // Smaller column counts use smaller layouts: raise every instance's limit once, here.
+      for (int nc = 8; nc <= ncols; nc *= 2) {
+        const SmemLayout small(stages, page_bytes, nc, topk, cand_capacity(topk), max_reqs,
+                               launch->grid);
+        e = dispatch(nc, dtype, [&](auto nt, auto dt) {
+          return set_smem<decltype(nt)::value, decltype(dt)::value>(small.total);
+        });
+        if (e != cudaSuccess) return e;
+      }
+      return cudaSuccess;
+    }
+  }
+  return cudaErrorInvalidConfiguration;
+}
+
+cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
+                              cudaStream_t stream) {
+  const int ncols = pad_cols(p.num_heads * p.query_len);
+  if (ncols > l.ncols_pad || p.num_reqs > l.max_reqs || p.topk != l.topk) {
+    return cudaErrorInvalidValue;
+  }
+  // plan_score_topk raised the shared-memory limit of every instance up to l.ncols_pad.
+  return dispatch(ncols, dtype, [&](auto nt, auto dt) -> cudaError_t {
+    constexpr int NT = decltype(nt)::value;
+    constexpr DType DT = decltype(dt)::value;
+    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, cand_capacity(p.topk),
+                         l.max_reqs, l.grid);
+    score_topk_kernel<NT, DT><<<l.grid, kThreads, lay.total, stream>>>(p, l.stages, l.max_reqs);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace cuda
+}  // namespace cpidx

@@ -1,0 +1,225 @@
+// GPU test helpers: device copies of a test batch, device output buffers poisoned before each run,
+// the simulated context-parallel ranks on one GPU, and the id comparison of CONTRACT.md section 4
+// (exact, except swaps among blocks within 1e-3 relative of the K-th score).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpidx/indexer.h"
+#include "cpidx/reference.h"
+#include "test_util.h"
+
+namespace cpidx_gpu_test {
+
+using cpidx_test::DecodeData;
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(expr)
+
+#define SKIP_WITHOUT_GPU()                                                    \
+  do {                                                                        \
+    if (!cpidx::gpu_available()) GTEST_SKIP() << "no CUDA device";            \
+  } while (0)
+
+template <typename T>
+struct DeviceVec {
+  T* ptr = nullptr;
+  size_t count = 0;
+  DeviceVec() = default;
+  explicit DeviceVec(size_t n) : count(n) {
+    if (n) cudaMalloc(&ptr, n * sizeof(T));
+  }
+  explicit DeviceVec(const std::vector<T>& host) : DeviceVec(host.size()) { upload(host); }
+  DeviceVec(const DeviceVec&) = delete;
+  DeviceVec& operator=(const DeviceVec&) = delete;
+  ~DeviceVec() { if (ptr) cudaFree(ptr); }
+  void upload(const std::vector<T>& host) {
+    cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(count);
+    cudaMemcpy(h.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+  void poison() { cudaMemset(ptr, 0x7B, count * sizeof(T)); }
+};
+
+// A DecodeData mirrored on the device.
+struct DeviceBatch {
+  explicit DeviceBatch(const DecodeData& d)
+      : host(d), query(d.query), seq_lens(d.seq_lens), block_table(d.block_table) {
+    if (d.dtype == cpidx::DType::kBF16) {
+      cache16 = std::make_unique<DeviceVec<uint16_t>>(d.cache_bf16);
+    } else {
+      cache8 = std::make_unique<DeviceVec<uint8_t>>(d.cache_fp8);
+    }
+  }
+  // Device inputs for global heads [head_begin, head_begin + heads).
+  cpidx::DecodeInputs inputs(int head_begin, int heads) const {
+    cpidx::DecodeInputs in = host.inputs(head_begin, heads);
+    in.query = query.ptr + static_cast<int64_t>(head_begin) * cpidx::kHeadDim;
+    in.cache.data = cache16 ? static_cast<const void*>(cache16->ptr)
+                            : static_cast<const void*>(cache8->ptr);
+    in.block_table = block_table.ptr;
+    in.seq_lens = seq_lens.ptr;
+    return in;
+  }
+  cpidx::DecodeInputs all_heads() const { return inputs(0, host.total_heads); }
+  const DecodeData& host;
+  DeviceVec<uint16_t> query;
+  DeviceVec<int32_t> seq_lens;
+  DeviceVec<int32_t> block_table;
+  std::unique_ptr<DeviceVec<uint16_t>> cache16;
+  std::unique_ptr<DeviceVec<uint8_t>> cache8;
+};
+
+inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selection& sel,
+                                      int world = 1, int rank = 0, int max_tokens = 0) {
+  cpidx::DecodeConfig c;
+  c.total_heads = d.total_heads;
+  c.world_size = world;
+  c.rank = rank;
+  c.max_tokens = max_tokens > 0 ? max_tokens : static_cast<int>(std::max<int64_t>(d.rows(), 1));
+  c.max_seq_len = d.max_seq_len;
+  c.sel = sel;
+  c.cache_dtype = d.dtype;
+  return c;
+}
+
+// The plain GPU decode of every head: ids [T][n][K] (host copy).
+inline std::vector<int32_t> gpu_decode(const DecodeData& d, const cpidx::Selection& sel,
+                                       int32_t* error_flag = nullptr) {
+  DeviceBatch b(d);
+  std::unique_ptr<cpidx::Decoder> dec;
+  cpidx::Status st = cpidx::Decoder::create(config_for(d, sel), 0, &dec);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  if (!st.is_ok()) return {};
+  const int64_t n = d.rows();
+  DeviceVec<int32_t> ids(static_cast<size_t>(d.total_heads * n * sel.topk));
+  ids.poison();
+  st = dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk}, nullptr,
+                   nullptr);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (error_flag) cudaMemcpy(error_flag, dec->error_flag(), 4, cudaMemcpyDeviceToHost);
+  return ids.download();
+}
+
+// Context-parallel rank work of P simulated ranks on one GPU (the exchanges are device copies):
+// returns the ids of every global head [T][n][K], assembled from each head's owner rank.
+inline std::vector<int32_t> gpu_cp_simulated(const DecodeData& d, const cpidx::Selection& sel,
+                                             int world) {
+  DeviceBatch b(d);
+  const int T = d.total_heads;
+  const int64_t n = d.rows();
+  const size_t per_rank = static_cast<size_t>(T) * n * sel.topk;
+  DeviceVec<cpidx::Key> gathered(per_rank * world);
+  cudaMemset(gathered.ptr, 0xAB, gathered.count * sizeof(cpidx::Key));
+  std::vector<std::unique_ptr<cpidx::Decoder>> decs(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    cpidx::Status st = cpidx::Decoder::create(config_for(d, sel, world, r), 0, &decs[r]);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    if (!st.is_ok()) return {};
+    st = decs[r]->shard_keys(b.all_heads(), gathered.ptr + per_rank * r, nullptr);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+  }
+  std::vector<int32_t> all(per_rank, cpidx_test::kPoison);
+  for (int r = 0; r < world; ++r) {
+    const cpidx::Geometry& geo = decs[r]->geometry();
+    DeviceVec<int32_t> ids(static_cast<size_t>(geo.local_heads) * n * sel.topk);
+    ids.poison();
+    cpidx::Status st = decs[r]->merge(gathered.ptr, b.all_heads(),
+                                      cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
+                                      nullptr, nullptr);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    std::vector<int32_t> h = ids.download();
+    for (int j = 0; j < geo.local_heads; ++j) {
+      const int head = geo.head_offset + j;
+      std::copy(h.begin() + static_cast<int64_t>(j) * n * sel.topk,
+                h.begin() + static_cast<int64_t>(j + 1) * n * sel.topk,
+                all.begin() + static_cast<int64_t>(head) * n * sel.topk);
+    }
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return all;
+}
+
+// CPU reference ids [T][n][K].
+inline std::vector<int32_t> cpu_decode(const DecodeData& d, const cpidx::Selection& sel) {
+  cpidx_test::IdsBuffer ids(d.total_heads, d.rows(), sel.topk);
+  int32_t err = 0;
+  cpidx::Status st = cpidx::ref::decode_topk(d.all_heads(), sel, ids.out(), nullptr, &err);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  return ids.ids;
+}
+
+struct CompareResult {
+  int64_t exact_rows = 0, near_tie_rows = 0, bad_rows = 0;
+  std::string first_bad;
+};
+
+// GPU ids vs CPU ids: a row passes exactly, or (near-tie) every differing position holds blocks
+// whose forced scores are within 1e-3 relative of the K-th score, and the GPU ids are distinct
+// and visible.
+inline CompareResult compare_ids(const DecodeData& d, const cpidx::Selection& sel,
+                                 const std::vector<int32_t>& gpu, const std::vector<int32_t>& cpu) {
+  CompareResult res;
+  const int K = sel.topk, T = d.total_heads, Q = d.query_len;
+  const int64_t n = d.rows();
+  std::vector<float> scores;
+  int64_t W = 0;
+  for (int h = 0; h < T; ++h) {
+    for (int64_t row = 0; row < n; ++row) {
+      const int32_t* g = gpu.data() + (h * n + row) * K;
+      const int32_t* c = cpu.data() + (h * n + row) * K;
+      if (std::equal(g, g + K, c)) { ++res.exact_rows; continue; }
+      if (scores.empty()) {
+        W = cpidx::owned_blocks(d.max_blocks(), 1, 0);
+        scores.resize(static_cast<size_t>(T * n * W));
+        int32_t err = 0;
+        cpidx::ref::block_scores(d.all_heads(), 1, 0, scores.data(), &err);
+      }
+      const int req = static_cast<int>(row / Q), t = static_cast<int>(row % Q);
+      int32_t e = 0;
+      const int64_t pos = cpidx::clamp_seq_len(d.seq_lens[req], d.max_seq_len, &e) - Q + t;
+      const int64_t V = cpidx::visible_blocks(pos);
+      auto forced = [&](int32_t b) {
+        return cpidx::forced_score(scores[(h * n + row) * W + b], b, V, sel.init_blocks,
+                                   sel.local_blocks);
+      };
+      const int64_t count = std::min<int64_t>(K, V);
+      bool ok = true;
+      std::vector<bool> seen(static_cast<size_t>(V), false);
+      for (int i = 0; i < K && ok; ++i) {
+        if (i >= count) { ok = g[i] == -1; continue; }
+        if (g[i] < 0 || g[i] >= V || seen[g[i]]) { ok = false; break; }
+        seen[g[i]] = true;
+      }
+      if (ok && count > 0) {
+        const float kth = forced(c[count - 1]);
+        const float tol = 1e-3f * std::max(1.0f, std::fabs(kth));
+        for (int i = 0; i < count && ok; ++i) {
+          if (g[i] != c[i]) ok = std::fabs(forced(g[i]) - forced(c[i])) <= tol;
+        }
+      }
+      if (ok) {
+        ++res.near_tie_rows;
+      } else {
+        if (res.bad_rows++ == 0) {
+          res.first_bad = "head " + std::to_string(h) + " row " + std::to_string(row) + ": gpu";
+          for (int i = 0; i < K; ++i) res.first_bad += " " + std::to_string(g[i]);
+          res.first_bad += " | cpu";
+          for (int i = 0; i < K; ++i) res.first_bad += " " + std::to_string(c[i]);
+        }
+      }
+    }
+  }
+  return res;
+}
+
+}  // namespace cpidx_gpu_test

@@ -1,0 +1,276 @@
+// GPU decode kernels against the CPU reference: random shapes (Q, T, K, contexts to 1M tokens,
+// padding rows, shuffled block tables, bf16 and fp8), the golden cases (exact, plain and
+// context-parallel), simulated context-parallel ranks == plain decode bitwise, tie-heavy inputs,
+// the fused sparse table, CUDA-graph replay with changing lengths, and bad device values.
+// Every test skips cleanly without a GPU.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "gpu_util.h"
+#include "json_lite.h"
+
+namespace {
+
+using namespace cpidx_gpu_test;
+using cpidx::DType;
+using cpidx::Selection;
+using cpidx_test::Values;
+using cpidx_test::random_decode;
+
+Selection sel_of(int k, int init = 0, int local = 1) {
+  Selection s;
+  s.topk = k;
+  s.init_blocks = init;
+  s.local_blocks = local;
+  return s;
+}
+
+void expect_matches_reference(const DecodeData& d, const Selection& sel, const char* what) {
+  const std::vector<int32_t> gpu = gpu_decode(d, sel);
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  ASSERT_EQ(gpu.size(), cpu.size());
+  for (int32_t v : gpu) ASSERT_NE(v, cpidx_test::kPoison) << what << ": unwritten output";
+  const CompareResult r = compare_ids(d, sel, gpu, cpu);
+  EXPECT_EQ(r.bad_rows, 0) << what << ": " << r.first_bad;
+  // Near ties are rare on random data; a systematic error would show up as many of them.
+  EXPECT_LE(r.near_tie_rows, std::max<int64_t>(2, (r.exact_rows + r.near_tie_rows) / 50)) << what;
+}
+
+std::vector<int32_t> lengths(std::mt19937& rng, int reqs, int32_t max_len, bool pad) {
+  std::vector<int32_t> s(static_cast<size_t>(reqs));
+  std::uniform_int_distribution<int32_t> dist(1, max_len);
+  for (auto& x : s) x = dist(rng);
+  if (pad && reqs > 2) s[1] = 0;
+  return s;
+}
+
+TEST(GpuDecode, RandomShapesMatchReference) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(7);
+  int seed = 100;
+  for (int T : {1, 2, 4, 8}) {
+    for (int Q : {1, 2, 4, 8}) {
+      const int32_t max_len = 3000 + 997 * Q;
+      DecodeData d = random_decode(seed++, T, Q, lengths(rng, 5, max_len, true), max_len);
+      expect_matches_reference(d, sel_of(16), ("T=" + std::to_string(T) + " Q=" +
+                                               std::to_string(Q)).c_str());
+    }
+  }
+}
+
+TEST(GpuDecode, TopKRange) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(11);
+  for (int K : {1, 4, 16, 33, 64}) {
+    for (auto [init, local] : {std::pair{0, 1}, std::pair{1, 2}, std::pair{2, 4}}) {
+      DecodeData d = random_decode(200 + K, 4, 2, lengths(rng, 6, 20000, true), 20000);
+      expect_matches_reference(d, sel_of(K, init, local), ("K=" + std::to_string(K)).c_str());
+    }
+  }
+}
+
+TEST(GpuDecode, ContextsFromOneTokenTo1M) {
+  SKIP_WITHOUT_GPU();
+  const int32_t bound = 1 << 20;
+  // One token, block edges, a long one and a full 1M-token request, plus a padding request.
+  DecodeData d = random_decode(300, 4, 1, {1, 127, 128, 129, 0, 70001, bound}, bound);
+  expect_matches_reference(d, sel_of(16), "1..1M");
+}
+
+TEST(GpuDecode, Fp8CacheMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(13);
+  DecodeData d = random_decode(400, 4, 4, lengths(rng, 7, 40000, true), 40000, DType::kFP8E4M3);
+  expect_matches_reference(d, sel_of(16), "fp8");
+  DecodeData t = random_decode(401, 4, 1, lengths(rng, 7, 9000, true), 9000, DType::kFP8E4M3,
+                               Values::kTies, 1.0f);
+  const Selection sel = sel_of(16, 1, 2);
+  EXPECT_EQ(gpu_decode(t, sel), cpu_decode(t, sel)) << "fp8 ties must match exactly";
+}
+
+TEST(GpuDecode, TieHeavyInputsFollowContractOrder) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(17);
+  for (int Q : {1, 4}) {
+    for (int K : {4, 16}) {
+      // Small integers: every dot product is exact, so ids must match in order, ties included.
+      DecodeData d = random_decode(500 + Q * 10 + K, 4, Q, lengths(rng, 6, 12000, true), 12000,
+                                   DType::kBF16, Values::kTies, 1.0f);
+      const Selection sel = sel_of(K, 1, 2);
+      EXPECT_EQ(gpu_decode(d, sel), cpu_decode(d, sel)) << "Q=" << Q << " K=" << K;
+    }
+  }
+}
+
+TEST(GpuDecode, ContextParallelSimulatedEqualsPlainBitwise) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(19);
+  for (int P : {2, 4, 8}) {
+    for (int Q : {1, 4}) {
+      // Short requests where some ranks own no block, a padding request, long ones.
+      std::vector<int32_t> s = lengths(rng, 6, 50000, true);
+      s[0] = 100;
+      s[2] = 300;
+      DecodeData d = random_decode(600 + P * 10 + Q, 4, Q, s, 50000);
+      const Selection sel = sel_of(16);
+      const std::vector<int32_t> plain = gpu_decode(d, sel);
+      EXPECT_EQ(gpu_cp_simulated(d, sel, P), plain) << "P=" << P << " Q=" << Q;
+    }
+  }
+  // Replicated heads: T=1 at P=4 and T=2 at P=8.
+  DecodeData d1 = random_decode(650, 1, 2, lengths(rng, 5, 30000, true), 30000);
+  EXPECT_EQ(gpu_cp_simulated(d1, sel_of(16), 4), gpu_decode(d1, sel_of(16)));
+  DecodeData d2 = random_decode(651, 2, 1, lengths(rng, 5, 30000, true), 30000);
+  EXPECT_EQ(gpu_cp_simulated(d2, sel_of(16), 8), gpu_decode(d2, sel_of(16)));
+}
+
+// ---- Golden cases --------------------------------------------------------------------------
+const json_lite::Value& golden() {
+  static const json_lite::Value cases =
+      json_lite::parse_file(std::string(CPIDX_TEST_DATA_DIR) + "/golden_cases.json")["cases"];
+  return cases;
+}
+
+TEST(GpuDecode, GoldenCasesPlainAndContextParallel) {
+  SKIP_WITHOUT_GPU();
+  int checked = 0;
+  for (const auto& c : golden().array) {
+    if (c["kind"].string != "decode") continue;
+    const DecodeData d = cpidx_test::golden_decode(
+        static_cast<uint64_t>(c["seed"].number), c["T"].as_int(), c["Q"].as_int(),
+        c["seq_lens"].ints(), static_cast<float>(c["scale"].number));
+    const Selection sel = sel_of(c["K"].as_int(), c["init"].as_int(), c["local"].as_int());
+    std::vector<int32_t> want;
+    for (const auto& head : c["ids"].array)
+      for (const auto& row : head.array)
+        for (int32_t v : row.ints()) want.push_back(v);
+    EXPECT_EQ(gpu_decode(d, sel), want) << "seed " << c["seed"].number << " plain";
+    for (int P : cpidx_test::valid_worlds(d.total_heads)) {
+      if (P == 1) continue;
+      EXPECT_EQ(gpu_cp_simulated(d, sel, P), want) << "seed " << c["seed"].number << " P=" << P;
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 10);
+}
+
+// ---- Sparse table ------------------------------------------------------------------------
+TEST(GpuDecode, FusedSparseTableMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  for (int stride : {8, 16}) {
+    for (int Q : {1, 4}) {
+      DecodeData d = random_decode(700 + Q + stride, 1, Q, {1, 127, 128, 129, 0, 4097, 300},
+                                   4200);
+      const Selection sel = sel_of(16);
+      const int64_t n = d.rows(), G = d.max_blocks();
+      std::vector<int32_t> attn(static_cast<size_t>(d.num_reqs() * G));
+      for (int r = 0; r < d.num_reqs(); ++r)
+        for (int64_t b = 0; b < G; ++b) attn[r * G + b] = 1000 + 37 * r + static_cast<int32_t>(b);
+      // CPU.
+      cpidx_test::IdsBuffer ids(1, n, sel.topk);
+      std::vector<int32_t> table(static_cast<size_t>(n * sel.topk * 8), cpidx_test::kPoison);
+      std::vector<int32_t> ctx(static_cast<size_t>(n), cpidx_test::kPoison);
+      cpidx::SparseTableOutput t{attn.data(), G, table.data(), sel.topk * 8, ctx.data(), stride};
+      int32_t err = 0;
+      ASSERT_TRUE(cpidx::ref::decode_topk(d.all_heads(), sel, ids.out(), &t, &err).is_ok());
+      // GPU.
+      DeviceBatch b(d);
+      DeviceVec<int32_t> dattn(attn), dids(ids.ids.size()), dtable(table.size()), dctx(ctx.size());
+      dids.poison();
+      dtable.poison();
+      dctx.poison();
+      std::unique_ptr<cpidx::Decoder> dec;
+      ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+      cpidx::SparseTableOutput dt{dattn.ptr, G, dtable.ptr, sel.topk * 8, dctx.ptr, stride};
+      ASSERT_TRUE(dec->decode(b.all_heads(), cpidx::TopkOutput{dids.ptr, n * sel.topk, sel.topk},
+                              &dt, nullptr).is_ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(dids.download(), ids.ids);
+      EXPECT_EQ(dtable.download(), table) << "stride " << stride << " Q " << Q;
+      EXPECT_EQ(dctx.download(), ctx);
+    }
+  }
+}
+
+// ---- CUDA graphs -----------------------------------------------------------------------------
+TEST(GpuDecode, GraphReplayFollowsNewLengthsAndTables) {
+  SKIP_WITHOUT_GPU();
+  const int reqs = 8, Q = 2;
+  const int32_t bound = 1 << 17;
+  std::mt19937 rng(23);
+  DecodeData d = random_decode(800, 4, Q, lengths(rng, reqs, bound, false), bound);
+  const Selection sel = sel_of(16);
+  DeviceBatch b(d);
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+  const int64_t n = d.rows();
+  DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  ASSERT_TRUE(dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
+                          nullptr, stream).is_ok());
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int step = 0; step < 6; ++step) {
+    // New lengths (some padding requests: a smaller real batch) and a reshuffled table.
+    DecodeData& h = d;
+    h.seq_lens = lengths(rng, reqs, step % 2 ? 3000 : bound, true);
+    if (step == 3) h.seq_lens.assign(reqs, 0);
+    std::shuffle(h.block_table.begin(), h.block_table.end(), rng);
+    for (auto& e : h.block_table) e = static_cast<int32_t>(std::abs(e) % h.num_pages);
+    b.seq_lens.upload(h.seq_lens);
+    b.block_table.upload(h.block_table);
+    ids.poison();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<int32_t> got = ids.download();
+    const CompareResult r = compare_ids(h, sel, got, cpu_decode(h, sel));
+    EXPECT_EQ(r.bad_rows, 0) << "step " << step << ": " << r.first_bad;
+    EXPECT_EQ(got, gpu_decode(h, sel)) << "graph replay != eager at step " << step;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// ---- Bad device values -------------------------------------------------------------------------
+TEST(GpuDecode, BadDeviceValuesAreClampedAndFlagged) {
+  SKIP_WITHOUT_GPU();
+  DecodeData d = random_decode(900, 4, 1, {5000, 700, 3000}, 4096);
+  d.seq_lens = {5000, -7, 3000};  // above the bound, negative
+  d.block_table[1] = 1 << 30;     // request 0, block 1: outside the cache
+  d.block_table[2] = -5;
+  const Selection sel = sel_of(16);
+  int32_t flag = 0;
+  const std::vector<int32_t> gpu = gpu_decode(d, sel, &flag);
+  EXPECT_EQ(flag, cpidx::kErrSeqLenOutOfRange | cpidx::kErrPageOutOfRange);
+  int32_t cpu_err = 0;
+  cpidx_test::IdsBuffer ids(4, d.rows(), sel.topk);
+  ASSERT_TRUE(cpidx::ref::decode_topk(d.all_heads(), sel, ids.out(), nullptr, &cpu_err).is_ok());
+  EXPECT_EQ(cpu_err, flag);
+  const CompareResult r = compare_ids(d, sel, gpu, ids.ids);
+  EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
+}
+
+TEST(GpuDecode, HostErrorsBeforeAnyKernel) {
+  SKIP_WITHOUT_GPU();
+  DecodeData d = random_decode(901, 4, 1, {300, 400}, 4096);
+  DeviceBatch b(d);
+  std::unique_ptr<cpidx::Decoder> dec;
+  cpidx::DecodeConfig bad = config_for(d, sel_of(16));
+  bad.world_size = 3;
+  cpidx::Status st = cpidx::Decoder::create(bad, 0, &dec);
+  EXPECT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("3"), std::string::npos) << st.message();
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel_of(16), 1, 0, 1), 0, &dec).is_ok());
+  DeviceVec<int32_t> ids(4 * 2 * 16);
+  st = dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, 32, 16}, nullptr, nullptr);
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("max_tokens"), std::string::npos) << st.message();
+}
+
+}  // namespace

@@ -1,0 +1,421 @@
+// tools/bench.cc: `cpidx bench`, the GPU decode benchmark over the grid of TARGETS.md: requests x
+// context x query length for the plain decode (h heads) and the context-parallel rank work
+// (all heads on a 1/P shard + merge; P ranks simulated on one GPU). Each shape's calls over
+// several input sets (rotated past the L2) are captured in one CUDA graph; the median replay
+// over the call count is the time. A correctness column checks set 0 against the CPU reference.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "args.h"
+#include "cpidx/indexer.h"
+#include "cpidx/reference.h"
+#include "subcommands.h"
+
+#if defined(CPIDX_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace cpidx::tools {
+
+#if !defined(CPIDX_WITH_CUDA)
+int run_bench(int argc, char** argv) {
+  Flags flags("cpidx bench [flags]", "GPU decode benchmark; needs a CUDA build.");
+  if (flags.parse(argc, argv, 2) == Flags::Parse::kHelp) return kExitOk;
+  std::fprintf(stderr, "cpidx bench: this build has no CUDA; `cpidx demo` runs on the CPU.\n");
+  return kExitFailed;
+}
+#else
+namespace {
+
+#define BENCH_CUDA(expr)                                                              \
+  do {                                                                                \
+    cudaError_t e_ = (expr);                                                          \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,               \
+                   cudaGetErrorString(e_));                                           \
+      std::exit(kExitFailed);                                                         \
+    }                                                                                 \
+  } while (0)
+
+constexpr int64_t kPageBytesBf16 = 128 * 128 * 2;
+
+// Random bf16 in +-[2^-7, 1) (never zero, never NaN) or random non-NaN e4m3 bytes.
+void fill_pool(std::vector<uint16_t>& pool, uint64_t seed) {
+  uint64_t s = seed;
+  for (size_t i = 0; i < pool.size(); i += 4) {
+    s += 0x9E3779B97F4A7C15ull;
+    uint64_t z = (s ^ (s >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    for (int j = 0; j < 4 && i + j < pool.size(); ++j) {
+      const uint16_t r = static_cast<uint16_t>(z >> (16 * j));
+      const uint16_t sign = r & 0x8000, exp = 120 + (r >> 7) % 7, mant = r & 0x7F;
+      pool[i + j] = static_cast<uint16_t>(sign | (exp << 7) | mant);
+    }
+  }
+}
+
+struct Shape {
+  std::string mode;  // "plain" or "cp"
+  int heads = 4;     // heads scored by the plain decode (cp always scores all T = 4)
+  int world = 1;
+  int reqs = 1;
+  int64_t context = 8192;
+  int qlen = 1;
+};
+
+struct InputSet {  // one batch: device queries, block table, seq_lens
+  int16_t* query = nullptr;
+  int32_t* block_table = nullptr;
+  int32_t* seq_lens = nullptr;
+  std::vector<int32_t> h_block_table, h_seq_lens;
+  std::vector<uint16_t> h_query;
+};
+
+struct Result {
+  Shape shape;
+  double us = 0, gbps = 0, cache_mb = 0, floor_us = 0;
+  int sets = 0;
+  std::string check;
+};
+
+class Bench {
+ public:
+  Bench(int64_t pool_mb, const std::string& dtype) : dtype_(dtype) {
+    const int64_t page_bytes = dtype == "fp8" ? kPageBytesBf16 / 2 : kPageBytesBf16;
+    pool_pages_ = pool_mb * (1 << 20) / page_bytes;
+    std::vector<uint16_t> h(static_cast<size_t>(pool_pages_ * page_bytes / 2));
+    fill_pool(h, 1234);
+    if (dtype == "fp8") {
+      for (auto& v : h) {  // two e4m3 bytes per element, NaN codes (x111_1111) avoided
+        uint8_t* b = reinterpret_cast<uint8_t*>(&v);
+        for (int i = 0; i < 2; ++i) if ((b[i] & 0x7F) == 0x7F) b[i] ^= 0x01;
+      }
+    }
+    h_pool_ = std::move(h);
+    BENCH_CUDA(cudaMalloc(&pool_, h_pool_.size() * 2));
+    BENCH_CUDA(cudaMemcpy(pool_, h_pool_.data(), h_pool_.size() * 2, cudaMemcpyHostToDevice));
+    page_bytes_ = page_bytes;
+  }
+  ~Bench() { cudaFree(pool_); }
+
+  Result run(const Shape& sh, int replays);
+
+ private:
+  InputSet make_set(const Shape& sh, int T, int64_t G, std::mt19937_64& rng, int64_t& next_page);
+  std::string check(const Shape& sh, const InputSet& set, int64_t G, const std::vector<int32_t>& ids,
+                    int heads_begin, int heads);
+  DecodeInputs inputs(const Shape& sh, const InputSet& s, int T, int64_t G) const {
+    DecodeInputs in;
+    in.query = reinterpret_cast<const uint16_t*>(s.query);
+    in.q_row_stride = static_cast<int64_t>(T) * kHeadDim;
+    in.q_head_stride = kHeadDim;
+    in.num_heads = T;
+    in.cache.data = pool_;
+    in.cache.dtype = dtype_ == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
+    in.cache.num_pages = pool_pages_;
+    in.block_table = s.block_table;
+    in.bt_row_stride = G;
+    in.seq_lens = s.seq_lens;
+    in.num_reqs = sh.reqs;
+    in.query_len = sh.qlen;
+    in.max_seq_len = static_cast<int32_t>(sh.context);
+    in.scale = 0.08838834764831845f;
+    return in;
+  }
+
+  std::string dtype_;
+  void* pool_ = nullptr;
+  std::vector<uint16_t> h_pool_;
+  int64_t pool_pages_ = 0, page_bytes_ = 0;
+};
+
+InputSet Bench::make_set(const Shape& sh, int T, int64_t G, std::mt19937_64& rng,
+                         int64_t& next_page) {
+  InputSet s;
+  const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
+  s.h_seq_lens.resize(static_cast<size_t>(sh.reqs));
+  for (auto& l : s.h_seq_lens) l = static_cast<int32_t>(sh.context - static_cast<int64_t>(rng() % 128));
+  s.h_block_table.resize(static_cast<size_t>(sh.reqs * G));
+  for (auto& b : s.h_block_table) {  // distinct pages while the pool lasts, then random
+    b = static_cast<int32_t>(next_page < pool_pages_ ? next_page++ : rng() % pool_pages_);
+  }
+  std::shuffle(s.h_block_table.begin(), s.h_block_table.end(), rng);
+  s.h_query.resize(static_cast<size_t>(n * T * kHeadDim));
+  fill_pool(s.h_query, rng());
+  BENCH_CUDA(cudaMalloc(&s.query, s.h_query.size() * 2));
+  BENCH_CUDA(cudaMalloc(&s.block_table, s.h_block_table.size() * 4));
+  BENCH_CUDA(cudaMalloc(&s.seq_lens, s.h_seq_lens.size() * 4));
+  BENCH_CUDA(cudaMemcpy(s.query, s.h_query.data(), s.h_query.size() * 2, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(s.block_table, s.h_block_table.data(), s.h_block_table.size() * 4,
+                        cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(s.seq_lens, s.h_seq_lens.data(), s.h_seq_lens.size() * 4,
+                        cudaMemcpyHostToDevice));
+  return s;
+}
+
+// Set 0, first request(s): GPU ids vs the CPU reference on the same pages.
+std::string Bench::check(const Shape& sh, const InputSet& set, int64_t G,
+                         const std::vector<int32_t>& ids, int heads_begin, int heads) {
+  const int reqs = std::min(sh.reqs, 2), T = sh.mode == "cp" ? 4 : sh.heads, K = 16;
+  const int64_t n_all = static_cast<int64_t>(sh.reqs) * sh.qlen, n = int64_t{reqs} * sh.qlen;
+  // Compact host cache of the pages these requests use.
+  std::vector<uint16_t> cache(static_cast<size_t>(reqs * G * page_bytes_ / 2));
+  std::vector<int32_t> table(static_cast<size_t>(reqs * G));
+  for (int64_t i = 0; i < reqs * G; ++i) {
+    const int64_t page = set.h_block_table[static_cast<size_t>(i)];
+    std::copy(h_pool_.begin() + page * page_bytes_ / 2, h_pool_.begin() + (page + 1) * page_bytes_ / 2,
+              cache.begin() + i * page_bytes_ / 2);
+    table[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  }
+  Shape sub = sh;
+  sub.reqs = reqs;
+  DecodeInputs in = inputs(sub, set, T, G);
+  in.query = set.h_query.data() + static_cast<int64_t>(heads_begin) * kHeadDim;
+  in.num_heads = heads;
+  in.cache.data = cache.data();
+  in.cache.num_pages = reqs * G;
+  in.block_table = table.data();
+  in.seq_lens = set.h_seq_lens.data();
+  std::vector<int32_t> want(static_cast<size_t>(heads * n * K));
+  Selection sel;
+  int32_t err = 0;
+  Status st = ref::decode_topk(in, sel, TopkOutput{want.data(), n * K, K}, nullptr, &err);
+  if (!st.is_ok()) return "ref-error";
+  std::vector<float> scores(static_cast<size_t>(heads * n * G));
+  ref::block_scores(in, 1, 0, scores.data(), &err);
+  int64_t exact = 0, near = 0, bad = 0;
+  for (int h = 0; h < heads; ++h) {
+    for (int64_t row = 0; row < n; ++row) {
+      const int32_t* g = ids.data() + (h * n_all + row) * K;
+      const int32_t* c = want.data() + (h * n + row) * K;
+      if (std::equal(g, g + K, c)) { ++exact; continue; }
+      // Allowed: swaps among blocks scoring within 1e-3 relative of the K-th score.
+      const float* s = scores.data() + (h * n + row) * G;
+      const float kth = c[K - 1] >= 0 ? s[c[K - 1]] : 0.f;
+      bool ok = true;
+      for (int i = 0; i < K && ok; ++i) {
+        if (g[i] == c[i]) continue;
+        ok = g[i] >= 0 && c[i] >= 0 && g[i] < G &&
+             std::fabs(s[g[i]] - s[c[i]]) <= 1e-3f * std::max(1.f, std::fabs(kth));
+      }
+      ok ? ++near : ++bad;
+    }
+  }
+  char buf[64];
+  if (bad) std::snprintf(buf, sizeof(buf), "FAIL(%lld)", static_cast<long long>(bad));
+  else std::snprintf(buf, sizeof(buf), near ? "ok(%lld tie)" : "ok", static_cast<long long>(near));
+  return buf;
+}
+
+Result Bench::run(const Shape& sh, int replays) {
+  const int T = sh.mode == "cp" ? 4 : sh.heads;
+  const int64_t G = cpidx::cdiv(sh.context, kBlockSize);
+  const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
+  const int K = 16;
+  Result res;
+  res.shape = sh;
+  const double cache_bytes = static_cast<double>(sh.reqs) * (sh.context - 64) * page_bytes_ / 128;
+  const double shard_bytes = cache_bytes / sh.world;
+  res.cache_mb = cache_bytes / 1e6;
+  res.floor_us = shard_bytes / 4.5e12 * 1e6;
+  // Enough sets that one graph replay touches >= 480 MiB.
+  const int sets = static_cast<int>(std::max<double>(1, std::ceil(480.0 * (1 << 20) / shard_bytes)));
+  const int calls_per_set = sets == 1 ? 2 : 1;
+  res.sets = sets;
+  std::mt19937_64 rng(42 + sh.reqs * 131 + sh.context + sh.qlen * 7 + sh.world * 3);
+  int64_t next_page = 0;
+  std::vector<InputSet> in_sets;
+  for (int i = 0; i < sets; ++i) in_sets.push_back(make_set(sh, T, G, rng, next_page));
+
+  DecodeConfig cfg;
+  cfg.total_heads = T;
+  cfg.world_size = sh.world;
+  cfg.max_tokens = static_cast<int>(n);
+  cfg.max_seq_len = static_cast<int32_t>(sh.context);
+  cfg.max_query_len = sh.qlen;
+  cfg.cache_dtype = dtype_ == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
+  std::vector<std::unique_ptr<Decoder>> decs(static_cast<size_t>(sh.world));
+  for (int r = 0; r < sh.world; ++r) {
+    cfg.rank = r;
+    Status st = Decoder::create(cfg, 0, &decs[r]);
+    if (!st.is_ok()) { res.check = "create: " + st.message(); return res; }
+  }
+  const int L = decs[0]->geometry().local_heads;
+  int32_t* ids = nullptr;
+  Key* gathered = nullptr;
+  BENCH_CUDA(cudaMalloc(&ids, static_cast<size_t>(T * n * K) * 4));
+  BENCH_CUDA(cudaMalloc(&gathered, static_cast<size_t>(sh.world * T * n * K) * sizeof(Key)));
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  auto one_call = [&](const InputSet& s) -> Status {
+    DecodeInputs in = inputs(sh, s, T, G);
+    if (sh.mode == "plain") return decs[0]->decode(in, TopkOutput{ids, n * K, K}, nullptr, stream);
+    CPIDX_RETURN_IF_ERROR(decs[0]->shard_keys(in, gathered, stream));
+    return decs[0]->merge(gathered, in, TopkOutput{ids, n * K, K}, nullptr, stream);
+  };
+
+  // Correctness on set 0 (eager): plain ids, or the full simulated context-parallel step.
+  {
+    Status st = Status::ok();
+    DecodeInputs in = inputs(sh, in_sets[0], T, G);
+    if (sh.mode == "plain") {
+      st = one_call(in_sets[0]);
+    } else {
+      const size_t per_rank = static_cast<size_t>(T * n * K);
+      for (int r = 0; r < sh.world && st.is_ok(); ++r) st = decs[r]->shard_keys(in, gathered + per_rank * r, stream);
+      if (st.is_ok()) st = decs[0]->merge(gathered, in, TopkOutput{ids, n * K, K}, nullptr, stream);
+    }
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    if (!st.is_ok()) { res.check = "run: " + st.message(); return res; }
+    std::vector<int32_t> h(static_cast<size_t>((sh.mode == "plain" ? T : L) * n * K));
+    BENCH_CUDA(cudaMemcpy(h.data(), ids, h.size() * 4, cudaMemcpyDeviceToHost));
+    res.check = check(sh, in_sets[0], G, h, 0, sh.mode == "plain" ? T : L);
+  }
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (const InputSet& s : in_sets)
+    for (int c = 0; c < calls_per_set; ++c) one_call(s);
+  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  BENCH_CUDA(cudaEventCreate(&e0));
+  BENCH_CUDA(cudaEventCreate(&e1));
+  std::vector<float> times;
+  for (int i = 0; i < replays + 3; ++i) {
+    BENCH_CUDA(cudaEventRecord(e0, stream));
+    BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    BENCH_CUDA(cudaEventRecord(e1, stream));
+    BENCH_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 3) times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  res.us = times[times.size() / 2] * 1e3 / (sets * calls_per_set);
+  res.gbps = shard_bytes / (res.us * 1e-6) / 1e9;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(stream);
+  cudaFree(ids);
+  cudaFree(gathered);
+  for (auto& s : in_sets) { cudaFree(s.query); cudaFree(s.block_table); cudaFree(s.seq_lens); }
+  return res;
+}
+
+std::vector<int64_t> parse_list(const std::string& text) {
+  std::vector<int64_t> out;
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t j = text.find(',', i);
+    if (j == std::string::npos) j = text.size();
+    std::string tok = text.substr(i, j - i);
+    int64_t mult = 1;
+    if (!tok.empty() && (tok.back() == 'K' || tok.back() == 'k')) { mult = 1024; tok.pop_back(); }
+    if (!tok.empty() && (tok.back() == 'M' || tok.back() == 'm')) { mult = 1 << 20; tok.pop_back(); }
+    if (!tok.empty()) out.push_back(std::stoll(tok) * mult);
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int run_bench(int argc, char** argv) {
+  std::string modes = "plain1,plain4,cp2,cp4", reqs = "1,8,64", contexts = "8K,64K,256K,1M",
+              qlens = "1,4", json, dtype = "bf16";
+  int64_t replays = 10, pool_mb = 4096;
+  Flags flags("cpidx bench [flags]",
+              "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
+              "cpP = context-parallel rank work at P ranks (all 4 heads on a 1/P shard + merge).\n"
+              "Each shape: calls over input sets rotated past the L2, captured in one CUDA graph;\n"
+              "median replay / calls. GB/s counts index-cache bytes read by the rank.");
+  flags.add("modes", &modes, "comma list of plainH / cpP")
+      .add("reqs", &reqs, "comma list of batch sizes (requests)")
+      .add("contexts", &contexts, "comma list of context lengths (K/M suffixes)")
+      .add("qlens", &qlens, "comma list of query lengths")
+      .add("dtype", &dtype, "index cache dtype", {"bf16", "fp8"})
+      .add("replays", &replays, "timed graph replays per shape")
+      .add("pool-mb", &pool_mb, "MiB of random key pages to draw from")
+      .add("json", &json, "write the results as JSON to this file");
+  switch (flags.parse(argc, argv, 2)) {
+    case Flags::Parse::kHelp: return kExitOk;
+    case Flags::Parse::kError: return kExitUsage;
+    case Flags::Parse::kOk: break;
+  }
+  if (!gpu_available()) {
+    std::fprintf(stderr, "cpidx bench: no usable GPU\n");
+    return kExitFailed;
+  }
+  Bench bench(pool_mb, dtype);
+  std::vector<Result> results;
+  std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s  %s\n", "mode", "heads", "reqs", "context",
+              "Q", "sets", "cache_MB", "us", "GB/s", "floor_us", "check");
+  bool all_ok = true;
+  for (const std::string& m : [&] {
+         std::vector<std::string> v;
+         size_t i = 0;
+         while (i < modes.size()) {
+           size_t j = modes.find(',', i);
+           if (j == std::string::npos) j = modes.size();
+           v.push_back(modes.substr(i, j - i));
+           i = j + 1;
+         }
+         return v;
+       }()) {
+    for (int64_t q : parse_list(qlens)) {
+      for (int64_t b : parse_list(reqs)) {
+        for (int64_t c : parse_list(contexts)) {
+          Shape sh;
+          sh.mode = m.rfind("cp", 0) == 0 ? "cp" : "plain";
+          const int x = std::stoi(m.substr(sh.mode == "cp" ? 2 : 5));
+          if (sh.mode == "cp") { sh.world = x; sh.heads = 4; } else { sh.heads = x; }
+          sh.reqs = static_cast<int>(b);
+          sh.context = c;
+          sh.qlen = static_cast<int>(q);
+          Result r = bench.run(sh, static_cast<int>(replays));
+          all_ok = all_ok && r.check.rfind("ok", 0) == 0;
+          std::printf("%-7s %5d %4d %8lld %3d %6d %10.1f %9.1f %9.0f %9.1f  %s\n", m.c_str(),
+                      sh.heads, sh.reqs, static_cast<long long>(sh.context), sh.qlen, r.sets,
+                      r.cache_mb, r.us, r.gbps, r.floor_us, r.check.c_str());
+          std::fflush(stdout);
+          results.push_back(r);
+        }
+      }
+    }
+  }
+  if (!json.empty()) {
+    std::FILE* f = std::fopen(json.c_str(), "w");
+    if (!f) { std::fprintf(stderr, "cannot write %s\n", json.c_str()); return kExitFailed; }
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    std::fprintf(f, "{\"device\": \"%s\", \"dtype\": \"%s\", \"results\": [\n", prop.name, dtype.c_str());
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      std::fprintf(f,
+                   "  {\"mode\": \"%s\", \"heads\": %d, \"world\": %d, \"reqs\": %d, \"context\": %lld, "
+                   "\"qlen\": %d, \"sets\": %d, \"cache_mb\": %.3f, \"us\": %.3f, \"gbps\": %.1f, "
+                   "\"floor_us\": %.3f, \"check\": \"%s\"}%s\n",
+                   r.shape.mode.c_str(), r.shape.heads, r.shape.world, r.shape.reqs,
+                   static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.cache_mb, r.us,
+                   r.gbps, r.floor_us, r.check.c_str(), i + 1 < results.size() ? "," : "");
+    }
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+  return all_ok ? kExitOk : kExitFailed;
+}
+#endif
+
+}  // namespace cpidx::tools
