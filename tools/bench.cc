@@ -81,7 +81,7 @@ struct InputSet {  // one batch: device queries, block table, seq_lens
 struct Result {
   Shape shape;
   double us = 0, gbps = 0, cache_mb = 0, floor_us = 0;
-  int sets = 0;
+  int sets = 0, grid = 0, stages = 0;
   std::string check;
 };
 
@@ -248,6 +248,8 @@ Result Bench::run(const Shape& sh, int replays) {
     if (!st.is_ok()) { res.check = "create: " + st.message(); return res; }
   }
   const int L = decs[0]->geometry().local_heads;
+  res.grid = decs[0]->plan().grid;
+  res.stages = decs[0]->plan().stages;
   int32_t* ids = nullptr;
   Key* gathered = nullptr;
   BENCH_CUDA(cudaMalloc(&ids, static_cast<size_t>(T * n * K) * 4));
@@ -360,8 +362,8 @@ int run_bench(int argc, char** argv) {
   }
   Bench bench(pool_mb, dtype);
   std::vector<Result> results;
-  std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s  %s\n", "mode", "heads", "reqs", "context",
-              "Q", "sets", "cache_MB", "us", "GB/s", "floor_us", "check");
+  std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s %9s  %s\n", "mode", "heads", "reqs",
+              "context", "Q", "sets", "cache_MB", "us", "GB/s", "floor_us", "grid/stg", "check");
   bool all_ok = true;
   for (const std::string& m : [&] {
          std::vector<std::string> v;
@@ -386,9 +388,10 @@ int run_bench(int argc, char** argv) {
           sh.qlen = static_cast<int>(q);
           Result r = bench.run(sh, static_cast<int>(replays));
           all_ok = all_ok && r.check.rfind("ok", 0) == 0;
-          std::printf("%-7s %5d %4d %8lld %3d %6d %10.1f %9.1f %9.0f %9.1f  %s\n", m.c_str(),
-                      sh.heads, sh.reqs, static_cast<long long>(sh.context), sh.qlen, r.sets,
-                      r.cache_mb, r.us, r.gbps, r.floor_us, r.check.c_str());
+          std::printf("%-7s %5d %4d %8lld %3d %6d %10.1f %9.1f %9.0f %9.1f %5d/%-3d  %s\n",
+                      m.c_str(), sh.heads, sh.reqs, static_cast<long long>(sh.context), sh.qlen,
+                      r.sets, r.cache_mb, r.us, r.gbps, r.floor_us, r.grid, r.stages,
+                      r.check.c_str());
           std::fflush(stdout);
           results.push_back(r);
         }
@@ -406,10 +409,10 @@ int run_bench(int argc, char** argv) {
       std::fprintf(f,
                    "  {\"mode\": \"%s\", \"heads\": %d, \"world\": %d, \"reqs\": %d, \"context\": %lld, "
                    "\"qlen\": %d, \"sets\": %d, \"cache_mb\": %.3f, \"us\": %.3f, \"gbps\": %.1f, "
-                   "\"floor_us\": %.3f, \"check\": \"%s\"}%s\n",
+                   "\"floor_us\": %.3f, \"grid\": %d, \"stages\": %d, \"check\": \"%s\"}%s\n",
                    r.shape.mode.c_str(), r.shape.heads, r.shape.world, r.shape.reqs,
                    static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.cache_mb, r.us,
-                   r.gbps, r.floor_us, r.check.c_str(), i + 1 < results.size() ? "," : "");
+                   r.gbps, r.floor_us, r.grid, r.stages, r.check.c_str(), i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "]}\n");
     std::fclose(f);

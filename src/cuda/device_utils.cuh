@@ -68,7 +68,7 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// NaN-ignoring max (IEEE maxNum): the block max skips NaN dots unless every visible dot is NaN.
+// NaN-ignoring max (IEEE maxNum): with -inf as the start value, NaN dots never win.
 __device__ __forceinline__ float max_num(float a, float b) { return fmaxf(a, b); }
 
 // ---- Exact top-K by rank counting ------------------------------------------------------------

@@ -1,33 +1,31 @@
 // src/cuda/score_topk.cu: the fused decode kernel. A persistent grid splits the flattened list of
-// the shard's (request, owned block) pages evenly across CTAs; each 32 KB key page is brought in
-// once by the bulk-copy engine (a few pages in flight per CTA), scored on tensor cores against
-// every (head, query-token) column of its request, reduced to a block max under the causal mask,
-// forced, and kept in a running per-column top-K. A request split across CTAs is merged exactly
-// by the last CTA to finish it (arrival counter). Cost: one read of the shard's cache bytes.
+// the shard's (request, owned block) pages evenly across CTAs. In each CTA a producer warp brings
+// every 32 KB key page in once with the bulk-copy engine (several pages in flight, block-table
+// reads batched 32 at a time), and four consumer warps score it on tensor cores against every
+// (head, query-token) column of its request, reduce it to a causal block max, force it, and keep
+// a running per-column top K. A request split across CTAs is merged exactly by the last CTA to
+// finish it (arrival counter). Cost: one read of the shard's cache bytes.
 #include <cuda_fp8.h>
 
 #include <type_traits>
 
 #include "device_utils.cuh"
 #include "kernels.h"
-#include "sparse_table.cuh"
+#include "shard_select.cuh"
 
 namespace cpidx {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 128;                // 4 warps x 32 tokens = one 128-token page
-constexpr int kWarps = kThreads / 32;
-constexpr int kQStride = kHeadDim + 8;       // bf16 elements per query row in smem (padded)
-
-__host__ __device__ inline int cand_capacity(int topk) { return topk * 2 > 32 ? topk * 2 : 32; }
+constexpr int kQStride = kHeadDim + 8;  // bf16 elements per query row in smem (padded)
+constexpr int kMinPagesPerCta = 2;      // small shards use fewer CTAs (cheaper merges)
 
 // Shared-memory layout, computed identically on host (sizing) and device (carving).
 struct SmemLayout {
-  size_t stages_off, q_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, mbuf_off, prefix_off,
-      bar_off, misc_off, total;
-  __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int cap,
-                                 int max_reqs, int grid) {
+  size_t stages_off, q_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, mbuf_off, mtau_off,
+      mlane_off, mcount_off, msel_off, prefix_off, full_off, empty_off, misc_off, total;
+  __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int max_reqs,
+                                 int grid) {
     size_t o = 0;
     auto take = [&](size_t bytes, size_t align) {
       o = (o + align - 1) / align * align;
@@ -35,33 +33,25 @@ struct SmemLayout {
       o += bytes;
       return at;
     };
+    const int cap = cand_capacity(topk);
     stages_off = take(static_cast<size_t>(stages) * page_bytes, 128);
     q_off = take(static_cast<size_t>(ncols) * kQStride * 2, 16);
-    red_off = take(2ull * kWarps * ncols * sizeof(float), 16);
+    red_off = take(2ull * kConsumerWarps * ncols * sizeof(float), 16);
     cbuf_off = take(static_cast<size_t>(ncols) * cap * sizeof(Key), 16);
     tmp_off = take(static_cast<size_t>(ncols) * topk * sizeof(Key), 16);
     cnt_off = take(static_cast<size_t>(ncols) * sizeof(int), 16);
     tau_off = take(static_cast<size_t>(ncols) * sizeof(Key), 16);
-    mbuf_off = take((static_cast<size_t>(grid) + static_cast<size_t>(topk) * topk) * sizeof(Key), 16);
+    mbuf_off = take(static_cast<size_t>(merge_scratch_keys(grid, topk)) * sizeof(Key), 16);
+    mtau_off = take(kMaxMergeChunk * sizeof(Key), 16);
+    mlane_off = take(kConsumerWarps * 33 * sizeof(Key), 16);
+    mcount_off = take(2 * kMaxMergeChunk * sizeof(int), 16);
+    msel_off = take(static_cast<size_t>(kMaxMergeChunk) * topk * sizeof(int), 16);
     prefix_off = take((static_cast<size_t>(max_reqs) + 1) * sizeof(int64_t), 16);
-    bar_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
-    misc_off = take(8 * sizeof(int), 16);
+    full_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
+    empty_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
+    misc_off = take(16 * sizeof(int), 16);
     total = o;
   }
-};
-
-struct Smem {
-  uint8_t* pages;
-  __nv_bfloat16* q;   // [ncols][kQStride]
-  float* red;         // [2][kWarps][ncols]
-  Key* cbuf;          // [ncols][cap]
-  Key* tmp;           // [ncols][K]
-  int* cnt;           // [ncols]
-  Key* tau;           // [ncols]
-  Key* mbuf;          // [grid + K*K]
-  int64_t* prefix;    // [num_reqs + 1]
-  uint64_t* bars;     // [stages]
-  int* misc;          // [0] compact flag, [1] last-arriver flag, [2] candidate count
 };
 
 __device__ __forceinline__ int64_t cta_of(int64_t x, int64_t total, int64_t grid) {
@@ -96,17 +86,8 @@ struct PageTraits<DType::kFP8E4M3> {
   }
 };
 
-struct Cursor {  // position in the flattened (request, owned block) page list
-  int64_t x;
-  int req;
-  __device__ void advance(const int64_t* prefix, int64_t total) {
-    ++x;
-    while (x < total && prefix[req + 1] <= x) ++req;
-  }
-};
-
 __device__ __forceinline__ int find_req(const int64_t* prefix, int num_reqs, int64_t x) {
-  int lo = 0, hi = num_reqs - 1;  // last r with prefix[r] <= x (and a non-empty range)
+  int lo = 0, hi = num_reqs - 1;  // last r with prefix[r] <= x: the request holding page x
   while (lo < hi) {
     int mid = (lo + hi + 1) / 2;
     if (prefix[mid] <= x) lo = mid; else hi = mid - 1;
@@ -114,108 +95,53 @@ __device__ __forceinline__ int find_req(const int64_t* prefix, int num_reqs, int
   return lo;
 }
 
-__device__ __forceinline__ int32_t clamped_seq_len(const ScoreTopkParams& p, int r, int32_t* err) {
-  return clamp_seq_len(p.seq_lens[r], p.max_seq_len, err);
-}
-
 __device__ __forceinline__ int64_t request_blocks(int32_t seq_len, int64_t max_blocks) {
-  int64_t b = cdiv(seq_len, kBlockSize);
+  const int64_t b = cdiv(seq_len, kBlockSize);
   return b < max_blocks ? b : max_blocks;
 }
 
-// Copies the request's per-row lists (cbuf[col][0..K)) to the outputs.
-__device__ void finalize_request(const ScoreTopkParams& p, const Smem& s, int r, int32_t seq_len,
-                                 int ncols) {
-  const int Q = p.query_len, K = p.topk;
-  const int64_t n = static_cast<int64_t>(p.num_reqs) * Q;
-  for (int idx = threadIdx.x; idx < ncols * K; idx += blockDim.x) {
-    const int col = idx / K, i = idx % K;
-    const int h = col / Q, t = col % Q;
-    const int64_t row = static_cast<int64_t>(r) * Q + t;
-    const Key key = s.cbuf[col * cand_capacity(K) + i];
-    if (p.keys) {
-      p.keys[(h * n + row) * K + i] = key;
-    } else {
-      p.ids[h * p.ids_head_stride + row * p.ids_row_stride + i] =
-          key == kPadKey ? -1 : key_block(key);
-    }
-  }
-  if (p.table.table) {  // H == 1: one table row per query token
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int t = warp; t < Q; t += kWarps) {
-      const int64_t row = static_cast<int64_t>(r) * Q + t;
-      write_sparse_row(p.table, s.cbuf + t * cand_capacity(K), K, r, row,
-                       static_cast<int64_t>(seq_len) - Q + t, lane);
-    }
-  }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// Reduces every column's candidate buffer to its top K (ordered), resets the thresholds.
-__device__ void compact_all(const Smem& s, int ncols, int K) {
-  const int cap = cand_capacity(K);
-  for (int idx = threadIdx.x; idx < ncols * cap; idx += blockDim.x) {
-    const int col = idx / cap, i = idx % cap;
-    const int count = s.cnt[col];
-    if (i < K && i >= count) s.tmp[col * K + i] = kPadKey;
-    if (i < count) {
-      const Key* c = s.cbuf + col * cap;
-      const Key mine = c[i];
-      int rank = 0;
-      for (int j = 0; j < count; ++j) rank += c[j] > mine;
-      if (rank < K) s.tmp[col * K + rank] = mine;
+// Producer warp: pages [start, end) into the stage ring, 32 block-table reads at a time.
+template <DType kDType>
+__device__ void produce(const ScoreTopkParams& p, const Smem& s, int64_t start, int64_t end,
+                        int stages, int32_t* err) {
+  using Page = PageTraits<kDType>;
+  const int lane = threadIdx.x % 32;
+  int64_t lp = 0;
+  for (int64_t x0 = start; x0 < end; x0 += 32) {
+    const int64_t x = x0 + lane;
+    uint32_t bytes = 0;
+    const uint8_t* src = nullptr;
+    if (x < end) {
+      const int r = find_req(s.prefix, p.num_reqs, x);
+      const int64_t gblk = (x - s.prefix[r]) * p.world + p.rank;
+      const int32_t seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, err);
+      const int64_t page = clamp_page(p.block_table[r * p.bt_row_stride + gblk], p.num_pages, err);
+      const int64_t tokens = seq_len - gblk * kBlockSize < kBlockSize
+                                 ? seq_len - gblk * kBlockSize : kBlockSize;
+      bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
+      src = static_cast<const uint8_t*>(p.cache) + page * Page::kBytes;
+    }
+    const int count = end - x0 < 32 ? static_cast<int>(end - x0) : 32;
+    for (int i = 0; i < count; ++i, ++lp) {
+      const uint32_t b = __shfl_sync(0xffffffffu, bytes, i);
+      const uint8_t* from = reinterpret_cast<const uint8_t*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), i));
+      if (lane == 0) {
+        const int st = static_cast<int>(lp % stages);
+        mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
+        mbar_arrive_expect_tx(&s.full[st], b);
+        bulk_copy_g2s(s.pages + static_cast<size_t>(st) * Page::kBytes, from, b, &s.full[st]);
+      }
     }
   }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < ncols * K; idx += blockDim.x) {
-    const int col = idx / K, i = idx % K;
-    s.cbuf[col * cap + i] = s.tmp[idx];
-  }
-  __syncthreads();
-  for (int col = threadIdx.x; col < ncols; col += blockDim.x) {
-    const int count = s.cnt[col] < K ? s.cnt[col] : K;
-    s.cnt[col] = count;
-    s.tau[col] = count == K ? s.cbuf[col * cap + K - 1] : kPadKey;
-  }
-  __syncthreads();
-}
-
-// The last CTA to finish request r merges the per-CTA lists of slots [c0 + r, c1 + r] into
-// cbuf[col][0..K). Exact: a list whose best key is below the K-th best list head cannot
-// contribute, so at most K lists (K*K keys) are ranked.
-__device__ void merge_request(const ScoreTopkParams& p, const Smem& s, int r, int64_t c0,
-                              int64_t c1, int ncols) {
-  const int K = p.topk, cap = cand_capacity(K);
-  const int nseg = static_cast<int>(c1 - c0 + 1);
-  Key* heads = s.mbuf;            // [nseg]
-  Key* cand = s.mbuf + nseg;      // [<= K*K]
-  for (int col = 0; col < ncols; ++col) {
-    auto slot_list = [&](int seg) {
-      return p.partial + ((c0 + seg + r) * ncols + col) * static_cast<int64_t>(K);
-    };
-    if (threadIdx.x == 0) s.misc[2] = 0;
-    for (int seg = threadIdx.x; seg < nseg; seg += blockDim.x) {
-      const Key h = __ldcg(reinterpret_cast<const unsigned long long*>(slot_list(seg)));
-      if (h != kPadKey) heads[atomicAdd(&s.misc[3], 1)] = h;
-    }
-    __syncthreads();
-    const int nheads = s.misc[3];
-    block_rank_topk(heads, nheads, K, s.tmp);  // s.tmp[0..K): the K best heads
-    __syncthreads();
-    const Key tau = nheads >= K ? s.tmp[K - 1] : static_cast<Key>(1);
-    for (int idx = threadIdx.x; idx < nseg * K; idx += blockDim.x) {
-      const Key k = __ldcg(reinterpret_cast<const unsigned long long*>(slot_list(idx / K) + idx % K));
-      if (k != kPadKey && k >= tau) cand[atomicAdd(&s.misc[2], 1)] = k;
-    }
-    __syncthreads();
-    block_rank_topk(cand, s.misc[2], K, s.cbuf + col * cap);
-    __syncthreads();
-    if (threadIdx.x == 0) s.misc[3] = 0;
-  }
-  __syncthreads();
 }
 
 template <int NT, DType kDType>
-__global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkParams p,
+__global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopkParams p,
                                                               const int stages,
                                                               const int max_reqs_smem) {
   using Page = PageTraits<kDType>;
@@ -223,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkPar
   const int Q = p.query_len, H = p.num_heads, K = p.topk, cap = cand_capacity(K);
   const int ncols = H * Q;  // <= NT * 8
   const int grid = gridDim.x;
-  const SmemLayout lay(stages, Page::kBytes, NT * 8, K, cap, max_reqs_smem, grid);
+  const SmemLayout lay(stages, Page::kBytes, NT * 8, K, max_reqs_smem, grid);
   const Smem s{smem_raw + lay.stages_off,
                reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.q_off),
                reinterpret_cast<float*>(smem_raw + lay.red_off),
@@ -232,8 +158,13 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkPar
                reinterpret_cast<int*>(smem_raw + lay.cnt_off),
                reinterpret_cast<Key*>(smem_raw + lay.tau_off),
                reinterpret_cast<Key*>(smem_raw + lay.mbuf_off),
+               reinterpret_cast<Key*>(smem_raw + lay.mtau_off),
+               reinterpret_cast<Key*>(smem_raw + lay.mlane_off),
+               reinterpret_cast<int*>(smem_raw + lay.mcount_off),
+               reinterpret_cast<int*>(smem_raw + lay.msel_off),
                reinterpret_cast<int64_t*>(smem_raw + lay.prefix_off),
-               reinterpret_cast<uint64_t*>(smem_raw + lay.bar_off),
+               reinterpret_cast<uint64_t*>(smem_raw + lay.full_off),
+               reinterpret_cast<uint64_t*>(smem_raw + lay.empty_off),
                reinterpret_cast<int*>(smem_raw + lay.misc_off)};
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
   int32_t err = 0;
@@ -242,28 +173,28 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkPar
   const int B = p.num_reqs;
   {
     const int per = (B + kThreads - 1) / kThreads;  // contiguous chunk per thread
-    const int r0 = tid * per, r1 = min(B, r0 + per);
+    const int r0 = tid * per < B ? tid * per : B, r1 = r0 + per < B ? r0 + per : B;
     int64_t sum = 0;
     for (int r = r0; r < r1; ++r) {
-      const int64_t own =
-          owned_blocks(request_blocks(clamped_seq_len(p, r, &err), p.max_blocks), p.world, p.rank);
+      const int32_t len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
+      const int64_t own = owned_blocks(request_blocks(len, p.max_blocks), p.world, p.rank);
       s.prefix[r + 1] = own;
       sum += own;
     }
-    // Block-wide exclusive scan of the per-thread sums (warp shuffles + one smem pass).
     int64_t incl = sum;
     for (int d = 1; d < 32; d *= 2) {
-      int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
+      const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
       if (lane >= d) incl += v;
     }
-    __shared__ int64_t warp_tot[kWarps];
+    __shared__ int64_t warp_tot[kThreads / 32];
     if (lane == 31) warp_tot[warp] = incl;
-    if (tid < 8) s.misc[tid] = 0;
+    if (tid < 16) s.misc[tid] = 0;
     if (tid < NT * 8) { s.cnt[tid] = 0; s.tau[tid] = kPadKey; }
+    if (tid < stages) { mbar_init(&s.full[tid], 1); mbar_init(&s.empty[tid], kConsumerWarps); }
+    if (tid == 0) fence_barrier_init();
     __syncthreads();
-    int64_t base = 0;
-    for (int w = 0; w < warp; ++w) base += warp_tot[w];
-    int64_t run = base + incl - sum;
+    int64_t run = incl - sum;
+    for (int w = 0; w < warp; ++w) run += warp_tot[w];
     if (tid == 0) s.prefix[0] = 0;
     for (int r = r0; r < r1; ++r) {
       run += s.prefix[r + 1];
@@ -271,58 +202,40 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkPar
     }
     __syncthreads();
   }
+  if (blockIdx.x == 0 && err) atomicOr(p.error_flag, err);
+  err = 0;
   const int64_t total = s.prefix[B];
-  const int64_t g_eff = total < grid ? total : grid;
+  int64_t g_eff = cdiv(total, kMinPagesPerCta);
+  g_eff = g_eff < grid ? g_eff : grid;
+  const int64_t start = g_eff ? blockIdx.x * total / g_eff : 0;
+  const int64_t end = g_eff ? (blockIdx.x + 1) * total / g_eff : 0;
+
+  if (warp == kConsumerWarps) {  // ---- the producer warp ------------------------------------
+    if (blockIdx.x < g_eff) produce<kDType>(p, s, start, end, stages, &err);
+    if (err) atomicOr(p.error_flag, err);
+    return;
+  }
 
   // ---- 2. Requests with no owned page: their outputs are all padding. ----------------------
   for (int r = blockIdx.x; r < B; r += grid) {
     if (s.prefix[r + 1] != s.prefix[r]) continue;
-    for (int idx = tid; idx < ncols * cap; idx += kThreads) s.cbuf[idx] = kPadKey;
-    __syncthreads();
+    for (int idx = tid; idx < ncols * cap; idx += kConsumerThreads) s.cbuf[idx] = kPadKey;
+    consumer_sync();
     finalize_request(p, s, r, clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err), ncols);
-    __syncthreads();
+    consumer_sync();
   }
-  if (blockIdx.x == 0 && err) atomicOr(p.error_flag, err);
-  err = 0;
   if (blockIdx.x >= g_eff) return;
 
-  // ---- 3. Stream this CTA's pages: [start, end) of the flattened list. ----------------------
-  const int64_t start = blockIdx.x * total / g_eff, end = (blockIdx.x + 1) * total / g_eff;
-  if (tid == 0) {
-    for (int st = 0; st < stages; ++st) mbar_init(&s.bars[st], 1);
-    fence_barrier_init();
-  }
-  __syncthreads();
-  Cursor prod{start, find_req(s.prefix, B, start)};
-  auto issue = [&](int64_t local_page) {  // thread 0 only: bring in page `prod`
-    const int r = prod.req;
-    const int64_t l = prod.x - s.prefix[r];
-    const int64_t gblk = l * p.world + p.rank;
-    const int32_t seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
-    const int64_t page =
-        clamp_page(p.block_table[r * p.bt_row_stride + gblk], p.num_pages, &err);
-    int64_t tokens = seq_len - gblk * kBlockSize;
-    tokens = tokens < kBlockSize ? tokens : kBlockSize;
-    const int st = static_cast<int>(local_page % stages);
-    const uint32_t bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
-    mbar_arrive_expect_tx(&s.bars[st], bytes);
-    bulk_copy_g2s(s.pages + static_cast<size_t>(st) * Page::kBytes,
-                  static_cast<const uint8_t*>(p.cache) + page * Page::kBytes, bytes, &s.bars[st]);
-    prod.advance(s.prefix, total);
-  };
-  if (tid == 0) {
-    for (int64_t i = 0; i < stages && start + i < end; ++i) issue(i);
-  }
-
-  Cursor cur{start, find_req(s.prefix, B, start)};
+  // ---- 3. Consume this CTA's pages [start, end). -------------------------------------------
+  int r = find_req(s.prefix, B, start);
   int seg_req = -1;
   int32_t seq_len = 0;
-  for (int64_t lp = 0; cur.x < end; ++lp, cur.advance(s.prefix, total)) {
-    const int r = cur.req;
+  for (int64_t x = start, lp = 0; x < end; ++x, ++lp) {
+    while (s.prefix[r + 1] <= x) ++r;
     if (r != seg_req) {  // a new segment: load its queries
       seg_req = r;
       seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
-      for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kThreads) {
+      for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kConsumerThreads) {
         const int col = idx / (kHeadDim / 8), chunk = idx % (kHeadDim / 8);
         uint4 v = make_uint4(0, 0, 0, 0);
         if (col < ncols) {
@@ -332,11 +245,11 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkPar
         }
         *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
       }
-      __syncthreads();
+      consumer_sync();
     }
     const int st = static_cast<int>(lp % stages);
-    mbar_wait(&s.bars[st], static_cast<uint32_t>((lp / stages) & 1));
-    const int64_t gblk = (cur.x - s.prefix[r]) * p.world + p.rank;
+    mbar_wait(&s.full[st], static_cast<uint32_t>((lp / stages) & 1));
+    const int64_t gblk = (x - s.prefix[r]) * p.world + p.rank;
     const uint8_t* page = s.pages + static_cast<size_t>(st) * Page::kBytes;
 
     // Tensor-core scores of this warp's 32 tokens x all columns. Dims are permuted identically
@@ -372,15 +285,19 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkPar
         }
       }
     }
-    // Causal block max per column (masked tokens are NaN, which max_num ignores).
-    float* red = s.red + (lp & 1) * kWarps * NT * 8;
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage
+
+    // Causal block max per column: starts at -inf; NaN dots never win (fmaxf), as in the
+    // reference, so a block whose visible dots are all NaN scores -inf.
+    float* red = s.red + (lp & 1) * kConsumerWarps * NT * 8;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = nt * 8 + c4 * 2 + e;
         const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
-        float v = __int_as_float(0x7fc00000);
+        float v = -INFINITY;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -394,10 +311,9 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkPar
         if (g == 0) red[warp * NT * 8 + col] = v;
       }
     }
-    __syncthreads();  // the page is consumed and the column maxima are complete
-    if (tid == 0 && prod.x < end) issue(lp + stages);
+    consumer_sync();  // the column maxima are complete
     if (s.misc[0]) {  // a candidate buffer filled up on the previous page
-      __syncthreads();
+      consumer_sync();
       if (tid == 0) s.misc[0] = 0;
       compact_all(s, ncols, K);
     }
@@ -405,7 +321,7 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkPar
       const int col = tid;
       float v = red[col];
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w) v = max_num(v, red[w * NT * 8 + col]);
+      for (int w = 1; w < kConsumerWarps; ++w) v = max_num(v, red[w * NT * 8 + col]);
       const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
       const int64_t vis = visible_blocks(pos);
       if (gblk < vis) {
@@ -417,41 +333,40 @@ __global__ void __launch_bounds__(kThreads) score_topk_kernel(const ScoreTopkPar
         }
       }
     }
-    const bool seg_end = cur.x + 1 == s.prefix[r + 1] || cur.x + 1 == end;
-    if (!seg_end) continue;
+    if (x + 1 != s.prefix[r + 1] && x + 1 != end) continue;
 
     // ---- 4. End of this CTA's part of request r. ---------------------------------------------
-    __syncthreads();
+    consumer_sync();
     if (tid == 0) s.misc[0] = 0;
     compact_all(s, ncols, K);
     const int64_t c0 = cta_of(s.prefix[r], total, g_eff);
     const int64_t c1 = cta_of(s.prefix[r + 1] - 1, total, g_eff);
     bool merged_here = c0 == c1;
     if (!merged_here) {
-      for (int idx = tid; idx < ncols * K; idx += kThreads) {
+      for (int idx = tid; idx < ncols * K; idx += kConsumerThreads) {
         const int col = idx / K, i = idx % K;
         p.partial[((blockIdx.x + r) * ncols + col) * static_cast<int64_t>(K) + i] =
             s.cbuf[col * cap + i];
       }
       __threadfence();
-      __syncthreads();
+      consumer_sync();
       if (tid == 0) {
         const int old = atomicAdd(&p.arrivals[r], 1);
         const bool last = old == static_cast<int>(c1 - c0);
         if (last) p.arrivals[r] = 0;  // ready for the next launch (graph replays)
         s.misc[1] = last;
       }
-      __syncthreads();
+      consumer_sync();
       merged_here = s.misc[1];
       if (merged_here) {
         __threadfence();
-        merge_request(p, s, r, c0, c1, ncols);
+        merge_request(p, s, r, c0, c1, ncols, grid);
       }
     }
     if (merged_here) finalize_request(p, s, r, seq_len, ncols);
-    __syncthreads();
-    for (int col = tid; col < ncols; col += kThreads) { s.cnt[col] = 0; s.tau[col] = kPadKey; }
-    __syncthreads();
+    consumer_sync();
+    for (int col = tid; col < ncols; col += kConsumerThreads) { s.cnt[col] = 0; s.tau[col] = kPadKey; }
+    consumer_sync();
   }
   if (err) atomicOr(p.error_flag, err);
 }
@@ -509,12 +424,13 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   const int grid_guess = 2 * sms;
   for (int ctas = 2; ctas >= 1; --ctas) {
     for (int stages = 6; stages >= 2; --stages) {
-      SmemLayout lay(stages, page_bytes, ncols, topk, cand_capacity(topk), max_reqs, grid_guess);
-      if (lay.total > static_cast<size_t>(smem_optin)) continue;
+      SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs, grid_guess);
+      // NOTE: static shared memory (a few hundred bytes) counts against the same opt-in limit.
+      if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
       e = dispatch(ncols, dtype, [&](auto nt, auto dt) {
         return set_smem<decltype(nt)::value, decltype(dt)::value>(lay.total);
       });
-      if (e != cudaSuccess) return e;
+      if (e != cudaSuccess) { cudaGetLastError(); continue; }
       int blocks = 0;
       e = dispatch(ncols, dtype, [&](auto nt, auto dt) {
         return occupancy<decltype(nt)::value, decltype(dt)::value>(&blocks, lay.total);
@@ -529,8 +445,7 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
       launch->topk = topk;
       // Smaller column counts use smaller layouts: raise every instance's limit once, here.
       for (int nc = 8; nc <= ncols; nc *= 2) {
-        const SmemLayout small(stages, page_bytes, nc, topk, cand_capacity(topk), max_reqs,
-                               launch->grid);
+        const SmemLayout small(stages, page_bytes, nc, topk, max_reqs, launch->grid);
         e = dispatch(nc, dtype, [&](auto nt, auto dt) {
           return set_smem<decltype(nt)::value, decltype(dt)::value>(small.total);
         });
@@ -552,8 +467,7 @@ cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const Score
   return dispatch(ncols, dtype, [&](auto nt, auto dt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
     constexpr DType DT = decltype(dt)::value;
-    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, cand_capacity(p.topk),
-                         l.max_reqs, l.grid);
+    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, l.max_reqs, l.grid);
     score_topk_kernel<NT, DT><<<l.grid, kThreads, lay.total, stream>>>(p, l.stages, l.max_reqs);
     return cudaGetLastError();
   });

@@ -1,0 +1,124 @@
+// The context-parallel decode of CONTRACT.md section 5 on one rank: gather the queries of all
+// heads, score this rank's round-robin blocks for every head, gather the shards' top-K keys,
+// merge the owned heads. Moves n*(L*D*2 + T*K*8) bytes per rank; reads 1/P of the cache.
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "cpidx/reference.h"
+#include "reference/internal.h"
+
+namespace cpidx {
+namespace ref {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double elapsed_ms(Clock::time_point since) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - since).count();
+}
+
+Status check_local(const Communicator& comm, const Geometry& geo, const DecodeInputs& local,
+                   const Selection& sel, const TopkOutput& out, const SparseTableOutput* table) {
+  CPIDX_CHECK(comm.memory_space() == MemorySpace::kHost,
+              "cp_decode (CPU reference) needs a host-memory communicator");
+  CPIDX_CHECK(comm.world_size() == geo.world_size && comm.rank() == geo.rank,
+              "communicator (rank " << comm.rank() << " of " << comm.world_size()
+                                    << ") does not match geometry (rank " << geo.rank << " of "
+                                    << geo.world_size << ")");
+  Geometry expected;
+  CPIDX_RETURN_IF_ERROR(make_geometry(geo.total_heads, geo.world_size, geo.rank, &expected));
+  CPIDX_CHECK(expected.local_heads == geo.local_heads && expected.replicas == geo.replicas &&
+                  expected.head_offset == geo.head_offset,
+              "geometry fields are inconsistent; build it with make_geometry");
+  CPIDX_CHECK(local.num_heads == geo.local_heads,
+              "num_heads of the local query must equal local_heads = "
+                  << geo.local_heads << ", got " << local.num_heads);
+  CPIDX_RETURN_IF_ERROR(validate(local, sel));
+  CPIDX_CHECK(out.ids != nullptr, "ids output is null");
+  if (table != nullptr) {
+    CPIDX_RETURN_IF_ERROR(validate(*table, geo.local_heads));
+    if (table->enabled()) {
+      CPIDX_RETURN_IF_ERROR(detail::check_table_args(*table, local.num_reqs, local.query_len,
+                                                     local.max_seq_len, sel.topk));
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& local,
+                 const Selection& sel, const TopkOutput& out, const SparseTableOutput* table,
+                 int32_t* err, CpStageTimes* times) {
+  // Every rank joins the agreement even when its own inputs are bad (it sends -1), so a
+  // mistake on one rank is an error on all ranks, never a hang in a later collective.
+  const Status local_status = check_local(comm, geo, local, sel, out, table);
+  const long long n_or_bad = local_status.is_ok() ? local.num_rows() : -1;
+  const Status agree_rows =
+      comm.check_agree(n_or_bad, "decode rows n = num_reqs * query_len (-1: inputs rejected)");
+  CPIDX_RETURN_IF_ERROR(local_status);
+  CPIDX_RETURN_IF_ERROR(agree_rows);
+  CPIDX_RETURN_IF_ERROR(comm.check_agree(sel.topk, "topk"));
+
+  const int64_t n = local.num_rows();
+  const int world = geo.world_size;
+  const int total = geo.total_heads;
+  const int lh = geo.local_heads;
+  const int k = sel.topk;
+
+  // (1) All-gather the local queries [n, L, D] (packed), keep each replica group's lowest rank.
+  auto start = Clock::now();
+  const size_t q_elems = static_cast<size_t>(n) * lh * kHeadDim;
+  std::vector<uint16_t> q_gathered(q_elems * world);
+  uint16_t* q_mine = q_gathered.data() + q_elems * geo.rank;  // in place
+  for (int64_t row = 0; row < n; ++row) {
+    for (int j = 0; j < lh; ++j) {
+      const uint16_t* src = local.query + row * local.q_row_stride + j * local.q_head_stride;
+      std::copy(src, src + kHeadDim, q_mine + (row * lh + j) * kHeadDim);
+    }
+  }
+  CPIDX_RETURN_IF_ERROR(
+      comm.all_gather(q_mine, q_gathered.data(), q_elems * sizeof(uint16_t), nullptr));
+  std::vector<uint16_t> q_full(static_cast<size_t>(n) * total * kHeadDim);
+  for (int group = 0; group < world / geo.replicas; ++group) {
+    const uint16_t* src_rank = q_gathered.data() + q_elems * (group * geo.replicas);
+    for (int64_t row = 0; row < n; ++row) {
+      for (int j = 0; j < lh; ++j) {
+        const uint16_t* src = src_rank + (row * lh + j) * kHeadDim;
+        std::copy(src, src + kHeadDim, q_full.data() + (row * total + group * lh + j) * kHeadDim);
+      }
+    }
+  }
+  if (times) times->gather_queries_ms = elapsed_ms(start);
+
+  // (2) Score this rank's blocks for all T heads and keep the shard's top-K keys.
+  start = Clock::now();
+  DecodeInputs full = local;
+  full.query = q_full.data();
+  full.q_row_stride = int64_t{total} * kHeadDim;
+  full.q_head_stride = kHeadDim;
+  full.num_heads = total;
+  const size_t key_elems = static_cast<size_t>(total) * n * k;
+  std::vector<Key> keys_gathered(key_elems * world);
+  Key* keys_mine = keys_gathered.data() + key_elems * geo.rank;
+  CPIDX_RETURN_IF_ERROR(shard_topk_keys(full, sel, world, geo.rank, keys_mine, err));
+  if (times) times->score_topk_ms = elapsed_ms(start);
+
+  // (3) All-gather the keys: [world][T][n][K].
+  start = Clock::now();
+  CPIDX_RETURN_IF_ERROR(
+      comm.all_gather(keys_mine, keys_gathered.data(), key_elems * sizeof(Key), nullptr));
+  if (times) times->gather_keys_ms = elapsed_ms(start);
+
+  // (4) Merge the owned heads.
+  start = Clock::now();
+  const Status merged = merge_topk_keys(keys_gathered.data(), world, total, n, sel, geo.head_offset,
+                                        lh, local.seq_lens, local.num_reqs, local.query_len,
+                                        local.max_seq_len, out, table);
+  if (times) times->merge_ms = elapsed_ms(start);
+  return merged;
+}
+
+}  // namespace ref
+}  // namespace cpidx

@@ -1,0 +1,52 @@
+// Private helpers of the CPU reference: a small work-sharing loop, the fp32 dot product in
+// the contract's order, and the per-request position arithmetic shared by every path.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "cpidx/contract.h"
+#include "cpidx/params.h"
+#include "cpidx/status.h"
+
+namespace cpidx {
+namespace ref {
+namespace detail {
+
+// Runs body(item, worker) for item in [0, count) on up to hardware_concurrency() threads,
+// items handed out one at a time. `work` (a rough count of multiply-adds) keeps small jobs
+// on the calling thread. worker < the returned thread count.
+int parallel_for(int64_t count, double work, const std::function<void(int64_t, int)>& body);
+int max_workers();
+
+// sum_d q[d] * k[d] in fp32, in order d = 0..kHeadDim-1 (the contract's accumulation).
+inline float dot128(const float* q, const float* k) {
+  float acc = 0.0f;
+  for (int d = 0; d < kHeadDim; ++d) acc += q[d] * k[d];
+  return acc;
+}
+
+// Decodes one cached key (token `token` of page `page`) to fp32.
+void load_key(const PagedCache& cache, int64_t page, int token, float* out);
+
+// Loads query row `row`, head `h` of a strided bf16 tensor to fp32.
+void load_query(const uint16_t* query, int64_t row_stride, int64_t head_stride, int64_t row,
+                int head, float* out);
+
+// Scores one decode request on this shard for all heads and rows: out[t][h][l] for local slot
+// l < slots (global block g = l * world + rank), -inf where g >= the row's visible count.
+// seq_len is already clamped. Page clamps OR into *err.
+void score_request(const DecodeInputs& in, int world, int rank, int req, int32_t seq_len,
+                   int64_t slots, float* out, int32_t* err);
+
+// topk in [1, kMaxTopK] (kUnsupported above), init/local blocks >= 0.
+Status check_selection(const Selection& sel);
+
+// Host checks of a sparse-table call that need the batch shape (row strides, widths); run
+// before any output is written. Includes validate(table, 1) and requires it enabled.
+Status check_table_args(const SparseTableOutput& table, int num_reqs, int query_len,
+                        int32_t max_seq_len, int topk);
+
+}  // namespace detail
+}  // namespace ref
+}  // namespace cpidx

@@ -1,0 +1,224 @@
+// Test inputs shared by the CPU and GPU suites: the golden SplitMix64 stream, random decode /
+// prefill batches (bf16 or fp8 cache, shuffled block tables), output poisoning, and a helper
+// that runs one function per thread rank. Independent of GoogleTest.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "cpidx/comm.h"
+#include "cpidx/contract.h"
+#include "cpidx/params.h"
+#include "cpidx/reference.h"
+
+namespace cpidx_test {
+
+using cpidx::DType;
+
+// Golden inputs (spec/golden/README.md): draw i of seed s gives int(z >> 60) - 8 in [-8, 7].
+class GoldenStream {
+ public:
+  explicit GoldenStream(uint64_t seed) : seed_(seed) {}
+  int next() {
+    ++i_;
+    uint64_t z = seed_ + i_ * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return static_cast<int>(z >> 60) - 8;
+  }
+
+ private:
+  uint64_t seed_;
+  uint64_t i_ = 0;
+};
+
+constexpr int32_t kPoison = 0x7B7B7B7B;
+constexpr int kD = cpidx::kHeadDim;
+constexpr int kBS = cpidx::kBlockSize;
+
+// How random values are drawn: wide spread (few ties) or small integers (many equal maxima).
+enum class Values { kRandom, kTies };
+
+// A decode batch with every head's queries: query [n][T][D], the cache, a block table whose
+// unused columns hold garbage (so reading them would trip the page error flag).
+struct DecodeData {
+  int total_heads = 0;
+  int query_len = 1;
+  int32_t max_seq_len = 0;
+  DType dtype = DType::kBF16;
+  std::vector<int32_t> seq_lens;
+  std::vector<uint16_t> query;       // [n][T][D] bf16 bits
+  std::vector<uint16_t> cache_bf16;  // [pages][BS][D]
+  std::vector<uint8_t> cache_fp8;    // [pages][BS][D]
+  int64_t num_pages = 0;
+  std::vector<int32_t> block_table;  // [num_reqs][bt_row_stride]
+  int64_t bt_row_stride = 0;
+  float scale = 1.0f;
+
+  int num_reqs() const { return static_cast<int>(seq_lens.size()); }
+  int64_t rows() const { return static_cast<int64_t>(num_reqs()) * query_len; }
+  int64_t max_blocks() const { return cpidx::cdiv(max_seq_len, kBS); }
+
+  // Inputs for global heads [head_begin, head_begin + heads).
+  cpidx::DecodeInputs inputs(int head_begin, int heads) const {
+    cpidx::DecodeInputs in;
+    in.query = query.data() + static_cast<int64_t>(head_begin) * kD;
+    in.q_row_stride = static_cast<int64_t>(total_heads) * kD;
+    in.q_head_stride = kD;
+    in.num_heads = heads;
+    in.cache.dtype = dtype;
+    in.cache.data = dtype == DType::kBF16 ? static_cast<const void*>(cache_bf16.data())
+                                          : static_cast<const void*>(cache_fp8.data());
+    in.cache.num_pages = num_pages;
+    in.block_table = block_table.data();
+    in.bt_row_stride = bt_row_stride;
+    in.seq_lens = seq_lens.data();
+    in.num_reqs = num_reqs();
+    in.query_len = query_len;
+    in.max_seq_len = max_seq_len;
+    in.scale = scale;
+    return in;
+  }
+  cpidx::DecodeInputs all_heads() const { return inputs(0, total_heads); }
+};
+
+inline uint16_t bf16_of(float f) { return cpidx::ref::float_to_bf16(f); }
+
+// Golden decode inputs: queries then cache from one stream, block_table[req][b] = b * B + req.
+inline DecodeData golden_decode(uint64_t seed, int total_heads, int query_len,
+                                const std::vector<int32_t>& seq_lens, float scale) {
+  DecodeData d;
+  d.total_heads = total_heads;
+  d.query_len = query_len;
+  d.seq_lens = seq_lens;
+  d.scale = scale;
+  const int32_t longest = *std::max_element(seq_lens.begin(), seq_lens.end());
+  const int64_t blocks = std::max<int64_t>(1, cpidx::cdiv(longest, kBS));
+  const int reqs = d.num_reqs();
+  d.max_seq_len = static_cast<int32_t>(blocks * kBS);
+  GoldenStream stream(seed);
+  d.query.resize(static_cast<size_t>(d.rows()) * total_heads * kD);
+  for (auto& q : d.query) q = bf16_of(static_cast<float>(stream.next()));
+  d.num_pages = reqs * blocks;
+  d.cache_bf16.resize(static_cast<size_t>(d.num_pages) * kBS * kD);
+  for (auto& k : d.cache_bf16) k = bf16_of(static_cast<float>(stream.next()));
+  d.bt_row_stride = blocks;
+  d.block_table.resize(static_cast<size_t>(reqs * blocks));
+  for (int req = 0; req < reqs; ++req) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      d.block_table[static_cast<size_t>(req * blocks + b)] = static_cast<int32_t>(b * reqs + req);
+    }
+  }
+  return d;
+}
+
+inline float draw_value(std::mt19937_64& rng, Values values) {
+  if (values == Values::kTies) return static_cast<float>(static_cast<int>(rng() % 3) - 1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  return normal(rng);
+}
+
+// A random decode batch. max_seq_len >= every seq_len; pages are shuffled, and two spare
+// block-table columns plus the columns past each request's length hold garbage.
+inline DecodeData random_decode(uint64_t seed, int total_heads, int query_len,
+                                const std::vector<int32_t>& seq_lens, int32_t max_seq_len,
+                                DType dtype = DType::kBF16, Values values = Values::kRandom,
+                                float scale = 0.0883883f) {
+  std::mt19937_64 rng(seed);
+  DecodeData d;
+  d.total_heads = total_heads;
+  d.query_len = query_len;
+  d.seq_lens = seq_lens;
+  d.max_seq_len = max_seq_len;
+  d.dtype = dtype;
+  d.scale = scale;
+  d.query.resize(static_cast<size_t>(d.rows()) * total_heads * kD);
+  for (auto& q : d.query) {
+    q = bf16_of(values == Values::kTies ? static_cast<float>(static_cast<int>(rng() % 5) - 2)
+                                        : draw_value(rng, values));
+  }
+  const int reqs = d.num_reqs();
+  const int64_t blocks = d.max_blocks();
+  d.num_pages = reqs * blocks + 3;
+  const size_t elems = static_cast<size_t>(d.num_pages) * kBS * kD;
+  if (dtype == DType::kBF16) {
+    d.cache_bf16.resize(elems);
+    for (auto& k : d.cache_bf16) k = bf16_of(draw_value(rng, values));
+  } else {
+    d.cache_fp8.resize(elems);
+    for (auto& k : d.cache_fp8) {
+      if (values == Values::kTies) {
+        const uint8_t codes[3] = {0xB8, 0x00, 0x38};  // -1, 0, +1 in e4m3
+        k = codes[rng() % 3];
+      } else {
+        do k = static_cast<uint8_t>(rng());
+        while ((k & 0x7F) == 0x7F);  // skip NaN codes
+      }
+    }
+  }
+  std::vector<int32_t> pages(static_cast<size_t>(d.num_pages));
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), rng);
+  d.bt_row_stride = blocks + 2;
+  d.block_table.assign(static_cast<size_t>(reqs * d.bt_row_stride), 0);
+  for (int req = 0; req < reqs; ++req) {
+    const int64_t used =
+        std::min(blocks, cpidx::cdiv(std::max(seq_lens[static_cast<size_t>(req)], 0), kBS));
+    for (int64_t b = 0; b < d.bt_row_stride; ++b) {
+      d.block_table[static_cast<size_t>(req * d.bt_row_stride + b)] =
+          b < used ? pages[static_cast<size_t>(req * blocks + b)] : (b % 2 ? -1000003 : 1 << 30);
+    }
+  }
+  return d;
+}
+
+// Ids [heads][rows][K], contiguous, filled with kPoison.
+struct IdsBuffer {
+  IdsBuffer(int heads, int64_t rows, int topk)
+      : heads(heads),
+        rows(rows),
+        topk(topk),
+        ids(static_cast<size_t>(heads) * rows * topk, kPoison) {}
+  cpidx::TopkOutput out() {
+    return cpidx::TopkOutput{ids.data(), rows * topk, static_cast<int64_t>(topk)};
+  }
+  const int32_t* row(int head, int64_t r) const {
+    return ids.data() + (static_cast<int64_t>(head) * rows + r) * topk;
+  }
+  bool any_poison() const { return std::find(ids.begin(), ids.end(), kPoison) != ids.end(); }
+  bool all_poison() const {
+    return std::all_of(ids.begin(), ids.end(), [](int32_t v) { return v == kPoison; });
+  }
+  int heads;
+  int64_t rows;
+  int topk;
+  std::vector<int32_t> ids;
+};
+
+// Runs fn(rank, comm) on world_size threads with thread communicators; returns once all end.
+inline void run_ranks(int world_size, const std::function<void(int, cpidx::Communicator&)>& fn) {
+  auto comms = cpidx::make_thread_communicators(world_size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world_size; ++r) {
+    threads.emplace_back([&, r] { fn(r, *comms[static_cast<size_t>(r)]); });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// The world sizes a geometry accepts for total_heads, out of {1, 2, 4, 8}.
+inline std::vector<int> valid_worlds(int total_heads) {
+  std::vector<int> worlds;
+  for (int p : {1, 2, 4, 8}) {
+    cpidx::Geometry g;
+    if (cpidx::make_geometry(total_heads, p, 0, &g).is_ok()) worlds.push_back(p);
+  }
+  return worlds;
+}
+
+}  // namespace cpidx_test

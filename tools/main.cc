@@ -1,0 +1,51 @@
+// tools/main.cc: the `cpidx` command. Dispatches `cpidx <subcommand> [flags]` through one table;
+// `cpidx --help` lists the subcommands, `cpidx <subcommand> --help` lists its flags.
+#include <cstdio>
+#include <cstring>
+
+#include "subcommands.h"
+
+namespace {
+
+struct Subcommand {
+  const char* name;
+  const char* summary;
+  int (*run)(int argc, char** argv);
+};
+
+constexpr Subcommand kSubcommands[] = {
+    {"demo", "one synthetic decode step: context-parallel vs plain selection, per-rank report",
+     cpidx::tools::run_demo},
+    {"bench", "GPU benchmark sweep (needs a CUDA build and a GPU)", cpidx::tools::run_bench},
+};
+
+void print_usage(std::FILE* out) {
+  std::fprintf(out,
+               "usage: cpidx <command> [flags]\n\n"
+               "cpidx: the decode-time indexer of block-sparse attention (MiniMax-M3), with\n"
+               "context parallelism across tensor-parallel ranks.\n\ncommands:\n");
+  for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-8s %s\n", s.name, s.summary);
+  std::fprintf(out,
+               "\n`cpidx <command> --help` lists a command's flags. Under MPI each process is one "
+               "rank:\n  mpirun -np 2 cpidx demo\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    print_usage(stderr);
+    return cpidx::tools::kExitUsage;
+  }
+  if (!std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
+      !std::strcmp(argv[1], "help")) {
+    print_usage(stdout);
+    return cpidx::tools::kExitOk;
+  }
+  for (const Subcommand& s : kSubcommands) {
+    if (!std::strcmp(argv[1], s.name)) return s.run(argc, argv);
+  }
+  std::fprintf(stderr, "cpidx: unknown command '%s'\n\n", argv[1]);
+  print_usage(stderr);
+  return cpidx::tools::kExitUsage;
+}
