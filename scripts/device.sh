@@ -11,7 +11,9 @@ gtest_src=()
 [ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
 cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build-device -j"$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
+targets=(cpidx_tool cpidx_gpu_tests)
+[ -n "${EXTRA_TARGETS:-}" ] && targets+=($EXTRA_TARGETS)
+cmake --build build-device -j"$(nproc)" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   ./build-device/tests/cpidx_gpu_tests --gtest_output=json:"$OUT/gpu_tests.json" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|error" | head -80

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "args.h"
+#include "bench_step.h"
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
 #include "subcommands.h"
@@ -87,7 +88,7 @@ struct Result {
 
 class Bench {
  public:
-  Bench(int64_t pool_mb, const std::string& dtype) : dtype_(dtype) {
+  Bench(int64_t pool_mb, const std::string& dtype, bool pdl) : dtype_(dtype), pdl_(pdl) {
     const int64_t page_bytes = dtype == "fp8" ? kPageBytesBf16 / 2 : kPageBytesBf16;
     pool_pages_ = pool_mb * (1 << 20) / page_bytes;
     std::vector<uint16_t> h(static_cast<size_t>(pool_pages_ * page_bytes / 2));
@@ -131,6 +132,7 @@ class Bench {
   }
 
   std::string dtype_;
+  bool pdl_ = true;
   void* pool_ = nullptr;
   std::vector<uint16_t> h_pool_;
   int64_t pool_pages_ = 0, page_bytes_ = 0;
@@ -241,6 +243,7 @@ Result Bench::run(const Shape& sh, int replays) {
   cfg.max_seq_len = static_cast<int32_t>(sh.context);
   cfg.max_query_len = sh.qlen;
   cfg.cache_dtype = dtype_ == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
+  cfg.programmatic_launch = pdl_;
   std::vector<std::unique_ptr<Decoder>> decs(static_cast<size_t>(sh.world));
   for (int r = 0; r < sh.world; ++r) {
     cfg.rank = r;
@@ -338,18 +341,23 @@ int run_bench(int argc, char** argv) {
   std::string modes = "plain1,plain4,cp2,cp4", reqs = "1,8,64", contexts = "8K,64K,256K,1M",
               qlens = "1,4", json, dtype = "bf16";
   int64_t replays = 10, pool_mb = 4096;
+  bool pdl = true;
   Flags flags("cpidx bench [flags]",
               "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
-              "cpP = context-parallel rank work at P ranks (all 4 heads on a 1/P shard + merge).\n"
+              "cpP = context-parallel rank work at P ranks (all 4 heads on a 1/P shard + merge);\n"
+              "stepP = the whole context-parallel step on P real GPUs (NCCL inside one CUDA graph\n"
+              "per GPU, both exchanges included; one thread per GPU), with the two exchanges alone\n"
+              "(xchg_us) and the shard floor (cache bytes / P / 4.5 TB/s) beside it.\n"
               "Each shape: calls over input sets rotated past the L2, captured in one CUDA graph;\n"
               "median replay / calls. GB/s counts index-cache bytes read by the rank.");
-  flags.add("modes", &modes, "comma list of plainH / cpP")
+  flags.add("modes", &modes, "comma list of plainH / cpP / stepP")
       .add("reqs", &reqs, "comma list of batch sizes (requests)")
       .add("contexts", &contexts, "comma list of context lengths (K/M suffixes)")
       .add("qlens", &qlens, "comma list of query lengths")
       .add("dtype", &dtype, "index cache dtype", {"bf16", "fp8"})
       .add("replays", &replays, "timed graph replays per shape")
       .add("pool-mb", &pool_mb, "MiB of random key pages to draw from")
+      .add("pdl", &pdl, "launch with programmatic dependent launch")
       .add("json", &json, "write the results as JSON to this file");
   switch (flags.parse(argc, argv, 2)) {
     case Flags::Parse::kHelp: return kExitOk;
@@ -360,10 +368,10 @@ int run_bench(int argc, char** argv) {
     std::fprintf(stderr, "cpidx bench: no usable GPU\n");
     return kExitFailed;
   }
-  Bench bench(pool_mb, dtype);
+  std::unique_ptr<Bench> bench;          // created for the first plain / cp shape
+  std::unique_ptr<StepBench> step_bench;  // created for the first step shape
   std::vector<Result> results;
-  std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s %9s  %s\n", "mode", "heads", "reqs",
-              "context", "Q", "sets", "cache_MB", "us", "GB/s", "floor_us", "grid/stg", "check");
+  std::vector<std::pair<StepShape, StepResult>> step_results;
   bool all_ok = true;
   for (const std::string& m : [&] {
          std::vector<std::string> v;
@@ -379,6 +387,37 @@ int run_bench(int argc, char** argv) {
     for (int64_t q : parse_list(qlens)) {
       for (int64_t b : parse_list(reqs)) {
         for (int64_t c : parse_list(contexts)) {
+          if (m.rfind("step", 0) == 0) {
+            StepShape ss;
+            ss.world = std::stoi(m.substr(4));
+            ss.reqs = static_cast<int>(b);
+            ss.context = c;
+            ss.qlen = static_cast<int>(q);
+            if (!step_bench) {
+              step_bench = std::make_unique<StepBench>(pool_mb, dtype, pdl);
+              std::printf("# %s: whole step on %d GPUs (us) vs the shard floor; xchg_us = the two "
+                          "all-gathers alone\n# %s\n",
+                          m.c_str(), ss.world, StepBench::environment().c_str());
+              std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s %9s %9s  %s\n", "mode",
+                          "ranks", "reqs", "context", "Q", "calls", "cache_MB", "us", "floor_us",
+                          "floor+10", "xchg_us", "GB/s", "check");
+            }
+            StepResult r = step_bench->run(ss, static_cast<int>(replays));
+            all_ok = all_ok && r.check == "ok";
+            std::printf("%-7s %5d %4d %8lld %3d %6d %10.1f %9.1f %9.1f %9.1f %9.2f %9.0f  %s\n",
+                        m.c_str(), ss.world, ss.reqs, static_cast<long long>(ss.context), ss.qlen,
+                        r.calls, r.cache_mb, r.us, r.floor_us, r.floor_us + 10, r.exchange_us,
+                        r.gbps, r.check.c_str());
+            std::fflush(stdout);
+            step_results.emplace_back(ss, r);
+            continue;
+          }
+          if (!bench) {
+            bench = std::make_unique<Bench>(pool_mb, dtype, pdl);
+            std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s %9s  %s\n", "mode", "heads",
+                        "reqs", "context", "Q", "sets", "cache_MB", "us", "GB/s", "floor_us",
+                        "grid/stg", "check");
+          }
           Shape sh;
           sh.mode = m.rfind("cp", 0) == 0 ? "cp" : "plain";
           const int x = std::stoi(m.substr(sh.mode == "cp" ? 2 : 5));
@@ -386,7 +425,7 @@ int run_bench(int argc, char** argv) {
           sh.reqs = static_cast<int>(b);
           sh.context = c;
           sh.qlen = static_cast<int>(q);
-          Result r = bench.run(sh, static_cast<int>(replays));
+          Result r = bench->run(sh, static_cast<int>(replays));
           all_ok = all_ok && r.check.rfind("ok", 0) == 0;
           std::printf("%-7s %5d %4d %8lld %3d %6d %10.1f %9.1f %9.0f %9.1f %5d/%-3d  %s\n",
                       m.c_str(), sh.heads, sh.reqs, static_cast<long long>(sh.context), sh.qlen,
@@ -414,7 +453,20 @@ int run_bench(int argc, char** argv) {
                    static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.cache_mb, r.us,
                    r.gbps, r.floor_us, r.grid, r.stages, r.check.c_str(), i + 1 < results.size() ? "," : "");
     }
-    std::fprintf(f, "]}\n");
+    std::fprintf(f, "], \"step_results\": [\n");
+    for (size_t i = 0; i < step_results.size(); ++i) {
+      const auto& [ss, r] = step_results[i];
+      std::fprintf(f,
+                   "  {\"mode\": \"step\", \"world\": %d, \"reqs\": %d, \"context\": %lld, "
+                   "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, "
+                   "\"us\": %.3f, \"floor_us\": %.3f, \"exchange_us\": %.3f, \"gbps\": %.1f, "
+                   "\"q_bytes\": %lld, \"k_bytes\": %lld, \"check\": \"%s\"}%s\n",
+                   ss.world, ss.reqs, static_cast<long long>(ss.context), ss.qlen, r.sets,
+                   r.calls, r.cache_mb, r.us, r.floor_us, r.exchange_us, r.gbps,
+                   static_cast<long long>(r.q_bytes), static_cast<long long>(r.k_bytes),
+                   r.check.c_str(), i + 1 < step_results.size() ? "," : "");
+    }
+    std::fprintf(f, "], \"environment\": \"%s\"}\n", StepBench::environment().c_str());
     std::fclose(f);
   }
   return all_ok ? kExitOk : kExitFailed;

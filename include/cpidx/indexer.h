@@ -25,6 +25,13 @@ struct DecodeConfig {
   Selection sel;                     // K, init, local
   DType cache_dtype = DType::kBF16;
   int head_dim = kHeadDim;
+  // cp_decode asks the communicator's check_agree for equal batch sizes on every rank before
+  // its first collective (host side only: a captured graph holds no extra node). NCCL
+  // communicators check only when they have a host channel (comm_nccl.h).
+  bool check_agreement = true;
+  // Launch kernels with programmatic dependent launch: a step's kernels start while the
+  // previous kernel in the stream drains, and wait for its results before reading anything.
+  bool programmatic_launch = true;
 };
 
 // Launch facts chosen at construction (for reports and benchmarks).

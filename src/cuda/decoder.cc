@@ -5,11 +5,13 @@
 #include <cuda_runtime.h>
 
 #include <sstream>
+#include <string>
 
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
 #include "cpidx/workspace.h"
 #include "kernels.h"
+#include "reference/internal.h"
 
 namespace cpidx {
 namespace {
@@ -88,6 +90,21 @@ struct Decoder::Impl {
     return Status::ok();
   }
 
+  // Outputs of a step with `heads` heads over `n` rows: ids strides that do not overlap, and
+  // every sparse-table argument (all or none, strides, widths) before any kernel runs.
+  Status check_outputs(const TopkOutput& out, int heads, const DecodeInputs& batch,
+                       const SparseTableOutput* table) const {
+    CPIDX_RETURN_IF_ERROR(ref::detail::check_ids(out, heads, batch.num_rows(), cfg.sel.topk));
+    if (table != nullptr) {
+      CPIDX_RETURN_IF_ERROR(ref::validate(*table, heads));
+      if (table->enabled()) {
+        CPIDX_RETURN_IF_ERROR(ref::detail::check_table_args(
+            *table, batch.num_reqs, batch.query_len, cfg.max_seq_len, cfg.sel.topk));
+      }
+    }
+    return Status::ok();
+  }
+
   cuda::ScoreTopkParams score_params(const DecodeInputs& in, int world, int rank) const {
     cuda::ScoreTopkParams p;
     for (int h = 0; h < in.num_heads; ++h) {
@@ -114,6 +131,7 @@ struct Decoder::Impl {
     p.num_slots = layout.num_slots;
     p.arrivals = at<int32_t>(layout.arrivals);
     p.error_flag = at<int32_t>(layout.error_flag);
+    p.pdl = cfg.programmatic_launch;
     return p;
   }
 
@@ -138,10 +156,21 @@ Decoder::~Decoder() {
 
 Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decoder>* out) {
   CPIDX_CHECK(out != nullptr, "out must not be null");
+  if (c.cache_dtype != DType::kBF16 && c.cache_dtype != DType::kFP8E4M3) {
+    return unsupported("cache_dtype must be bf16 or fp8_e4m3, got dtype code " +
+                       std::to_string(static_cast<int>(c.cache_dtype)));
+  }
+  if (c.head_dim != kHeadDim) {
+    return unsupported("head_dim must be " + std::to_string(kHeadDim) + ", got " +
+                       std::to_string(c.head_dim));
+  }
+  if (c.sel.topk > kMaxTopK) {
+    return unsupported("topk must be in [1, " + std::to_string(kMaxTopK) + "], got " +
+                       std::to_string(c.sel.topk));
+  }
   auto impl = std::make_unique<Impl>();
   impl->cfg = c;
   CPIDX_RETURN_IF_ERROR(make_geometry(c.total_heads, c.world_size, c.rank, &impl->geo));
-  CPIDX_CHECK(c.head_dim == kHeadDim, "head_dim must be " << kHeadDim << ", got " << c.head_dim);
   CPIDX_CHECK(c.sel.topk >= 1 && c.sel.topk <= kMaxTopK,
               "topk must be in [1, " << kMaxTopK << "], got " << c.sel.topk);
   CPIDX_CHECK(c.sel.init_blocks >= 0 && c.sel.local_blocks >= 0,
@@ -202,8 +231,7 @@ Status Decoder::decode(const DecodeInputs& in, const TopkOutput& out,
               "query heads (num_heads) must be in [1, " << impl_->cfg.total_heads << "], got "
                                                         << in.num_heads);
   CPIDX_RETURN_IF_ERROR(impl_->check_inputs(in, in.num_heads));
-  CPIDX_CHECK(out.ids != nullptr, "out (ids) must not be null");
-  if (table) CPIDX_RETURN_IF_ERROR(ref::validate(*table, in.num_heads));
+  CPIDX_RETURN_IF_ERROR(impl_->check_outputs(out, in.num_heads, in, table));
   cuda::ScoreTopkParams p = impl_->score_params(in, 1, 0);
   p.ids = out.ids;
   p.ids_head_stride = out.head_stride;
@@ -216,6 +244,8 @@ Status Decoder::decode(const DecodeInputs& in, const TopkOutput& out,
 Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t stream) {
   CPIDX_RETURN_IF_ERROR(impl_->check_inputs(in, impl_->cfg.total_heads));
   CPIDX_CHECK(keys != nullptr, "keys must not be null");
+  CPIDX_CHECK(ref::detail::aligned(keys, alignof(Key)),
+              "keys must be 8-byte aligned, got address " << keys);
   cuda::ScoreTopkParams p =
       impl_->score_params(in, impl_->cfg.world_size, impl_->cfg.rank);
   p.keys = keys;
@@ -226,12 +256,19 @@ Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t strea
 Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const TopkOutput& out,
                       const SparseTableOutput* table, cudaStream_t stream) {
   CPIDX_CHECK(gathered != nullptr, "gathered keys must not be null");
-  CPIDX_CHECK(out.ids != nullptr, "out (ids) must not be null");
+  CPIDX_CHECK(ref::detail::aligned(gathered, alignof(Key)),
+              "gathered keys must be 8-byte aligned, got address " << gathered);
   CPIDX_CHECK(batch.seq_lens != nullptr, "seq_lens must not be null");
+  CPIDX_CHECK(ref::detail::aligned(batch.seq_lens, alignof(int32_t)),
+              "seq_lens must be 4-byte aligned (int32), got address " << batch.seq_lens);
+  CPIDX_CHECK(batch.num_reqs >= 1, "num_reqs must be >= 1, got " << batch.num_reqs);
+  CPIDX_CHECK(batch.query_len >= 1 && batch.query_len <= impl_->cfg.max_query_len,
+              "query_len must be in [1, max_query_len = " << impl_->cfg.max_query_len
+                                                          << "], got " << batch.query_len);
   CPIDX_CHECK(batch.num_rows() <= impl_->cfg.max_tokens,
               "num_reqs * query_len (" << batch.num_rows() << ") exceeds max_tokens ("
                                        << impl_->cfg.max_tokens << ")");
-  if (table) CPIDX_RETURN_IF_ERROR(ref::validate(*table, impl_->geo.local_heads));
+  CPIDX_RETURN_IF_ERROR(impl_->check_outputs(out, impl_->geo.local_heads, batch, table));
   cuda::MergeParams m;
   m.gathered = gathered;
   m.world = impl_->cfg.world_size;
@@ -248,6 +285,7 @@ Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const Topk
   m.num_reqs = batch.num_reqs;
   m.query_len = batch.query_len;
   m.max_seq_len = impl_->cfg.max_seq_len;
+  m.pdl = impl_->cfg.programmatic_launch;
   CPIDX_CUDA_TRY(cuda::launch_merge_topk(m, stream));
   return Status::ok();
 }
@@ -256,16 +294,28 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
                           const SparseTableOutput* table, cudaStream_t stream) {
   const Impl& im = *impl_;
   const int P = im.cfg.world_size, T = im.cfg.total_heads, L = im.geo.local_heads;
-  CPIDX_CHECK(comm.world_size() == P && comm.rank() == im.cfg.rank,
-              "communicator (rank " << comm.rank() << " of " << comm.world_size()
-                                    << ") does not match the Decoder (rank " << im.cfg.rank
-                                    << " of " << P << ")");
-  CPIDX_CHECK(comm.memory_space() == MemorySpace::kDevice,
-              "communicator must exchange device memory for the GPU decode");
-  CPIDX_RETURN_IF_ERROR(im.check_inputs(local, L));
-  CPIDX_CHECK(out.ids != nullptr, "out (ids) must not be null");
-  if (table) CPIDX_RETURN_IF_ERROR(ref::validate(*table, L));
   const int64_t n = local.num_rows();
+  const Status valid = [&]() -> Status {
+    CPIDX_CHECK(comm.world_size() == P && comm.rank() == im.cfg.rank,
+                "communicator (rank " << comm.rank() << " of " << comm.world_size()
+                                      << ") does not match the Decoder (rank " << im.cfg.rank
+                                      << " of " << P << ")");
+    CPIDX_CHECK(comm.memory_space() == MemorySpace::kDevice,
+                "communicator must exchange device memory for the GPU decode");
+    CPIDX_RETURN_IF_ERROR(im.check_inputs(local, L));
+    CPIDX_RETURN_IF_ERROR(im.check_outputs(out, L, local, table));
+    return Status::ok();
+  }();
+  // 0. Every rank must gather the same byte counts, or the collectives below hang or read past
+  // the buffers: agree on the batch rows first (host side only; nothing is captured). A rank
+  // whose own checks failed offers -1, so its peers fail here too instead of waiting for it.
+  if (P > 1 && im.cfg.check_agreement) {
+    const Status agree =
+        comm.check_agree(valid.is_ok() ? n : -1, "decode rows (num_reqs * query_len)");
+    CPIDX_RETURN_IF_ERROR(valid);
+    CPIDX_RETURN_IF_ERROR(agree);
+  }
+  CPIDX_RETURN_IF_ERROR(valid);
   if (P == 1) return decode(local, out, table, stream);
 
   // 1. Gather the local queries [n, L, D] of every rank.

@@ -53,6 +53,7 @@ struct ScoreTopkParams {
   int64_t num_slots = 0;
   int32_t* arrivals = nullptr;            // [>= num_reqs], zero between launches
   int32_t* error_flag = nullptr;          // OR of DeviceError bits
+  bool pdl = true;                        // programmatic dependent launch
 };
 
 struct ScoreTopkLaunch {
@@ -83,6 +84,7 @@ struct MergeParams {
   const int32_t* seq_lens = nullptr;
   int num_reqs = 0, query_len = 1;
   int32_t max_seq_len = 0;
+  bool pdl = true;
 };
 cudaError_t launch_merge_topk(const MergeParams& p, cudaStream_t stream);
 

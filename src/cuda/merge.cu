@@ -17,6 +17,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_topk_kernel(const Merg
   __shared__ Key best[kMergeWarps][kMaxTopK];
   __shared__ int count[kMergeWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  pdl_wait();
+  pdl_launch_dependents();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + warp;
   if (item >= p.local_heads * p.n) return;  // warp-uniform
   const int j = static_cast<int>(item / p.n);
@@ -67,8 +69,8 @@ cudaError_t launch_merge_topk(const MergeParams& p, cudaStream_t stream) {
   const int64_t items = p.local_heads * p.n;
   if (items == 0) return cudaSuccess;
   const int64_t blocks = (items + kMergeWarps - 1) / kMergeWarps;
-  merge_topk_kernel<<<static_cast<unsigned>(blocks), kMergeWarps * 32, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_pdl(p.pdl, merge_topk_kernel, dim3(static_cast<unsigned>(blocks)),
+                         dim3(kMergeWarps * 32), 0, stream, p);
 }
 
 cudaError_t launch_pack_queries(const __nv_bfloat16* src, int64_t row_stride,

@@ -168,6 +168,10 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
                reinterpret_cast<int*>(smem_raw + lay.misc_off)};
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
   int32_t err = 0;
+  // Programmatic dependent launch: this grid may start while the previous kernel in the stream
+  // drains; wait for its results (queries, cache, tables, workspace) before reading anything.
+  pdl_wait();
+  pdl_launch_dependents();
 
   // ---- 1. Owned pages per request and their prefix sum (every CTA computes the same). -----
   const int B = p.num_reqs;
@@ -468,8 +472,8 @@ cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const Score
     constexpr int NT = decltype(nt)::value;
     constexpr DType DT = decltype(dt)::value;
     const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, l.max_reqs, l.grid);
-    score_topk_kernel<NT, DT><<<l.grid, kThreads, lay.total, stream>>>(p, l.stages, l.max_reqs);
-    return cudaGetLastError();
+    return launch_with_pdl(p.pdl, score_topk_kernel<NT, DT>, l.grid, kThreads, lay.total, stream, p,
+                           l.stages, l.max_reqs);
   });
 }
 

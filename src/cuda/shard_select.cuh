@@ -85,26 +85,39 @@ __device__ inline void compact_all(const Smem& s, int ncols, int K) {
 }
 
 // The exact K-th largest of heads[0..n) (kPadKey = none), or 1 when fewer than K are real:
-// one warp, shared memory only. A lower bound tau0 (the K-th largest lane maximum) limits the
-// exact rank counting to the few heads at or above it.
-__device__ inline Key kth_head(const Key* heads, int n, int K, Key* lane_max_buf, Key* result,
-                               int lane) {
+// one warp, shared memory only. A lower bound tau0 (the K-th largest lane maximum) leaves few
+// heads at or above it; they are compacted into `work` (capacity `cap`) and ranked there.
+__device__ inline Key kth_head(const Key* heads, int n, int K, Key* lane_max_buf, Key* work,
+                               int cap, int* counter, Key* result, int lane) {
   Key m = kPadKey;
   for (int i = lane; i < n; i += 32) m = heads[i] > m ? heads[i] : m;
   lane_max_buf[lane] = m;
-  if (lane == 0) *result = Key{1};
+  if (lane == 0) { *result = Key{1}; *counter = 0; }
   __syncwarp();
   int rank0 = 0;
   for (int j = 0; j < 32; ++j) rank0 += lane_max_buf[j] > m;
-  if (rank0 == K - 1 && m != kPadKey) lane_max_buf[32] = m;  // unique: real keys differ
-  const bool have_tau0 = __any_sync(0xffffffffu, rank0 == K - 1 && m != kPadKey);
+  const bool mine = rank0 == K - 1 && m != kPadKey;  // unique: real keys differ
+  if (mine) lane_max_buf[32] = m;
+  const bool have_tau0 = __any_sync(0xffffffffu, mine);
   __syncwarp();
   const Key tau0 = have_tau0 ? lane_max_buf[32] : Key{1};
   for (int i = lane; i < n; i += 32) {
     const Key h = heads[i];
+    if (h >= tau0 && h != kPadKey) {
+      const int at = atomicAdd(counter, 1);
+      if (at < cap) work[at] = h;
+    }
+  }
+  __syncwarp();
+  const int n1 = *counter;
+  // Rank among the compacted heads, or (if they overflowed) among all heads.
+  const Key* pool = n1 <= cap ? work : heads;
+  const int np = n1 <= cap ? n1 : n;
+  for (int i = lane; i < np; i += 32) {
+    const Key h = pool[i];
     if (h < tau0 || h == kPadKey) continue;
     int rank = 0;
-    for (int j = 0; j < n; ++j) rank += heads[j] > h;
+    for (int j = 0; j < np; ++j) rank += pool[j] > h;
     if (rank == K - 1) *result = h;
   }
   __syncwarp();
@@ -143,7 +156,11 @@ __device__ inline void merge_request(const ScoreTopkParams& p, const Smem& s, in
     consumer_sync();
     for (int cc = warp; cc < cols; cc += kConsumerWarps) {
       const Key* h = heads + cc * nseg;
-      const Key t = kth_head(h, nseg, K, s.mlane + warp * 33, s.mtau + cc, lane);
+      const Key t = kth_head(h, nseg, K, s.mlane + warp * 33, work + cc * col_keys,
+                             static_cast<int>(col_keys), &ncand[cc], s.mtau + cc, lane);
+      __syncwarp();
+      if (lane == 0) ncand[cc] = 0;
+      __syncwarp();
       for (int seg = lane; seg < nseg; seg += 32) {
         if (h[seg] >= t) sel[cc * K + atomicAdd(&nsel[cc], 1)] = seg;
       }

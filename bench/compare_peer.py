@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Compare a `cpidx bench --json` result with the peer (vLLM's Triton indexer on one H200).
+
+Peer figures: graph-replay microseconds from ../shared/perf/PEER_H200.md (measured 2026-11-29,
+run 2): plain decode by (heads, Q, B, L) and context-parallel rank work (score + local top-k +
+merge, no exchange) by (P, Q, B, L). Prints a markdown table with our time, the ratio to the
+peer, GB/s on the rank's cache bytes and the target each row is judged by (TARGETS.md).
+Usage: compare_peer.py bench.json [--markdown]
+"""
+import json
+import sys
+
+K8, K64, K256, M1 = 8192, 65536, 262144, 1048576
+L = [K8, K64, K256, M1]
+# (heads, Q, B) -> [8K, 64K, 256K, 1M] graph us, PEER_H200.md decode table.
+PEER_DECODE = {
+    (1, 1, 1): [8.6, 13.0, 26.3, 84.8], (1, 1, 8): [12.8, 40.5, 135.2, 518.1],
+    (1, 1, 64): [39.8, 266.3, 1045.1, 4198.8],
+    (1, 4, 1): [8.9, 13.9, 27.3, 81.8], (1, 4, 8): [11.6, 43.0, 150.5, 586.2],
+    (1, 4, 64): [42.0, 277.1, 1083.5, 4364.0],
+    (4, 1, 1): [8.9, 14.1, 27.3, 82.1], (4, 1, 8): [11.6, 43.2, 152.0, 582.2],
+    (4, 1, 64): [39.6, 277.0, 1035.3, 4328.6],
+    (4, 4, 1): [7.4, 14.2, 35.6, 116.4], (4, 4, 8): [11.9, 56.2, 208.0, 783.9],
+    (4, 4, 64): [48.2, 335.1, 1313.2, 5236.6],
+}
+# (P, Q, B) -> rank total us (score + AMD local + AMD merge), PEER_H200.md CP table.
+PEER_CP = {
+    (2, 1, 1): [11.2, 12.8, 19.4, 57.3], (2, 1, 8): [12.3, 26.7, 75.8, 267.2],
+    (2, 1, 64): [26.9, 133.0, 496.6, 1945.9],
+    (2, 4, 1): [11.4, 13.0, 19.6, 58.1], (2, 4, 8): [12.6, 27.4, 77.3, 272.7],
+    (2, 4, 64): [29.9, 140.4, 521.7, 2049.1],
+    (4, 1, 1): [11.2, 12.1, 14.9, 34.0], (4, 1, 8): [11.9, 17.1, 42.6, 139.5],
+    (4, 1, 64): [17.2, 73.8, 254.6, 981.2],
+    (4, 4, 1): [11.4, 12.4, 15.0, 34.5], (4, 4, 8): [12.2, 17.4, 43.6, 142.4],
+    (4, 4, 64): [19.1, 78.2, 266.4, 1030.7],
+}
+
+
+def peer_us(r):
+    if r["context"] not in L:
+        return None
+    i = L.index(r["context"])
+    if r["mode"] == "plain":
+        row = PEER_DECODE.get((r["heads"], r["qlen"], r["reqs"]))
+    else:
+        row = PEER_CP.get((r["world"], r["qlen"], r["reqs"]))
+    return row[i] if row else None
+
+
+def target(r):
+    tokens = r["reqs"] * r["context"]
+    if tokens <= 512 * 1024:
+        return "<= 0.6x peer"
+    if tokens >= 2 * 1024 * 1024:
+        return ">= 4.3 TB/s" if r["qlen"] == 1 else ">= 4.2 TB/s"
+    return "-"
+
+
+def verdict(r, peer):
+    t = target(r)
+    if t.startswith("<="):
+        return "met" if peer and r["us"] <= 0.6 * peer else "missed"
+    if t.startswith(">="):
+        need = 4300 if r["qlen"] == 1 else 4200
+        return "met" if r["gbps"] >= need else "missed"
+    return ""
+
+
+def main():
+    data = json.load(open(sys.argv[1]))
+    print("| mode | heads | P | B | L | Q | us | peer us | ratio | GB/s | target | |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in data["results"]:
+        peer = peer_us(r)
+        ratio = f"{r['us'] / peer:.2f}" if peer else "-"
+        ctx = f"{r['context'] // 1024}K" if r["context"] < M1 else f"{r['context'] // M1}M"
+        print(f"| {r['mode']} | {r['heads']} | {r['world']} | {r['reqs']} | {ctx} | {r['qlen']} | "
+              f"{r['us']:.1f} | {peer if peer else '-'} | {ratio} | {r['gbps']:.0f} | "
+              f"{target(r)} | {verdict(r, peer)} |")
+
+
+if __name__ == "__main__":
+    main()
