@@ -16,6 +16,7 @@
 #include "cpidx/comm.h"
 #include "cpidx/contract.h"
 #include "cpidx/reference.h"
+#include "demo_gpu.h"
 #include "mpi_session.h"
 #include "subcommands.h"
 #include "synthetic.h"
@@ -37,6 +38,8 @@ struct DemoOptions {
   int64_t rows_shown = 3;
   int64_t threads = 0;
   bool mpi = false;
+  bool gpu = true;    // also run the GPU path when a GPU is present
+  bool gpus = false;  // the context-parallel step on P real GPUs through NCCL
   bool ranks_given = false;  // --ranks was on the command line
 };
 
@@ -296,7 +299,14 @@ int run_threads(const DemoOptions& o, const SyntheticConfig& config, const Selec
   Status plain_status = run_plain(step, sel, &plain, &plain_ms, &plain_errors);
   const int64_t plain_bytes =
       ref::shard_cache_bytes(step.for_heads(0, step.config.total_heads), 1, 0);
-  return print_report(o, step, sel, runs, plain, plain_bytes, plain_ms, plain_errors, plain_status);
+  const int code =
+      print_report(o, step, sel, runs, plain, plain_bytes, plain_ms, plain_errors, plain_status);
+  if (!o.gpu || !gpu_available()) return code;
+  // Real GPUs when asked (--gpus) or when P equals the GPU count; else P ranks on GPU 0.
+  const bool real = o.gpus || (P >= 2 && gpu_count() == P && built_with_nccl());
+  progress(true, real ? "GPU decode and context-parallel step on real GPUs"
+                      : "GPU decode and simulated context-parallel ranks");
+  return std::max(code, run_demo_gpu(step, sel, P, real, plain));
 }
 
 // One MPI process per rank: every rank builds the same step, runs its share, and rank 0 checks
@@ -386,7 +396,11 @@ int run_demo(int argc, char** argv) {
               "top-K blocks twice: context-parallel over --ranks ranks (threads, or one MPI\n"
               "process per rank under mpirun) and plain on all heads. Checks that both select\n"
               "identical ids in identical order and reports, per rank, the index-cache bytes read\n"
-              "and the time of each stage. Exit code 0 when they agree, 1 when not, 2 on bad\n"
+              "and the time of each stage. With a GPU (CUDA build, not under MPI) it then runs\n"
+              "the plain GPU decode and the context-parallel step (P real GPUs through NCCL, or P\n"
+              "ranks simulated on GPU 0) with CUDA-event stage times, and checks GPU ids against\n"
+              "the CPU reference (near-ties within 1e-3 allowed) and context-parallel against\n"
+              "plain GPU (bitwise). Exit code 0 when everything agrees, 1 when not, 2 on bad\n"
               "flags.");
   flags.add("heads", &o.heads, "index heads T")
       .add("ranks", &o.ranks, "tensor-parallel ranks P, run as threads (under MPI: the processes)")
@@ -400,7 +414,12 @@ int run_demo(int argc, char** argv) {
       .add("dtype", &o.dtype, "index cache dtype", {"bf16", "fp8"})
       .add("rows-shown", &o.rows_shown, "rows of head 0 whose selected blocks are printed")
       .add("threads", &o.threads, "threads that build the inputs (0: all cores)")
-      .add("mpi", &o.mpi, "one MPI process per rank (automatic under mpirun with -np > 1)");
+      .add("mpi", &o.mpi, "one MPI process per rank (automatic under mpirun with -np > 1)")
+      .add("gpu", &o.gpu, "also decode on the GPU when one is present (plain + context-parallel)")
+      .add("gpus", &o.gpus,
+           "run the GPU context-parallel step on P real GPUs through NCCL, one thread per GPU; "
+           "without it, real GPUs only when P equals the GPU count, else P ranks simulated on "
+           "GPU 0");
   switch (flags.parse(argc, argv, 2)) {
     case Flags::Parse::kHelp: return kExitOk;
     case Flags::Parse::kError: return kExitUsage;
@@ -409,6 +428,13 @@ int run_demo(int argc, char** argv) {
   o.ranks_given = flags.is_set("ranks");
   if (std::string e = check_options(o); !e.empty()) {
     std::fprintf(stderr, "cpidx demo: %s\n", e.c_str());
+    return kExitUsage;
+  }
+  if (o.gpus && (!built_with_nccl() || o.ranks < 2 || gpu_count() < o.ranks || !o.gpu)) {
+    std::fprintf(stderr, "cpidx demo: --gpus needs a build with NCCL, --ranks >= 2, --gpu and "
+                 "at least --ranks GPUs (NCCL %s, --ranks=%lld, %d GPUs)\n",
+                 built_with_nccl() ? "built" : "not built", static_cast<long long>(o.ranks),
+                 gpu_count());
     return kExitUsage;
   }
   SyntheticConfig config;

@@ -1,0 +1,65 @@
+// cpidx/comm_nccl.h: a Communicator whose all_gather is a stream-ordered ncclAllGather on device
+// memory, so the context-parallel decode and its two exchanges can be captured in one CUDA graph.
+// Built as the optional target cpidx_comm_nccl (cpidx::comm_nccl); nccl.h is not included here.
+//
+// NCCL environment: NVLink SHARP / multicast (NVLS) must stay off. Run with NCCL_NVLS_ENABLE=0;
+// when the variable is unset, the factories below set it to 0 before NCCL first reads it, and
+// they refuse to create a communicator while it asks for NVLS. cpidx never calls
+// cuMulticastCreate. NCCL_GRAPH_MIXING_SUPPORT is left to the caller (see docs/design/exchange.md).
+#pragma once
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpidx/comm.h"
+#include "cpidx/status.h"
+
+namespace cpidx {
+
+// The bytes of an ncclUniqueId (NCCL_UNIQUE_ID_BYTES).
+using NcclUniqueId = std::array<char, 128>;
+
+// A fresh NCCL unique id, made on one rank and handed to every rank by the caller (MPI_Bcast,
+// torch.distributed, a file). On failure returns zeros and sets *status (kCommError).
+NcclUniqueId nccl_unique_id(Status* status);
+
+// Rank `rank` of `world` over `id`, on CUDA device `device` (ncclCommInitRank: collective, every
+// rank calls it). `host_channel`, if given, is a host-memory communicator of the same ranks (MPI,
+// threads) that check_agree() uses; it is not owned and must outlive the returned communicator.
+// With a host channel, a rank whose arguments are refused makes every rank fail instead of
+// leaving them waiting in ncclCommInitRank. The caller's current device is restored.
+// On failure returns nullptr and sets *status; *status is ok otherwise.
+std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int world, int rank,
+                                                     int device, Status* status,
+                                                     Communicator* host_channel = nullptr);
+
+// Wraps an existing ncclComm_t (passed as void*), for example one owned by an engine. The
+// communicator is used, never destroyed: its owner keeps it alive while the wrapper lives.
+std::unique_ptr<Communicator> adopt_nccl_communicator(void* nccl_comm, Status* status,
+                                                      Communicator* host_channel = nullptr);
+
+// One communicator per device of `devices` (ncclCommInitAll): one process driving all its GPUs,
+// rank i on devices[i]. Each has an internal thread-style host channel, so check_agree() catches
+// disagreeing ranks; like thread communicators, each rank must then make its calls (cp_decode
+// included) from its own host thread, concurrently with the others. On failure returns an empty
+// vector and sets *status.
+std::vector<std::unique_ptr<Communicator>> make_nccl_communicators_single_process(
+    const std::vector<int>& devices, Status* status);
+
+// "NCCL 2.28.3 (library), 2.28.9 (headers)" for reports; "unavailable: <why>" on failure.
+std::string nccl_version_text();
+
+// Semantics of the NCCL communicators:
+//  - memory_space() is kDevice: all_gather's buffers are device memory on the communicator's
+//    device, and `stream` must belong to that device. all_gather enqueues one ncclAllGather of
+//    ncclUint8 and returns at once (no host synchronisation), so it can be graph-captured.
+//  - check_agree(value, what) forwards to the host channel. Without one (make_nccl_communicator
+//    or adopt_nccl_communicator with host_channel == nullptr) there is no check: it returns ok,
+//    and ranks that disagree on a batch shape are not caught before the collective.
+//  - barrier() is a host barrier through the host channel; without one, a one-int ncclAllReduce
+//    on an internal stream followed by a wait for that stream.
+//  - Every NCCL failure is kCommError with ncclGetErrorString and ncclGetLastError.
+
+}  // namespace cpidx

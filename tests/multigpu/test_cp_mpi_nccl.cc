@@ -1,0 +1,211 @@
+// The context-parallel decode over NCCL with one MPI process per GPU (run: mpirun -np 2): the
+// NCCL unique id is broadcast with MPI and the MPI communicator is the host channel. Each rank
+// checks its owned heads against the plain decode on its own GPU, bitwise: random batches,
+// replicated heads, golden cases, a CUDA graph replayed 1000 times with changing inputs, and a
+// disagreeing batch size (kCommError on every rank, no hang). Skips with fewer GPUs than ranks.
+//
+// Rule: no ASSERT or early return before a collective (see multigpu_util.h).
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdio>
+#include <random>
+#include <string>
+
+#include "cpidx/comm_mpi.h"
+#include "cpidx/comm_nccl.h"
+#include "json_lite.h"
+#include "multigpu_util.h"
+
+namespace {
+
+using namespace cpidx_multigpu_test;
+using cpidx::StatusCode;
+using cpidx_test::random_decode;
+
+struct World {
+  int rank = 0, size = 1, device = 0;
+  bool enough_gpus = false;
+  Status status;
+  std::unique_ptr<Communicator> mpi;   // host channel
+  std::unique_ptr<Communicator> nccl;  // device communicator
+};
+
+World& world() {
+  static World w;
+  return w;
+}
+
+// Every process calls it once, after MPI_Init: same device count on every rank of one host, so
+// every rank takes the same branch.
+void set_up_world() {
+  World& w = world();
+  MPI_Comm_rank(MPI_COMM_WORLD, &w.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &w.size);
+  const int gpus = device_count();
+  w.enough_gpus = w.size >= 2 && gpus >= w.size;
+  if (!w.enough_gpus) return;
+  w.device = w.rank % gpus;
+  w.mpi = cpidx::make_mpi_communicator(&w.status);
+  if (!w.status.is_ok()) return;
+  cpidx::NcclUniqueId id{};
+  Status id_status;
+  if (w.rank == 0) id = cpidx::nccl_unique_id(&id_status);
+  MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_BYTE, 0, MPI_COMM_WORLD);
+  // A failed id on rank 0 still reaches make_nccl_communicator, whose agreement step fails
+  // every rank together.
+  if (!id_status.is_ok()) {
+    w.status = id_status;
+    w.mpi->check_agree(-1, "NCCL communicator world size (-1: a rank refused its arguments)");
+    return;
+  }
+  w.nccl = cpidx::make_nccl_communicator(id, w.size, w.rank, w.device, &w.status, w.mpi.get());
+}
+
+class MpiNccl : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const World& w = world();
+    if (!w.enough_gpus) {
+      GTEST_SKIP() << "needs >= 2 ranks and one GPU per rank; " << w.size << " ranks, "
+                   << device_count() << " GPUs";
+    }
+    ASSERT_TRUE(w.status.is_ok()) << w.status.to_string();
+    ASSERT_TRUE(w.nccl != nullptr);
+  }
+  static Communicator& comm() { return *world().nccl; }
+  static int device() { return world().device; }
+
+  // This rank's cp_decode against the plain decode on its own GPU.
+  static void expect_cp_equals_plain(const DecodeData& d, const Selection& sel,
+                                     const std::string& what) {
+    const std::vector<int32_t> plain = plain_decode_on(device(), d, sel);
+    const RankResult res = cp_rank(comm(), device(), d, sel);
+    expect_rank_matches(res, plain, d.rows(), sel.topk, what);
+  }
+};
+
+TEST_F(MpiNccl, CommunicatorShape) {
+  EXPECT_EQ(comm().rank(), world().rank);
+  EXPECT_EQ(comm().world_size(), world().size);
+  EXPECT_EQ(comm().memory_space(), cpidx::MemorySpace::kDevice);
+  EXPECT_TRUE(comm().check_agree(7, "seven").is_ok());
+  const Status differ = comm().check_agree(world().rank, "the rank");
+  EXPECT_EQ(differ.code(), StatusCode::kCommError) << differ.to_string();
+  EXPECT_TRUE(comm().barrier().is_ok());
+}
+
+TEST_F(MpiNccl, RandomBatchesEqualPlainBitwise) {
+  std::mt19937 rng(51);  // same seed on every rank: identical inputs
+  int seed = 2000;
+  for (int T : {4, 2, 1}) {
+    cpidx::Geometry g;
+    if (!cpidx::make_geometry(T, world().size, 0, &g).is_ok()) continue;  // same on every rank
+    for (int Q : {1, 4}) {
+      std::vector<int32_t> s = lengths(rng, 6, 200000, true);
+      s[0] = 1;
+      s[2] = 129;
+      DecodeData d = random_decode(seed++, T, Q, s, 200000);
+      expect_cp_equals_plain(d, sel_of(16), "T=" + std::to_string(T) + " Q=" + std::to_string(Q));
+    }
+  }
+}
+
+TEST_F(MpiNccl, GoldenCases) {
+  const json_lite::Value cases =
+      json_lite::parse_file(std::string(CPIDX_TEST_DATA_DIR) + "/golden_cases.json")["cases"];
+  for (const auto& c : cases.array) {
+    if (c["kind"].string != "decode") continue;
+    const DecodeData d = cpidx_test::golden_decode(
+        static_cast<uint64_t>(c["seed"].number), c["T"].as_int(), c["Q"].as_int(),
+        c["seq_lens"].ints(), static_cast<float>(c["scale"].number));
+    cpidx::Geometry g;
+    if (!cpidx::make_geometry(d.total_heads, world().size, 0, &g).is_ok()) continue;
+    const Selection sel = sel_of(c["K"].as_int(), c["init"].as_int(), c["local"].as_int());
+    std::vector<int32_t> want;
+    for (const auto& head : c["ids"].array)
+      for (const auto& row : head.array)
+        for (int32_t v : row.ints()) want.push_back(v);
+    const RankResult res = cp_rank(comm(), device(), d, sel);
+    expect_rank_matches(res, want, d.rows(), sel.topk,
+                        "golden seed " + std::to_string(c["seed"].as_int()));
+  }
+}
+
+TEST_F(MpiNccl, GraphReplay1000WithChangingInputs) {
+  const int reqs = 8, replays = 1000, check_every = 100, Q = 2;
+  const int32_t bound = 1 << 16;
+  std::mt19937 rng(61);
+  DecodeData d = random_decode(2100, 4, Q, lengths(rng, reqs, bound, false), bound);
+  const Selection sel = sel_of(16);
+  GraphRank rank(comm(), device(), d, sel);
+  Status st = rank.warm_up();
+  if (st.is_ok()) st = rank.capture();
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  // Every rank ran the same collectives so far; agree before replaying (no rank replays alone).
+  const Status ready = world().mpi->check_agree(st.is_ok() ? 1 : 0, "graph captured");
+  ASSERT_TRUE(ready.is_ok()) << ready.to_string();
+  for (int step = 0; step < replays; ++step) {
+    next_replay_inputs(rng, step, bound, &d);
+    const bool check = step % check_every == 0 || step == replays - 1;
+    rank.set_inputs(d);
+    if (check) rank.poison_ids();
+    rank.launch();
+    rank.sync();
+    if (check) {
+      expect_owned_heads_equal(rank.geometry(), rank.ids(), plain_decode_on(device(), d, sel),
+                               d.rows(), sel.topk, "replay " + std::to_string(step));
+    }
+  }
+}
+
+TEST_F(MpiNccl, DisagreeingBatchSizeFailsBeforeAnyCollective) {
+  DecodeData d = random_decode(2200, 4, 2, {3000, 500, 7000, 100}, 8192);
+  const Selection sel = sel_of(16);
+  const RankResult res = cp_rank(comm(), device(), d, sel, world().rank == 1 ? 3 : -1);
+  EXPECT_EQ(res.status.code(), StatusCode::kCommError) << res.status.to_string();
+  EXPECT_NE(res.status.message().find("decode rows"), std::string::npos) << res.status.message();
+  expect_cp_equals_plain(d, sel, "after the refused step");
+}
+
+// Non-zero ranks print only failures, prefixed with their rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (!r.failed()) return;
+    std::printf("[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
+                r.line_number(), r.summary());
+    std::fflush(stdout);
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  set_up_world();
+  const int rank = world().rank, size = world().size;
+  ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
+  if (rank != 0) {
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(rank));
+  }
+  const int local_failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  int any_failed = local_failed;
+  MPI_Allreduce(&local_failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (rank == 0) {
+    std::printf("[==========] MPI + NCCL world of %d ranks: %s\n", size,
+                any_failed ? "FAILED on at least one rank" : "PASSED on every rank");
+    std::fflush(stdout);
+  }
+  // Communicators go before MPI_Finalize (the NCCL one first: it uses the MPI one).
+  world().nccl.reset();
+  world().mpi.reset();
+  MPI_Finalize();
+  return any_failed ? 1 : 0;
+}

@@ -1,0 +1,368 @@
+// The context-parallel decode on real GPUs through NCCL, one process, one host thread per GPU
+// (communicators from make_nccl_communicators_single_process): each rank's cp_decode equals the
+// plain decode of all heads on GPU 0 bitwise for its owned heads (random batches, 1 token to 1M,
+// replicated heads, golden cases), inside CUDA graphs replayed 1000 times with changing inputs,
+// disagreeing batch sizes fail before any collective, and one workspace serves 60 layers.
+// Every test skips cleanly with fewer than 2 GPUs.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "cpidx/comm_nccl.h"
+#include "json_lite.h"
+#include "multigpu_util.h"
+
+namespace {
+
+using namespace cpidx_multigpu_test;
+using cpidx::StatusCode;
+using cpidx_test::random_decode;
+
+constexpr int kWorld = 2;  // ranks = GPUs 0 and 1
+
+class MultiGpu : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (device_count() < kWorld) return;
+    std::vector<int> devices;
+    for (int r = 0; r < kWorld; ++r) devices.push_back(r);
+    comms_ = cpidx::make_nccl_communicators_single_process(devices, &init_status_);
+  }
+  static void TearDownTestSuite() { comms_.clear(); }
+
+  void SetUp() override {
+    if (device_count() < kWorld) {
+      GTEST_SKIP() << "needs " << kWorld << " GPUs, found " << device_count();
+    }
+    ASSERT_TRUE(init_status_.is_ok()) << init_status_.to_string();
+    ASSERT_EQ(comms_.size(), static_cast<size_t>(kWorld));
+  }
+
+  // fn(rank, comm) on one thread per rank, with the rank's GPU current; returns when all end.
+  static void on_ranks(const std::function<void(int, Communicator&)>& fn) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kWorld; ++r) {
+      threads.emplace_back([&fn, r] {
+        cudaSetDevice(r);
+        fn(r, *comms_[static_cast<size_t>(r)]);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  // Every rank's cp_decode against the plain decode on GPU 0; returns the rank results.
+  static std::vector<RankResult> expect_cp_equals_plain(const DecodeData& d, const Selection& sel,
+                                                        const std::string& what) {
+    const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
+    std::vector<RankResult> results(kWorld);
+    on_ranks([&](int r, Communicator& comm) { results[r] = cp_rank(comm, r, d, sel); });
+    for (const RankResult& res : results) expect_rank_matches(res, plain, d.rows(), sel.topk, what);
+    return results;
+  }
+
+  static std::vector<std::unique_ptr<Communicator>> comms_;
+  static Status init_status_;
+};
+
+std::vector<std::unique_ptr<Communicator>> MultiGpu::comms_;
+Status MultiGpu::init_status_;
+
+TEST_F(MultiGpu, CommunicatorBasics) {
+  EXPECT_EQ(cpidx::nccl_version_text().rfind("NCCL ", 0), 0u) << cpidx::nccl_version_text();
+  const size_t bytes = 1001;  // not a multiple of any word size
+  std::vector<std::vector<uint8_t>> got(kWorld), got_in_place(kWorld);
+  std::vector<Status> agree(kWorld), disagree(kWorld), gather(kWorld), barrier(kWorld);
+  on_ranks([&](int r, Communicator& comm) {
+    EXPECT_EQ(comm.rank(), r);
+    EXPECT_EQ(comm.world_size(), kWorld);
+    EXPECT_EQ(comm.memory_space(), cpidx::MemorySpace::kDevice);
+    std::vector<uint8_t> mine(bytes);
+    for (size_t i = 0; i < bytes; ++i) mine[i] = static_cast<uint8_t>(r * 101 + i * 7);
+    DeviceVec<uint8_t> send(mine), recv(bytes * kWorld), in_place(bytes * kWorld);
+    cudaMemset(recv.ptr, 0xEE, recv.count);
+    cudaMemset(in_place.ptr, 0xEE, in_place.count);
+    cudaMemcpy(in_place.ptr + bytes * r, mine.data(), bytes, cudaMemcpyHostToDevice);
+    cudaStream_t stream = nullptr;
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    gather[r] = comm.all_gather(send.ptr, recv.ptr, bytes, stream);
+    if (gather[r].is_ok()) {
+      gather[r] = comm.all_gather(in_place.ptr + bytes * r, in_place.ptr, bytes, stream);
+    }
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    got[r] = recv.download();
+    got_in_place[r] = in_place.download();
+    agree[r] = comm.check_agree(42, "the answer");
+    disagree[r] = comm.check_agree(r, "the rank");
+    barrier[r] = comm.barrier();
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_TRUE(gather[r].is_ok()) << gather[r].to_string();
+    for (int src = 0; src < kWorld; ++src) {
+      for (size_t i = 0; i < bytes; ++i) {
+        const auto want = static_cast<uint8_t>(src * 101 + i * 7);
+        ASSERT_EQ(got[r][src * bytes + i], want) << "rank " << r << " from " << src << " at " << i;
+        ASSERT_EQ(got_in_place[r][src * bytes + i], want) << "in place, rank " << r;
+      }
+    }
+    EXPECT_TRUE(agree[r].is_ok()) << agree[r].to_string();
+    EXPECT_EQ(disagree[r].code(), StatusCode::kCommError);
+    EXPECT_NE(disagree[r].message().find("the rank"), std::string::npos) << disagree[r].message();
+    EXPECT_TRUE(barrier[r].is_ok()) << barrier[r].to_string();
+  }
+}
+
+TEST_F(MultiGpu, RandomBatchesEqualPlainBitwise) {
+  std::mt19937 rng(31);
+  int seed = 1000;
+  // T=4: two owned heads per rank; T=2: one; T=1: replicated on both ranks.
+  for (int T : {4, 2, 1}) {
+    for (int Q : {1, 4}) {
+      // Short requests where one rank owns no block, a padding request, long ones.
+      std::vector<int32_t> s = lengths(rng, 6, 50000, true);
+      s[0] = 100;
+      s[2] = 129;
+      DecodeData d = random_decode(seed++, T, Q, s, 50000);
+      const std::string what = "T=" + std::to_string(T) + " Q=" + std::to_string(Q);
+      std::vector<RankResult> res = expect_cp_equals_plain(d, sel_of(16), what);
+      if (T == 1) {
+        EXPECT_EQ(res[0].ids, res[1].ids) << what << ": replicas differ";
+      }
+    }
+  }
+  // Other K and forced blocks, and an fp8 cache.
+  DecodeData d = random_decode(seed++, 4, 2, lengths(rng, 5, 20000, true), 20000);
+  expect_cp_equals_plain(d, sel_of(33, 1, 2), "K=33 init=1 local=2");
+  DecodeData f = random_decode(seed++, 4, 4, lengths(rng, 5, 30000, true), 30000,
+                               cpidx::DType::kFP8E4M3);
+  expect_cp_equals_plain(f, sel_of(16), "fp8");
+}
+
+TEST_F(MultiGpu, ContextsFromOneTokenTo1M) {
+  const int32_t bound = 1 << 20;
+  DecodeData d = random_decode(1100, 4, 1, {1, 127, 128, 129, 0, 70001, bound}, bound);
+  expect_cp_equals_plain(d, sel_of(16), "1..1M Q=1");
+  // The same cache with Q=4 (new queries).
+  std::mt19937_64 rng(1101);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  d.query_len = 4;
+  d.query.resize(static_cast<size_t>(d.rows()) * d.total_heads * cpidx::kHeadDim);
+  for (auto& q : d.query) q = cpidx_test::bf16_of(normal(rng));
+  expect_cp_equals_plain(d, sel_of(16), "1..1M Q=4");
+}
+
+TEST_F(MultiGpu, GoldenCases) {
+  const json_lite::Value cases =
+      json_lite::parse_file(std::string(CPIDX_TEST_DATA_DIR) + "/golden_cases.json")["cases"];
+  int checked = 0;
+  for (const auto& c : cases.array) {
+    if (c["kind"].string != "decode") continue;
+    const DecodeData d = cpidx_test::golden_decode(
+        static_cast<uint64_t>(c["seed"].number), c["T"].as_int(), c["Q"].as_int(),
+        c["seq_lens"].ints(), static_cast<float>(c["scale"].number));
+    const std::vector<int> worlds = cpidx_test::valid_worlds(d.total_heads);
+    if (std::find(worlds.begin(), worlds.end(), kWorld) == worlds.end()) continue;
+    const Selection sel = sel_of(c["K"].as_int(), c["init"].as_int(), c["local"].as_int());
+    std::vector<int32_t> want;
+    for (const auto& head : c["ids"].array)
+      for (const auto& row : head.array)
+        for (int32_t v : row.ints()) want.push_back(v);
+    const std::string what = "golden seed " + std::to_string(c["seed"].as_int());
+    EXPECT_EQ(plain_decode_on(0, d, sel), want) << what << " plain";
+    std::vector<RankResult> results(kWorld);
+    on_ranks([&](int r, Communicator& comm) { results[r] = cp_rank(comm, r, d, sel); });
+    for (const RankResult& res : results) expect_rank_matches(res, want, d.rows(), sel.topk, what);
+    ++checked;
+  }
+  EXPECT_GE(checked, 5);
+}
+
+TEST_F(MultiGpu, GraphReplay1000WithChangingInputs) {
+  const int reqs = 8, replays = 1000, check_every = 100;
+  const int32_t bound = 1 << 16;
+  for (int Q : {1, 4}) {
+    std::mt19937 rng(41 + Q);
+    DecodeData d = random_decode(1200 + Q, 4, Q, lengths(rng, reqs, bound, false), bound);
+    const Selection sel = sel_of(16);
+    std::vector<std::unique_ptr<GraphRank>> ranks;
+    for (int r = 0; r < kWorld; ++r) {
+      ranks.push_back(std::make_unique<GraphRank>(*comms_[static_cast<size_t>(r)], r, d, sel));
+    }
+    // Warm NCCL up eagerly, then capture cp_decode on every GPU's stream at the same time.
+    std::vector<Status> warm(kWorld), cap(kWorld);
+    on_ranks([&](int r, Communicator&) {
+      warm[r] = ranks[r]->warm_up();
+      cap[r] = warm[r].is_ok() ? ranks[r]->capture() : warm[r];
+    });
+    bool ready = true;
+    for (int r = 0; r < kWorld; ++r) {
+      EXPECT_TRUE(warm[r].is_ok()) << "rank " << r << " warm-up: " << warm[r].to_string();
+      EXPECT_TRUE(cap[r].is_ok()) << "rank " << r << " capture: " << cap[r].to_string();
+      ready = ready && cap[r].is_ok() && ranks[r]->captured();
+    }
+    ASSERT_TRUE(ready);  // nothing is in flight here: every rank's warm-up and capture ended
+    int checks = 0;
+    for (int step = 0; step < replays; ++step) {
+      next_replay_inputs(rng, step, bound, &d);
+      const bool check = step % check_every == 0 || step == replays - 1;
+      for (auto& rk : ranks) {
+        rk->set_inputs(d);
+        if (check) rk->poison_ids();
+      }
+      for (auto& rk : ranks) rk->launch();  // every GPU's graph before waiting for any
+      for (auto& rk : ranks) rk->sync();
+      if (!check) continue;
+      const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
+      for (auto& rk : ranks) {
+        expect_owned_heads_equal(rk->geometry(), rk->ids(), plain, d.rows(), sel.topk,
+                                 "Q=" + std::to_string(Q) + " replay " + std::to_string(step));
+      }
+      ++checks;
+      if (HasFailure()) break;
+    }
+    EXPECT_EQ(checks, replays / check_every + 1) << "Q=" << Q;
+  }
+}
+
+TEST_F(MultiGpu, DisagreeingBatchSizeFailsBeforeAnyCollective) {
+  DecodeData d = random_decode(1300, 4, 2, {3000, 500, 7000, 100}, 8192);
+  const Selection sel = sel_of(16);
+  // Rank 1 claims 3 requests, rank 0 all 4: both fail in the agreement, no NCCL call is made.
+  std::vector<RankResult> res(kWorld);
+  on_ranks([&](int r, Communicator& comm) {
+    res[r] = cp_rank(comm, r, d, sel, r == 1 ? 3 : -1);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(res[r].status.code(), StatusCode::kCommError) << res[r].status.to_string();
+    EXPECT_NE(res[r].status.message().find("decode rows"), std::string::npos)
+        << res[r].status.message();
+  }
+  // The communicators are still in step: a correct batch goes through.
+  expect_cp_equals_plain(d, sel, "after the refused steps");
+}
+
+TEST_F(MultiGpu, RefusedInputsOnOneRankFailEveryRank) {
+  DecodeData d = random_decode(1350, 4, 1, {3000, 500}, 4096);
+  const Selection sel = sel_of(16);
+  std::vector<Status> st(kWorld);
+  on_ranks([&](int r, Communicator& comm) {
+    DeviceBatch b(d);
+    std::unique_ptr<cpidx::Decoder> dec;
+    Status created = cpidx::Decoder::create(config_for(d, sel, kWorld, r), r, &dec);
+    if (!created.is_ok()) {
+      comm.check_agree(-1, kRowsAgreement);
+      st[r] = created;
+      return;
+    }
+    const cpidx::Geometry& geo = dec->geometry();
+    cpidx::DecodeInputs in = b.inputs(geo.head_offset, geo.local_heads);
+    if (r == 1) in.scale = -1.0f;  // refused by validation on rank 1 only
+    DeviceVec<int32_t> ids(static_cast<size_t>(geo.local_heads * d.rows() * sel.topk));
+    st[r] = dec->cp_decode(comm, in, cpidx::TopkOutput{ids.ptr, d.rows() * sel.topk, sel.topk},
+                           nullptr, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  });
+  EXPECT_EQ(st[0].code(), StatusCode::kCommError) << st[0].to_string();
+  EXPECT_EQ(st[1].code(), StatusCode::kInvalidArgument) << st[1].to_string();
+  expect_cp_equals_plain(d, sel, "after the refused step");
+}
+
+TEST_F(MultiGpu, OneWorkspaceServesSixtyLayers) {
+  const int layers = 60;
+  DecodeData d = random_decode(1400, 4, 2, {3000, 0, 4096, 1000}, 4096);
+  const Selection sel = sel_of(16);
+  const int64_t n = d.rows();
+  const size_t q_elems = d.query.size();
+  std::vector<std::vector<uint16_t>> layer_q(layers);
+  std::mt19937_64 rng(1401);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& q : layer_q) {
+    q.resize(q_elems);
+    for (auto& v : q) v = cpidx_test::bf16_of(normal(rng));
+  }
+  std::vector<std::vector<int32_t>> shared_ids(kWorld), fresh_ids(kWorld);
+  std::vector<cpidx::Geometry> geos(kWorld);
+  std::vector<size_t> free_before(kWorld, 0), free_after(kWorld, 1);
+  std::vector<Status> st(kWorld);
+  on_ranks([&](int r, Communicator& comm) {
+    DeviceBatch b(d);
+    std::vector<std::unique_ptr<DeviceVec<uint16_t>>> q;
+    for (const auto& lq : layer_q) q.push_back(std::make_unique<DeviceVec<uint16_t>>(lq));
+    std::unique_ptr<cpidx::Decoder> dec;
+    st[r] = cpidx::Decoder::create(config_for(d, sel, kWorld, r), r, &dec);
+    if (!st[r].is_ok()) {
+      for (int l = 0; l < 2 * layers + 1; ++l) comm.check_agree(-1, kRowsAgreement);
+      return;
+    }
+    const cpidx::Geometry geo = dec->geometry();
+    geos[r] = geo;
+    const size_t per_layer = static_cast<size_t>(geo.local_heads * n * sel.topk);
+    DeviceVec<int32_t> ids(per_layer * layers), fresh(per_layer * layers);
+    ids.poison();
+    fresh.poison();
+    cudaStream_t stream = nullptr;
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    auto layer_in = [&](int l) {
+      cpidx::DecodeInputs in = b.inputs(geo.head_offset, geo.local_heads);
+      in.query = q[static_cast<size_t>(l)]->ptr + geo.head_offset * cpidx::kHeadDim;
+      return in;
+    };
+    auto out = [&](DeviceVec<int32_t>& v, int l) {
+      return cpidx::TopkOutput{v.ptr + per_layer * l, n * sel.topk, sel.topk};
+    };
+    // Warm-up (NCCL connects on first use), then 60 layers back to back on one stream.
+    Status s = dec->cp_decode(comm, layer_in(0), out(ids, 0), nullptr, stream);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    size_t total = 0;
+    EXPECT_EQ(cudaMemGetInfo(&free_before[r], &total), cudaSuccess);
+    for (int l = 0; l < layers; ++l) {
+      Status sl = dec->cp_decode(comm, layer_in(l), out(ids, l), nullptr, stream);
+      if (s.is_ok()) s = sl;
+    }
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(cudaMemGetInfo(&free_after[r], &total), cudaSuccess);
+    // The same layers through 60 separate decoders.
+    for (int l = 0; l < layers; ++l) {
+      std::unique_ptr<cpidx::Decoder> own;
+      Status so = cpidx::Decoder::create(config_for(d, sel, kWorld, r), r, &own);
+      Status sl = so;
+      if (so.is_ok()) {
+        sl = own->cp_decode(comm, layer_in(l), out(fresh, l), nullptr, stream);
+      } else {
+        comm.check_agree(-1, kRowsAgreement);  // the peer's cp_decode waits for this
+      }
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      if (s.is_ok()) s = sl;
+    }
+    st[r] = s;
+    shared_ids[r] = ids.download();
+    fresh_ids[r] = fresh.download();
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+    EXPECT_EQ(free_before[r], free_after[r]) << "rank " << r << ": device memory changed by "
+                                             << static_cast<long long>(free_before[r]) -
+                                                    static_cast<long long>(free_after[r])
+                                             << " bytes over " << layers << " layers";
+    EXPECT_EQ(shared_ids[r], fresh_ids[r]) << "rank " << r << ": one decoder != 60 decoders";
+  }
+  // And every layer equals the plain decode on GPU 0.
+  const size_t per_head_layer = static_cast<size_t>(n * sel.topk);
+  for (int l = 0; l < layers; ++l) {
+    d.query = layer_q[static_cast<size_t>(l)];
+    const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
+    for (int r = 0; r < kWorld; ++r) {
+      const size_t per_layer = per_head_layer * geos[r].local_heads;
+      const std::vector<int32_t> ids(shared_ids[r].begin() + per_layer * l,
+                                     shared_ids[r].begin() + per_layer * (l + 1));
+      expect_owned_heads_equal(geos[r], ids, plain, n, sel.topk, "layer " + std::to_string(l));
+    }
+    if (HasFailure()) break;
+  }
+}
+
+}  // namespace

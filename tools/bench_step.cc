@@ -1,0 +1,469 @@
+// tools/bench_step.cc: the whole context-parallel step on P real GPUs for `cpidx bench`. Per
+// shape, each GPU's thread captures S back-to-back cp_decode calls (input sets rotated past the
+// L2) in one CUDA graph; all graphs are launched together and timed with events on GPU 0 that
+// wait for the other GPUs (EXCHANGE_H200x2.md's method); median replay / S. The same for the two
+// all-gathers alone. Set 0 is checked bitwise against the plain decode on GPU 0.
+#include "bench_step.h"
+
+#include <cstdlib>
+#include <string>
+
+#if defined(CPIDX_WITH_CUDA) && defined(CPIDX_WITH_NCCL)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "cpidx/comm_nccl.h"
+#include "cpidx/indexer.h"
+#endif
+
+namespace cpidx::tools {
+
+std::string StepBench::environment() {
+  const char* mixing = std::getenv("NCCL_GRAPH_MIXING_SUPPORT");
+  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  std::string text;
+#if defined(CPIDX_WITH_CUDA) && defined(CPIDX_WITH_NCCL)
+  text = nccl_version_text() + "; ";
+#endif
+  text += std::string("NCCL_GRAPH_MIXING_SUPPORT=") +
+          (mixing ? mixing : "unset (NCCL's default, 1)") + "; NCCL_NVLS_ENABLE=" +
+          (nvls ? nvls : "unset (cpidx sets 0)");
+  return text;
+}
+
+#if !(defined(CPIDX_WITH_CUDA) && defined(CPIDX_WITH_NCCL))
+
+struct StepBench::Impl {};
+StepBench::StepBench(int64_t, std::string, bool) {}
+StepBench::~StepBench() = default;
+std::string StepBench::unavailable(int) {
+  return "this build has no NCCL communicator (needs CUDA and NCCL)";
+}
+StepResult StepBench::run(const StepShape&, int) {
+  StepResult r;
+  r.check = unavailable(0);
+  return r;
+}
+
+#else
+
+namespace {
+
+constexpr int kHeads = 4, kTopk = 16;
+constexpr int64_t kPageBytesBf16 = 128 * 128 * 2;
+constexpr const char* kRowsAgreement = "decode rows (num_reqs * query_len)";
+
+Status cuda_ok(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::ok();
+  return Status(StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(e));
+}
+#define STEP_CUDA(expr) CPIDX_RETURN_IF_ERROR(cuda_ok((expr), #expr))
+
+// Random bf16 in +-[2^-7, 1) (never zero, never NaN): the same values as bench.cc's pool.
+void fill_bits(std::vector<uint16_t>& v, uint64_t seed) {
+  uint64_t s = seed;
+  for (size_t i = 0; i < v.size(); i += 4) {
+    s += 0x9E3779B97F4A7C15ull;
+    uint64_t z = (s ^ (s >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    for (size_t j = 0; j < 4 && i + j < v.size(); ++j) {
+      const uint16_t r = static_cast<uint16_t>(z >> (16 * j));
+      const uint16_t sign = r & 0x8000, exp = 120 + (r >> 7) % 7, mant = r & 0x7F;
+      v[i + j] = static_cast<uint16_t>(sign | (exp << 7) | mant);
+    }
+  }
+}
+
+struct HostSet {
+  std::vector<int32_t> seq_lens, block_table;
+  std::vector<uint16_t> query;  // [n, T, D]
+};
+
+struct DeviceSet {
+  uint16_t* query = nullptr;
+  int32_t* block_table = nullptr;
+  int32_t* seq_lens = nullptr;
+};
+
+// What one rank holds for one shape, on its own GPU.
+struct RankState {
+  int device = 0;
+  Status status;
+  std::unique_ptr<Decoder> dec;
+  Geometry geo;
+  cudaStream_t stream = nullptr;
+  std::vector<void*> allocations;
+  std::vector<DeviceSet> sets;
+  int32_t* ids = nullptr;
+  void *q_send = nullptr, *q_recv = nullptr, *k_send = nullptr, *k_recv = nullptr;
+  cudaGraph_t step_graph = nullptr, xchg_graph = nullptr;
+  cudaGraphExec_t step_exec = nullptr, xchg_exec = nullptr;
+  std::vector<int32_t> ids0;  // set 0, eager: [L][n][K]
+
+  template <typename T>
+  Status alloc(T** p, size_t bytes) {
+    void* raw = nullptr;
+    STEP_CUDA(cudaMalloc(&raw, std::max<size_t>(bytes, 1)));
+    allocations.push_back(raw);
+    *p = static_cast<T*>(raw);
+    return Status::ok();
+  }
+  void release() {
+    cudaSetDevice(device);
+    if (step_exec) cudaGraphExecDestroy(step_exec);
+    if (xchg_exec) cudaGraphExecDestroy(xchg_exec);
+    if (step_graph) cudaGraphDestroy(step_graph);
+    if (xchg_graph) cudaGraphDestroy(xchg_graph);
+    if (stream) cudaStreamDestroy(stream);
+    for (void* p : allocations) cudaFree(p);
+    allocations.clear();
+    dec.reset();
+  }
+};
+
+}  // namespace
+
+struct StepBench::Impl {
+  std::string dtype;
+  bool pdl = true;
+  int64_t page_bytes = 0, pool_pages = 0;
+  std::vector<uint16_t> h_pool;  // the same random pages on every GPU
+  std::vector<void*> pools;      // [device], uploaded by that device's thread on first use
+  std::map<int, std::vector<std::unique_ptr<Communicator>>> comms;  // by world size
+
+  ~Impl() {
+    comms.clear();
+    for (size_t d = 0; d < pools.size(); ++d) {
+      if (pools[d] == nullptr) continue;
+      cudaSetDevice(static_cast<int>(d));
+      cudaFree(pools[d]);
+    }
+    cudaSetDevice(0);
+  }
+
+  DecodeInputs inputs(const StepShape& sh, const DeviceSet& s, int device, int head_offset,
+                      int heads) const {
+    DecodeInputs in;
+    in.query = s.query + static_cast<int64_t>(head_offset) * kHeadDim;
+    in.q_row_stride = static_cast<int64_t>(kHeads) * kHeadDim;
+    in.q_head_stride = kHeadDim;
+    in.num_heads = heads;
+    in.cache.data = pools[static_cast<size_t>(device)];
+    in.cache.dtype = dtype == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
+    in.cache.num_pages = pool_pages;
+    in.block_table = s.block_table;
+    in.bt_row_stride = cdiv(sh.context, kBlockSize);
+    in.seq_lens = s.seq_lens;
+    in.num_reqs = sh.reqs;
+    in.query_len = sh.qlen;
+    in.max_seq_len = static_cast<int32_t>(sh.context);
+    in.scale = 0.08838834764831845f;
+    return in;
+  }
+
+  DecodeConfig config(const StepShape& sh, int world, int rank) const {
+    DecodeConfig c;
+    c.total_heads = kHeads;
+    c.world_size = world;
+    c.rank = rank;
+    c.max_tokens = sh.reqs * sh.qlen;
+    c.max_seq_len = static_cast<int32_t>(sh.context);
+    c.max_query_len = sh.qlen;
+    c.cache_dtype = dtype == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
+    c.programmatic_launch = pdl;
+    return c;
+  }
+
+  // Everything local to rank r before its first collective.
+  Status set_up(RankState& rs, const StepShape& sh, const std::vector<HostSet>& hsets, int r) {
+    rs.device = r;
+    STEP_CUDA(cudaSetDevice(r));
+    if (pools[static_cast<size_t>(r)] == nullptr) {
+      STEP_CUDA(cudaMalloc(&pools[static_cast<size_t>(r)], h_pool.size() * 2));
+      STEP_CUDA(cudaMemcpy(pools[static_cast<size_t>(r)], h_pool.data(), h_pool.size() * 2,
+                           cudaMemcpyHostToDevice));
+    }
+    CPIDX_RETURN_IF_ERROR(Decoder::create(config(sh, sh.world, r), r, &rs.dec));
+    rs.geo = rs.dec->geometry();
+    STEP_CUDA(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
+    for (const HostSet& h : hsets) {
+      DeviceSet d;
+      CPIDX_RETURN_IF_ERROR(rs.alloc(&d.query, h.query.size() * 2));
+      CPIDX_RETURN_IF_ERROR(rs.alloc(&d.block_table, h.block_table.size() * 4));
+      CPIDX_RETURN_IF_ERROR(rs.alloc(&d.seq_lens, h.seq_lens.size() * 4));
+      STEP_CUDA(cudaMemcpy(d.query, h.query.data(), h.query.size() * 2, cudaMemcpyHostToDevice));
+      STEP_CUDA(cudaMemcpy(d.block_table, h.block_table.data(), h.block_table.size() * 4,
+                           cudaMemcpyHostToDevice));
+      STEP_CUDA(cudaMemcpy(d.seq_lens, h.seq_lens.data(), h.seq_lens.size() * 4,
+                           cudaMemcpyHostToDevice));
+      rs.sets.push_back(d);
+    }
+    const size_t n = static_cast<size_t>(sh.reqs) * sh.qlen, L = rs.geo.local_heads;
+    CPIDX_RETURN_IF_ERROR(rs.alloc(&rs.ids, L * n * kTopk * 4));
+    CPIDX_RETURN_IF_ERROR(rs.alloc(&rs.q_send, n * L * kHeadDim * 2));
+    CPIDX_RETURN_IF_ERROR(rs.alloc(&rs.q_recv, sh.world * n * L * kHeadDim * 2));
+    CPIDX_RETURN_IF_ERROR(rs.alloc(&rs.k_send, kHeads * n * kTopk * sizeof(Key)));
+    CPIDX_RETURN_IF_ERROR(rs.alloc(&rs.k_recv, sh.world * kHeads * n * kTopk * sizeof(Key)));
+    STEP_CUDA(cudaMemset(rs.q_send, 0, n * L * kHeadDim * 2));
+    STEP_CUDA(cudaMemset(rs.k_send, 0, kHeads * n * kTopk * sizeof(Key)));
+    return Status::ok();
+  }
+
+  // Rank r's thread: set up, warm up, check run, then capture the step and exchange graphs.
+  // Every failure after the first collective is one all ranks see (the agreement in cp_decode).
+  void rank_work(RankState& rs, Communicator& comm, const StepShape& sh,
+                 const std::vector<HostSet>& hsets, int calls_per_set) {
+    const int r = comm.rank();
+    Status local = set_up(rs, sh, hsets, r);
+    if (!local.is_ok()) {
+      comm.check_agree(-1, kRowsAgreement);  // the peers' first cp_decode fails, no hang
+      rs.status = local;
+      return;
+    }
+    const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
+    const TopkOutput out{rs.ids, n * kTopk, kTopk};
+    auto step = [&](const DeviceSet& s) {
+      return rs.dec->cp_decode(comm, inputs(sh, s, r, rs.geo.head_offset, rs.geo.local_heads),
+                               out, nullptr, rs.stream);
+    };
+    rs.status = [&]() -> Status {
+      for (const DeviceSet& s : rs.sets) CPIDX_RETURN_IF_ERROR(step(s));  // warm-up
+      CPIDX_RETURN_IF_ERROR(step(rs.sets[0]));
+      STEP_CUDA(cudaStreamSynchronize(rs.stream));
+      rs.ids0.resize(static_cast<size_t>(rs.geo.local_heads * n * kTopk));
+      STEP_CUDA(cudaMemcpy(rs.ids0.data(), rs.ids, rs.ids0.size() * 4, cudaMemcpyDeviceToHost));
+
+      STEP_CUDA(cudaStreamBeginCapture(rs.stream, cudaStreamCaptureModeThreadLocal));
+      Status captured = Status::ok();
+      for (const DeviceSet& s : rs.sets) {
+        for (int c = 0; c < calls_per_set && captured.is_ok(); ++c) captured = step(s);
+      }
+      STEP_CUDA(cudaStreamEndCapture(rs.stream, &rs.step_graph));
+      CPIDX_RETURN_IF_ERROR(captured);
+      STEP_CUDA(cudaGraphInstantiate(&rs.step_exec, rs.step_graph, 0));
+
+      // The exchanges alone, with the step's payload sizes.
+      const size_t q_bytes = static_cast<size_t>(n) * rs.geo.local_heads * kHeadDim * 2;
+      const size_t k_bytes = static_cast<size_t>(kHeads) * n * kTopk * sizeof(Key);
+      auto exchange = [&]() -> Status {
+        CPIDX_RETURN_IF_ERROR(comm.all_gather(rs.q_send, rs.q_recv, q_bytes, rs.stream));
+        return comm.all_gather(rs.k_send, rs.k_recv, k_bytes, rs.stream);
+      };
+      CPIDX_RETURN_IF_ERROR(exchange());
+      STEP_CUDA(cudaStreamSynchronize(rs.stream));
+      STEP_CUDA(cudaStreamBeginCapture(rs.stream, cudaStreamCaptureModeThreadLocal));
+      const int calls = static_cast<int>(rs.sets.size()) * calls_per_set;
+      for (int i = 0; i < calls && captured.is_ok(); ++i) captured = exchange();
+      STEP_CUDA(cudaStreamEndCapture(rs.stream, &rs.xchg_graph));
+      CPIDX_RETURN_IF_ERROR(captured);
+      STEP_CUDA(cudaGraphInstantiate(&rs.xchg_exec, rs.xchg_graph, 0));
+      return Status::ok();
+    }();
+  }
+
+  // Launches every rank's graph, GPU 0 first; events on GPU 0, its stop event waiting on every
+  // other GPU's stream. Returns the median replay over `calls`, in µs.
+  Status time_graphs(std::vector<RankState>& ranks, bool exchange, int replays, int calls,
+                     double* us) {
+    const int P = static_cast<int>(ranks.size());
+    std::vector<cudaEvent_t> done(static_cast<size_t>(P), nullptr);
+    cudaEvent_t start = nullptr, stop = nullptr;
+    Status st = [&]() -> Status {
+      for (int r = 1; r < P; ++r) {
+        STEP_CUDA(cudaSetDevice(r));
+        STEP_CUDA(cudaEventCreateWithFlags(&done[r], cudaEventDisableTiming));
+      }
+      STEP_CUDA(cudaSetDevice(0));
+      STEP_CUDA(cudaEventCreate(&start));
+      STEP_CUDA(cudaEventCreate(&stop));
+      std::vector<float> times;
+      for (int i = 0; i < replays + 3; ++i) {
+        STEP_CUDA(cudaSetDevice(0));
+        STEP_CUDA(cudaEventRecord(start, ranks[0].stream));
+        for (int r = 0; r < P; ++r) {
+          STEP_CUDA(cudaSetDevice(r));
+          STEP_CUDA(cudaGraphLaunch(exchange ? ranks[r].xchg_exec : ranks[r].step_exec,
+                                    ranks[r].stream));
+        }
+        for (int r = 1; r < P; ++r) {
+          STEP_CUDA(cudaSetDevice(r));
+          STEP_CUDA(cudaEventRecord(done[r], ranks[r].stream));
+          STEP_CUDA(cudaSetDevice(0));
+          STEP_CUDA(cudaStreamWaitEvent(ranks[0].stream, done[r], 0));
+        }
+        STEP_CUDA(cudaSetDevice(0));
+        STEP_CUDA(cudaEventRecord(stop, ranks[0].stream));
+        STEP_CUDA(cudaEventSynchronize(stop));
+        float ms = 0;
+        STEP_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        if (i >= 3) times.push_back(ms);
+      }
+      std::sort(times.begin(), times.end());
+      *us = times[times.size() / 2] * 1e3 / calls;
+      return Status::ok();
+    }();
+    for (int r = 1; r < P; ++r) {
+      if (done[r] == nullptr) continue;
+      cudaSetDevice(r);
+      cudaEventDestroy(done[r]);
+    }
+    cudaSetDevice(0);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    return st;
+  }
+
+  // Set 0: every rank's owned heads against the plain decode of all heads on GPU 0, bitwise.
+  std::string check(const StepShape& sh, std::vector<RankState>& ranks) {
+    const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
+    std::vector<int32_t> plain(static_cast<size_t>(kHeads * n * kTopk));
+    Status st = [&]() -> Status {
+      STEP_CUDA(cudaSetDevice(0));
+      std::unique_ptr<Decoder> dec;
+      CPIDX_RETURN_IF_ERROR(Decoder::create(config(sh, 1, 0), 0, &dec));
+      int32_t* ids = nullptr;
+      STEP_CUDA(cudaMalloc(&ids, plain.size() * 4));
+      Status s = dec->decode(inputs(sh, ranks[0].sets[0], 0, 0, kHeads),
+                             TopkOutput{ids, n * kTopk, kTopk}, nullptr, ranks[0].stream);
+      cudaError_t e = cudaStreamSynchronize(ranks[0].stream);
+      if (e == cudaSuccess) e = cudaMemcpy(plain.data(), ids, plain.size() * 4, cudaMemcpyDeviceToHost);
+      cudaFree(ids);
+      CPIDX_RETURN_IF_ERROR(s);
+      return cuda_ok(e, "plain decode on GPU 0");
+    }();
+    if (!st.is_ok()) return "plain: " + st.message();
+    int64_t bad_rows = 0;
+    for (const RankState& rs : ranks) {
+      for (int j = 0; j < rs.geo.local_heads; ++j) {
+        for (int64_t row = 0; row < n; ++row) {
+          const int32_t* got = rs.ids0.data() + (j * n + row) * kTopk;
+          const int32_t* want = plain.data() + ((rs.geo.head_offset + j) * n + row) * kTopk;
+          if (!std::equal(got, got + kTopk, want)) ++bad_rows;
+        }
+      }
+    }
+    return bad_rows == 0 ? "ok" : "FAIL(" + std::to_string(bad_rows) + ")";
+  }
+};
+
+StepBench::StepBench(int64_t pool_mb, std::string dtype, bool pdl) : impl_(new Impl) {
+  Impl& im = *impl_;
+  im.dtype = std::move(dtype);
+  im.pdl = pdl;
+  im.page_bytes = im.dtype == "fp8" ? kPageBytesBf16 / 2 : kPageBytesBf16;
+  im.pool_pages = pool_mb * (1 << 20) / im.page_bytes;
+  im.h_pool.resize(static_cast<size_t>(im.pool_pages * im.page_bytes / 2));
+  fill_bits(im.h_pool, 1234);
+  if (im.dtype == "fp8") {
+    for (auto& v : im.h_pool) {  // two e4m3 bytes per element, NaN codes (x111_1111) avoided
+      auto* b = reinterpret_cast<uint8_t*>(&v);
+      for (int i = 0; i < 2; ++i) {
+        if ((b[i] & 0x7F) == 0x7F) b[i] ^= 0x01;
+      }
+    }
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+  im.pools.assign(static_cast<size_t>(count), nullptr);
+}
+
+StepBench::~StepBench() = default;
+
+std::string StepBench::unavailable(int world) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+  if (world < 2) return "stepP needs P >= 2";
+  if (count < world) {
+    return "step" + std::to_string(world) + " needs " + std::to_string(world) + " GPUs, found " +
+           std::to_string(count);
+  }
+  return {};
+}
+
+StepResult StepBench::run(const StepShape& sh, int replays) {
+  Impl& im = *impl_;
+  StepResult res;
+  const int P = sh.world;
+  if (std::string why = unavailable(P); !why.empty()) {
+    res.check = why;
+    return res;
+  }
+  const int64_t G = cdiv(sh.context, kBlockSize);
+  const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
+  const double cache_bytes =
+      static_cast<double>(sh.reqs) * (sh.context - 64) * static_cast<double>(im.page_bytes) / 128;
+  const double shard_bytes = cache_bytes / P;
+  res.cache_mb = cache_bytes / 1e6;
+  res.floor_us = shard_bytes / 4.5e12 * 1e6;
+  // Enough sets that one graph replay reads >= 480 MiB per GPU (past the 60 MiB L2 8 times).
+  res.sets = static_cast<int>(std::max<double>(1, std::ceil(480.0 * (1 << 20) / shard_bytes)));
+  const int calls_per_set = res.sets == 1 ? 2 : 1;
+  res.calls = res.sets * calls_per_set;
+
+  std::mt19937_64 rng(42 + sh.reqs * 131 + sh.context + sh.qlen * 7 + P * 3);
+  int64_t next_page = 0;
+  std::vector<HostSet> hsets(static_cast<size_t>(res.sets));
+  for (HostSet& h : hsets) {
+    h.seq_lens.resize(static_cast<size_t>(sh.reqs));
+    for (auto& l : h.seq_lens) l = static_cast<int32_t>(sh.context - static_cast<int64_t>(rng() % 128));
+    h.block_table.resize(static_cast<size_t>(sh.reqs * G));
+    for (auto& b : h.block_table) {  // distinct pages while the pool lasts, then random
+      b = static_cast<int32_t>(next_page < im.pool_pages ? next_page++ : rng() % im.pool_pages);
+    }
+    std::shuffle(h.block_table.begin(), h.block_table.end(), rng);
+    h.query.resize(static_cast<size_t>(n * kHeads * kHeadDim));
+    fill_bits(h.query, rng());
+  }
+
+  auto& comms = im.comms[P];
+  if (comms.empty()) {
+    std::vector<int> devices;
+    for (int r = 0; r < P; ++r) devices.push_back(r);
+    Status st;
+    comms = make_nccl_communicators_single_process(devices, &st);
+    if (!st.is_ok()) {
+      res.check = "NCCL: " + st.message();
+      return res;
+    }
+  }
+
+  std::vector<RankState> ranks(static_cast<size_t>(P));
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < P; ++r) {
+      threads.emplace_back([&, r] {
+        im.rank_work(ranks[static_cast<size_t>(r)], *comms[static_cast<size_t>(r)], sh, hsets,
+                     calls_per_set);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (const RankState& rs : ranks) {
+    if (!rs.status.is_ok() && res.check.empty()) {
+      res.check = "rank " + std::to_string(rs.device) + ": " + rs.status.message();
+    }
+  }
+  if (res.check.empty()) {
+    res.q_bytes = n * ranks[0].geo.local_heads * kHeadDim * 2;
+    res.k_bytes = static_cast<int64_t>(kHeads) * n * kTopk * static_cast<int64_t>(sizeof(Key));
+    res.check = im.check(sh, ranks);
+    Status st = im.time_graphs(ranks, false, replays, res.calls, &res.us);
+    if (st.is_ok()) st = im.time_graphs(ranks, true, replays, res.calls, &res.exchange_us);
+    if (!st.is_ok()) res.check = "timing: " + st.message();
+    res.gbps = res.us > 0 ? shard_bytes / (res.us * 1e-6) / 1e9 : 0;
+  }
+  for (RankState& rs : ranks) rs.release();
+  cudaSetDevice(0);
+  return res;
+}
+
+#endif
+
+}  // namespace cpidx::tools

@@ -1,0 +1,572 @@
+// tools/demo_gpu.cc: the GPU part of `cpidx demo`: the plain GPU decode on GPU 0 and the
+// context-parallel step on P GPUs through NCCL (one thread per GPU; stages timed one by one with
+// CUDA events, then the library's whole cp_decode) or P ranks simulated on GPU 0, then the checks.
+#include "demo_gpu.h"
+
+#include <cstdio>
+
+#include "subcommands.h"
+
+#if defined(CPIDX_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "cpidx/indexer.h"
+#include "cpidx/reference.h"
+#if defined(CPIDX_WITH_NCCL)
+#include "cpidx/comm_nccl.h"
+#endif
+#endif
+
+namespace cpidx::tools {
+
+#if !defined(CPIDX_WITH_CUDA)
+
+int gpu_count() { return 0; }
+bool built_with_nccl() { return false; }
+int run_demo_gpu(const SyntheticStep&, const Selection&, int, bool, const std::vector<int32_t>&) {
+  return kExitOk;
+}
+
+#else
+
+int gpu_count() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+}
+
+bool built_with_nccl() {
+#if defined(CPIDX_WITH_NCCL)
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+Status cuda_ok(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::ok();
+  return Status(StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(e));
+}
+#define DEMO_CUDA(expr) CPIDX_RETURN_IF_ERROR(cuda_ok((expr), #expr))
+
+constexpr const char* kRowsAgreement = "decode rows (num_reqs * query_len)";
+
+// One device allocation, freed on its own device.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  int device = 0;
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr == nullptr) return;
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(device);
+    cudaFree(ptr);
+    cudaSetDevice(prev);
+  }
+  // On the current device.
+  Status alloc(size_t bytes) {
+    DEMO_CUDA(cudaGetDevice(&device));
+    DEMO_CUDA(cudaMalloc(&ptr, std::max<size_t>(bytes, 1)));
+    return Status::ok();
+  }
+  Status upload(const void* host, size_t bytes) {
+    CPIDX_RETURN_IF_ERROR(alloc(bytes));
+    DEMO_CUDA(cudaMemcpy(ptr, host, bytes, cudaMemcpyHostToDevice));
+    return Status::ok();
+  }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr); }
+};
+
+// The step's inputs on the current device.
+struct DeviceStep {
+  DeviceBuffer query, cache, block_table, seq_lens;
+  Status upload(const SyntheticStep& s) {
+    CPIDX_RETURN_IF_ERROR(query.upload(s.query.data(), s.query.size() * 2));
+    CPIDX_RETURN_IF_ERROR(cache.upload(s.cache.data(), s.cache.size()));
+    CPIDX_RETURN_IF_ERROR(block_table.upload(s.block_table.data(), s.block_table.size() * 4));
+    return seq_lens.upload(s.seq_lens.data(), s.seq_lens.size() * 4);
+  }
+  DecodeInputs inputs(const SyntheticStep& s, int head_offset, int heads) const {
+    DecodeInputs in = s.for_heads(head_offset, heads);
+    in.query = query.as<uint16_t>() + static_cast<int64_t>(head_offset) * kHeadDim;
+    in.cache.data = cache.ptr;
+    in.block_table = block_table.as<int32_t>();
+    in.seq_lens = seq_lens.as<int32_t>();
+    return in;
+  }
+};
+
+// A stream and `count` timing events on the current device.
+struct Timeline {
+  cudaStream_t stream = nullptr;
+  std::vector<cudaEvent_t> events;
+  int device = 0;
+  Timeline() = default;
+  Timeline(const Timeline&) = delete;
+  Timeline& operator=(const Timeline&) = delete;
+  ~Timeline() {
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(device);
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    cudaSetDevice(prev);
+  }
+  Status create(int count) {
+    DEMO_CUDA(cudaGetDevice(&device));
+    DEMO_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    for (int i = 0; i < count; ++i) {
+      cudaEvent_t e = nullptr;
+      DEMO_CUDA(cudaEventCreate(&e));
+      events.push_back(e);
+    }
+    return Status::ok();
+  }
+  Status mark(int i) { return cuda_ok(cudaEventRecord(events[i], stream), "cudaEventRecord"); }
+  double ms(int a, int b) const {
+    float m = 0;
+    return cudaEventElapsedTime(&m, events[a], events[b]) == cudaSuccess ? m : -1.0;
+  }
+};
+
+DecodeConfig config_of(const SyntheticStep& s, const Selection& sel, int world, int rank) {
+  DecodeConfig c;
+  c.total_heads = s.config.total_heads;
+  c.world_size = world;
+  c.rank = rank;
+  c.max_tokens = static_cast<int>(s.num_rows());
+  c.max_seq_len = s.config.context;
+  c.max_query_len = s.config.query_len;
+  c.sel = sel;
+  c.cache_dtype = s.config.cache_dtype;
+  return c;
+}
+
+Status download(const DeviceBuffer& buf, size_t count, std::vector<int32_t>* out) {
+  out->assign(count, -2);
+  DEMO_CUDA(cudaMemcpy(out->data(), buf.ptr, count * 4, cudaMemcpyDeviceToHost));
+  return Status::ok();
+}
+
+struct GpuRank {
+  Status status;
+  int rank = 0, device = 0, head_offset = 0, local_heads = 0;
+  int32_t device_errors = 0;
+  // Stage times (ms); < 0 where the mode has no such stage.
+  double gather_q_ms = -1, score_ms = -1, gather_keys_ms = -1, merge_ms = -1, step_ms = -1;
+  std::vector<int32_t> ids;        // [L][n][K]: cp_decode (real GPUs) or the simulated merge
+  std::vector<int32_t> stage_ids;  // [L][n][K]: the stage-by-stage run (real GPUs)
+};
+
+struct GpuPlain {
+  Status status;
+  double ms = 0;
+  int32_t device_errors = 0;
+  std::vector<int32_t> ids;  // [T][n][K]
+};
+
+// The plain decode of all heads on GPU 0: one warm-up call, one timed call.
+GpuPlain run_plain(const SyntheticStep& s, const Selection& sel) {
+  GpuPlain res;
+  const int T = s.config.total_heads;
+  const int64_t n = s.num_rows();
+  res.status = [&]() -> Status {
+    DEMO_CUDA(cudaSetDevice(0));
+    DeviceStep d;
+    CPIDX_RETURN_IF_ERROR(d.upload(s));
+    std::unique_ptr<Decoder> dec;
+    CPIDX_RETURN_IF_ERROR(Decoder::create(config_of(s, sel, 1, 0), 0, &dec));
+    DeviceBuffer ids;
+    const size_t count = static_cast<size_t>(T * n * sel.topk);
+    CPIDX_RETURN_IF_ERROR(ids.alloc(count * 4));
+    Timeline tl;
+    CPIDX_RETURN_IF_ERROR(tl.create(2));
+    const TopkOutput out{ids.as<int32_t>(), n * sel.topk, sel.topk};
+    CPIDX_RETURN_IF_ERROR(dec->decode(d.inputs(s, 0, T), out, nullptr, tl.stream));
+    CPIDX_RETURN_IF_ERROR(tl.mark(0));
+    CPIDX_RETURN_IF_ERROR(dec->decode(d.inputs(s, 0, T), out, nullptr, tl.stream));
+    CPIDX_RETURN_IF_ERROR(tl.mark(1));
+    DEMO_CUDA(cudaStreamSynchronize(tl.stream));
+    res.ms = tl.ms(0, 1);
+    DEMO_CUDA(cudaMemcpy(&res.device_errors, dec->error_flag(), 4, cudaMemcpyDeviceToHost));
+    return download(ids, count, &res.ids);
+  }();
+  return res;
+}
+
+// P ranks simulated on GPU 0: every rank's shard keys into one gathered buffer, then every
+// rank's merge of the owned heads (the exchanges are in-place reads, so they cost nothing here).
+std::vector<GpuRank> run_simulated(const SyntheticStep& s, const Selection& sel, int P) {
+  std::vector<GpuRank> ranks(static_cast<size_t>(P));
+  const int T = s.config.total_heads;
+  const int64_t n = s.num_rows();
+  const size_t per_rank = static_cast<size_t>(T * n * sel.topk);
+  Status st = [&]() -> Status {
+    DEMO_CUDA(cudaSetDevice(0));
+    DeviceStep d;
+    CPIDX_RETURN_IF_ERROR(d.upload(s));
+    std::vector<std::unique_ptr<Decoder>> decs(static_cast<size_t>(P));
+    std::vector<std::unique_ptr<DeviceBuffer>> ids(static_cast<size_t>(P));
+    DeviceBuffer gathered;
+    CPIDX_RETURN_IF_ERROR(gathered.alloc(per_rank * P * sizeof(Key)));
+    Timeline tl;
+    CPIDX_RETURN_IF_ERROR(tl.create(4 * P));
+    for (int r = 0; r < P; ++r) {
+      CPIDX_RETURN_IF_ERROR(Decoder::create(config_of(s, sel, P, r), 0, &decs[r]));
+      ids[r] = std::make_unique<DeviceBuffer>();
+      CPIDX_RETURN_IF_ERROR(ids[r]->alloc(static_cast<size_t>(
+          decs[r]->geometry().local_heads * n * sel.topk * 4)));
+    }
+    auto step = [&](bool timed) -> Status {
+      for (int r = 0; r < P; ++r) {
+        if (timed) CPIDX_RETURN_IF_ERROR(tl.mark(4 * r));
+        CPIDX_RETURN_IF_ERROR(decs[r]->shard_keys(d.inputs(s, 0, T),
+                                                  gathered.as<Key>() + per_rank * r, tl.stream));
+        if (timed) CPIDX_RETURN_IF_ERROR(tl.mark(4 * r + 1));
+      }
+      for (int r = 0; r < P; ++r) {
+        const Geometry& g = decs[r]->geometry();
+        if (timed) CPIDX_RETURN_IF_ERROR(tl.mark(4 * r + 2));
+        CPIDX_RETURN_IF_ERROR(decs[r]->merge(
+            gathered.as<Key>(), d.inputs(s, g.head_offset, g.local_heads),
+            TopkOutput{ids[r]->as<int32_t>(), n * sel.topk, sel.topk}, nullptr, tl.stream));
+        if (timed) CPIDX_RETURN_IF_ERROR(tl.mark(4 * r + 3));
+      }
+      return Status::ok();
+    };
+    CPIDX_RETURN_IF_ERROR(step(false));  // warm-up
+    CPIDX_RETURN_IF_ERROR(step(true));
+    DEMO_CUDA(cudaStreamSynchronize(tl.stream));
+    for (int r = 0; r < P; ++r) {
+      GpuRank& rep = ranks[static_cast<size_t>(r)];
+      const Geometry& g = decs[r]->geometry();
+      rep.rank = r;
+      rep.head_offset = g.head_offset;
+      rep.local_heads = g.local_heads;
+      rep.score_ms = tl.ms(4 * r, 4 * r + 1);
+      rep.merge_ms = tl.ms(4 * r + 2, 4 * r + 3);
+      rep.step_ms = rep.score_ms + rep.merge_ms;
+      DEMO_CUDA(cudaMemcpy(&rep.device_errors, decs[r]->error_flag(), 4, cudaMemcpyDeviceToHost));
+      CPIDX_RETURN_IF_ERROR(
+          download(*ids[r], static_cast<size_t>(g.local_heads * n * sel.topk), &rep.ids));
+    }
+    return Status::ok();
+  }();
+  for (GpuRank& r : ranks) r.status = st;
+  return ranks;
+}
+
+#if defined(CPIDX_WITH_NCCL)
+// One rank of the real step, on GPU `comm.rank()`, from its own thread. The stages run one by
+// one with events between them (gather q; score + top-k of all heads on this rank's shard, from
+// this GPU's copy of the queries, identical to the gathered ones; gather keys; merge), then the
+// library's cp_decode as one call. A rank that fails before its first collective still takes
+// part in the agreement the peers wait in.
+GpuRank real_rank(Communicator& comm, const SyntheticStep& s, const Selection& sel) {
+  GpuRank rep;
+  const int P = comm.world_size(), T = s.config.total_heads, K = sel.topk;
+  const int64_t n = s.num_rows();
+  rep.rank = rep.device = comm.rank();
+  DeviceStep d;
+  std::unique_ptr<Decoder> dec;
+  DeviceBuffer q_local, q_recv, keys_send, keys_recv, ids_stage, ids_cp;
+  Timeline tl;
+  Status st = [&]() -> Status {
+    DEMO_CUDA(cudaSetDevice(rep.device));
+    CPIDX_RETURN_IF_ERROR(d.upload(s));
+    CPIDX_RETURN_IF_ERROR(Decoder::create(config_of(s, sel, P, comm.rank()), rep.device, &dec));
+    rep.head_offset = dec->geometry().head_offset;
+    rep.local_heads = dec->geometry().local_heads;
+    const size_t L = static_cast<size_t>(rep.local_heads);
+    CPIDX_RETURN_IF_ERROR(q_local.alloc(n * L * kHeadDim * 2));
+    CPIDX_RETURN_IF_ERROR(q_recv.alloc(P * n * L * kHeadDim * 2));
+    CPIDX_RETURN_IF_ERROR(keys_send.alloc(static_cast<size_t>(T * n * K) * sizeof(Key)));
+    CPIDX_RETURN_IF_ERROR(keys_recv.alloc(static_cast<size_t>(P * T * n * K) * sizeof(Key)));
+    CPIDX_RETURN_IF_ERROR(ids_stage.alloc(L * n * K * 4));
+    CPIDX_RETURN_IF_ERROR(ids_cp.alloc(L * n * K * 4));
+    CPIDX_RETURN_IF_ERROR(tl.create(6));
+    // This rank's local queries [n, L, D], packed.
+    DEMO_CUDA(cudaMemcpy2D(q_local.ptr, L * kHeadDim * 2,
+                           d.query.as<uint16_t>() + rep.head_offset * kHeadDim,
+                           static_cast<size_t>(T) * kHeadDim * 2, L * kHeadDim * 2,
+                           static_cast<size_t>(n), cudaMemcpyDeviceToDevice));
+    return Status::ok();
+  }();
+  if (!st.is_ok()) {
+    comm.check_agree(-1, kRowsAgreement);
+    rep.status = st;
+    return rep;
+  }
+  const DecodeInputs local = d.inputs(s, rep.head_offset, rep.local_heads);
+  const TopkOutput out_cp{ids_cp.as<int32_t>(), n * K, K};
+  const TopkOutput out_stage{ids_stage.as<int32_t>(), n * K, K};
+  // Warm-up (NCCL connects on first use); it fails on every rank together or on none.
+  st = dec->cp_decode(comm, local, out_cp, nullptr, tl.stream);
+  if (st.is_ok()) st = cuda_ok(cudaStreamSynchronize(tl.stream), "cudaStreamSynchronize");
+  if (st.is_ok()) st = comm.barrier();  // start the timed part together
+  if (!st.is_ok()) {
+    rep.status = st;
+    return rep;
+  }
+  // Every collective below is issued whatever happened before it, so no peer is left waiting.
+  auto keep = [&st](Status s2) {
+    if (st.is_ok()) st = std::move(s2);
+  };
+  const size_t q_bytes = static_cast<size_t>(n) * rep.local_heads * kHeadDim * 2;
+  const size_t k_bytes = static_cast<size_t>(T * n * K) * sizeof(Key);
+  keep(tl.mark(0));
+  keep(comm.all_gather(q_local.ptr, q_recv.ptr, q_bytes, tl.stream));
+  keep(tl.mark(1));
+  keep(dec->shard_keys(d.inputs(s, 0, T), keys_send.as<Key>(), tl.stream));
+  keep(tl.mark(2));
+  keep(comm.all_gather(keys_send.ptr, keys_recv.ptr, k_bytes, tl.stream));
+  keep(tl.mark(3));
+  keep(dec->merge(keys_recv.as<Key>(), local, out_stage, nullptr, tl.stream));
+  keep(tl.mark(4));
+  keep(dec->cp_decode(comm, local, out_cp, nullptr, tl.stream));
+  keep(tl.mark(5));
+  keep(cuda_ok(cudaStreamSynchronize(tl.stream), "cudaStreamSynchronize"));
+  if (st.is_ok()) {
+    rep.gather_q_ms = tl.ms(0, 1);
+    rep.score_ms = tl.ms(1, 2);
+    rep.gather_keys_ms = tl.ms(2, 3);
+    rep.merge_ms = tl.ms(3, 4);
+    rep.step_ms = tl.ms(4, 5);
+    keep(cuda_ok(cudaMemcpy(&rep.device_errors, dec->error_flag(), 4, cudaMemcpyDeviceToHost),
+                 "cudaMemcpy (error flag)"));
+    const size_t count = static_cast<size_t>(rep.local_heads * n * K);
+    keep(download(ids_cp, count, &rep.ids));
+    keep(download(ids_stage, count, &rep.stage_ids));
+  }
+  rep.status = st;
+  return rep;
+}
+
+std::vector<GpuRank> run_real(const SyntheticStep& s, const Selection& sel, int P) {
+  std::vector<GpuRank> ranks(static_cast<size_t>(P));
+  std::vector<int> devices;
+  for (int r = 0; r < P; ++r) devices.push_back(r);
+  Status st;
+  std::vector<std::unique_ptr<Communicator>> comms =
+      make_nccl_communicators_single_process(devices, &st);
+  if (!st.is_ok()) {
+    for (GpuRank& r : ranks) r.status = st;
+    return ranks;
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < P; ++r) {
+    threads.emplace_back([&, r] { ranks[static_cast<size_t>(r)] = real_rank(*comms[r], s, sel); });
+  }
+  for (std::thread& t : threads) t.join();
+  return ranks;
+}
+#endif
+
+// GPU plain ids vs CPU reference ids [T][n][K]: exact, or (near-tie) every differing slot holds
+// distinct visible blocks whose forced scores are within 1e-3 relative of the K-th CPU score.
+struct CpuComparison {
+  int64_t exact = 0, near_ties = 0, bad = 0;
+  std::string first_bad;
+};
+
+CpuComparison compare_with_cpu(const SyntheticStep& s, const Selection& sel,
+                               const std::vector<int32_t>& gpu, const std::vector<int32_t>& cpu) {
+  CpuComparison res;
+  const int T = s.config.total_heads, K = sel.topk, Q = s.config.query_len;
+  const int64_t n = s.num_rows(), W = s.max_blocks;
+  std::vector<float> scores;
+  for (int h = 0; h < T; ++h) {
+    for (int64_t row = 0; row < n; ++row) {
+      const int32_t* g = gpu.data() + (h * n + row) * K;
+      const int32_t* c = cpu.data() + (h * n + row) * K;
+      if (std::equal(g, g + K, c)) {
+        ++res.exact;
+        continue;
+      }
+      if (scores.empty()) {
+        scores.resize(static_cast<size_t>(T * n * W));
+        int32_t err = 0;
+        ref::block_scores(s.for_heads(0, T), 1, 0, scores.data(), &err);
+      }
+      const int64_t pos = s.seq_lens[static_cast<size_t>(row / Q)] - Q + row % Q;
+      const int64_t V = visible_blocks(pos);
+      auto forced = [&](int32_t b) {
+        return forced_score(scores[static_cast<size_t>((h * n + row) * W + b)], b, V,
+                            sel.init_blocks, sel.local_blocks);
+      };
+      const int64_t count = std::min<int64_t>(K, V);
+      bool ok = true;
+      std::vector<bool> seen(static_cast<size_t>(std::max<int64_t>(V, 1)), false);
+      for (int i = 0; i < K && ok; ++i) {
+        if (i >= count) {
+          ok = g[i] == -1;
+        } else if (g[i] < 0 || g[i] >= V || seen[static_cast<size_t>(g[i])]) {
+          ok = false;
+        } else {
+          seen[static_cast<size_t>(g[i])] = true;
+        }
+      }
+      if (ok && count > 0) {
+        const float kth = forced(c[count - 1]);
+        const float tol = 1e-3f * std::max(1.0f, std::fabs(kth));
+        for (int i = 0; i < count && ok; ++i) {
+          if (g[i] != c[i]) ok = std::fabs(forced(g[i]) - forced(c[i])) <= tol;
+        }
+      }
+      if (ok) {
+        ++res.near_ties;
+      } else if (res.bad++ == 0) {
+        res.first_bad = "head " + std::to_string(h) + ", row " + std::to_string(row);
+      }
+    }
+  }
+  return res;
+}
+
+// First slot where a rank's ids differ from the plain GPU ids of its heads; empty if none.
+std::string first_difference(const GpuRank& r, const std::vector<int32_t>& ids,
+                             const std::vector<int32_t>& plain, int64_t n, int K,
+                             const char* what) {
+  const size_t per_head = static_cast<size_t>(n * K);
+  if (ids.size() != per_head * r.local_heads) return std::string(what) + ": no ids";
+  for (int j = 0; j < r.local_heads; ++j) {
+    for (size_t i = 0; i < per_head; ++i) {
+      const int32_t got = ids[per_head * j + i];
+      const int32_t want = plain[per_head * (r.head_offset + j) + i];
+      if (got == want) continue;
+      char text[200];
+      std::snprintf(text, sizeof(text), "rank %d, head %d, row %lld, slot %d: %s id %d, plain "
+                    "GPU id %d", r.rank, r.head_offset + j, static_cast<long long>(i / K),
+                    static_cast<int>(i % K), what, got, want);
+      return text;
+    }
+  }
+  return {};
+}
+
+std::string head_span(int first, int count) {
+  return count == 1 ? std::to_string(first)
+                    : std::to_string(first) + "-" + std::to_string(first + count - 1);
+}
+
+void print_ms(double ms, int width) {
+  if (ms < 0) {
+    std::printf("  %*s", width, "-");
+  } else {
+    std::printf("  %*.3f", width, ms);
+  }
+}
+
+}  // namespace
+
+int run_demo_gpu(const SyntheticStep& step, const Selection& sel, int ranks, bool real_gpus,
+                 const std::vector<int32_t>& cpu_plain_ids) {
+  const int P = ranks, T = step.config.total_heads, K = sel.topk;
+  const int64_t n = step.num_rows();
+  cudaDeviceProp prop;
+  const bool named = cudaGetDeviceProperties(&prop, 0) == cudaSuccess;
+  std::printf("#\n# GPU: %d x %s; ", gpu_count(), named ? prop.name : "CUDA device");
+#if defined(CPIDX_WITH_NCCL)
+  if (real_gpus) {
+    const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+    std::printf("context-parallel step on GPUs 0-%d through %s, one thread per GPU "
+                "(NCCL_NVLS_ENABLE=%s)\n", P - 1, nccl_version_text().c_str(),
+                nvls ? nvls : "unset, set to 0 by cpidx");
+  }
+#endif
+  if (!real_gpus) {
+    std::printf("context-parallel rank work of %d ranks simulated on GPU 0 (exchanges are "
+                "in-place reads%s)\n", P,
+                gpu_count() >= 2 ? "; --gpus runs P ranks on P real GPUs" : "");
+  }
+  std::fflush(stdout);
+
+  const GpuPlain plain = run_plain(step, sel);
+  std::vector<GpuRank> runs;
+#if defined(CPIDX_WITH_NCCL)
+  if (real_gpus) runs = run_real(step, sel, P);
+#endif
+  if (!real_gpus) runs = run_simulated(step, sel, P);
+
+  std::printf("#                  -------------------- GPU time (ms, CUDA events) "
+              "--------------------\n");
+  std::printf("#  rank  gpu  heads   gather q  score+top-k  gather keys      merge  %s\n",
+              real_gpus ? "cp_decode" : "    total");
+  for (const GpuRank& r : runs) {
+    std::printf("%7d  %3d  %5s", r.rank, r.device, head_span(r.head_offset, r.local_heads).c_str());
+    print_ms(r.gather_q_ms, 9);
+    print_ms(r.score_ms, 11);
+    print_ms(r.gather_keys_ms, 11);
+    print_ms(r.merge_ms, 9);
+    print_ms(r.step_ms, 9);
+    std::printf("\n");
+  }
+  std::printf("%7s  %3d  %5s", "plain", 0, head_span(0, T).c_str());
+  print_ms(-1, 9);
+  print_ms(plain.ms, 11);
+  print_ms(-1, 11);
+  print_ms(-1, 9);
+  print_ms(plain.ms, 9);
+  std::printf("\n");
+  if (real_gpus) {
+    std::printf("# (stages run one by one, events between them; the gathers include waiting for "
+                "the peers; cp_decode is the library's whole step in one call, eager)\n");
+  }
+
+  // Verdict: errors first, then device flags, then CP vs plain GPU (bitwise), then GPU vs CPU.
+  std::string failure;
+  if (!plain.status.is_ok()) failure = "plain GPU decode: " + plain.status.to_string();
+  if (failure.empty() && plain.device_errors != 0) {
+    failure = "plain GPU decode: device error flag " + std::to_string(plain.device_errors);
+  }
+  for (const GpuRank& r : runs) {
+    if (!failure.empty()) break;
+    if (!r.status.is_ok()) {
+      failure = "rank " + std::to_string(r.rank) + ": " + r.status.to_string();
+    } else if (r.device_errors != 0) {
+      failure = "rank " + std::to_string(r.rank) + ": device error flag " +
+                std::to_string(r.device_errors);
+    } else {
+      failure = first_difference(r, r.ids, plain.ids, n, K,
+                                 real_gpus ? "cp_decode" : "context-parallel");
+      if (failure.empty() && real_gpus) {
+        failure = first_difference(r, r.stage_ids, plain.ids, n, K, "stage-by-stage");
+      }
+    }
+  }
+  CpuComparison cpu;
+  if (failure.empty()) {
+    cpu = compare_with_cpu(step, sel, plain.ids, cpu_plain_ids);
+    if (cpu.bad > 0) {
+      failure = "plain GPU vs CPU reference: " + std::to_string(cpu.bad) +
+                " rows differ beyond near-ties (first: " + cpu.first_bad + ")";
+    }
+  }
+  if (failure.empty()) {
+    std::printf("gpu selection: plain GPU == CPU reference (%lld rows x %d heads: %lld exact, "
+                "%lld near-ties within 1e-3); context-parallel == plain GPU on every rank, "
+                "bitwise\n",
+                static_cast<long long>(n), T, static_cast<long long>(cpu.exact),
+                static_cast<long long>(cpu.near_ties));
+  } else {
+    std::printf("gpu selection: FAILED: %s\n", failure.c_str());
+  }
+  std::fflush(stdout);
+  return failure.empty() ? kExitOk : kExitFailed;
+}
+
+#endif
+
+}  // namespace cpidx::tools
