@@ -1,0 +1,77 @@
+"""cpidx: the decode-time indexer of block-sparse attention, context-parallel across ranks.
+
+Functional API (destination passing: the caller allocates every output):
+
+* :func:`decode_topk` -- top-K block ids ``[heads, n, topk]`` for decode rows. numpy arrays (or
+  CPU tensors) run the C++ reference; torch CUDA tensors run the GPU decoder on the current
+  stream (no allocation, no sync, capturable in a CUDA graph after one warm-up call).
+* :func:`prefill_topk` -- the same selection for prefill tokens.
+* :class:`IndexerCPDecode` / :func:`get_shared_cp_decode` -- the context-parallel decode of the
+  seed (vLLM's MiniMax-M3 indexer), drop-in: ``__call__`` writes ``[local_heads, n, topk]``.
+* :data:`registry` -- the one documented cache: GPU decoders of the functional API and the
+  shared ``IndexerCPDecode`` instances. ``registry.clear()`` frees them.
+
+bf16 on the host: numpy has no bfloat16, so host arrays carry bf16 as ``uint16`` bit patterns
+(:func:`bf16_bits` converts float arrays; float32 arrays given directly are converted by the
+wrappers, a copy). fp8 e4m3 caches are ``uint8`` bit patterns (or torch ``float8_e4m3fn``).
+
+With torch importable, the ops are also registered as ``torch.ops.cpidx.decode_topk``,
+``torch.ops.cpidx.decode_topk_sparse_table`` and ``torch.ops.cpidx.prefill_topk`` (with fake
+implementations, so they work under ``torch.compile``).
+"""
+try:  # torch is optional (the numpy path needs only numpy). Imported before _C so that the
+    # CUDA runtime and NCCL it loads are the ones _C binds to (same sonames).
+    import torch as _torch
+except ImportError:  # pragma: no cover - CI has no torch
+    _torch = None
+
+from . import _C
+from ._api import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    MAX_QUERY_LEN,
+    MAX_TOPK,
+    Registry,
+    bf16_bits,
+    bf16_to_float32,
+    decode_topk,
+    prefill_topk,
+    registry,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "HEAD_DIM",
+    "MAX_QUERY_LEN",
+    "MAX_TOPK",
+    "Registry",
+    "bf16_bits",
+    "bf16_to_float32",
+    "decode_topk",
+    "prefill_topk",
+    "registry",
+    "IndexerCPDecode",
+    "get_shared_cp_decode",
+    "Decoder",
+    "Communicator",
+    "gpu_available",
+    "cuda_built",
+    "has_nccl",
+]
+
+Decoder = _C.Decoder
+Communicator = _C.Communicator
+gpu_available = _C.gpu_available
+cuda_built = _C.cuda_built
+has_nccl = _C.has_nccl
+
+if _torch is not None:
+    from . import _ops  # noqa: F401  (registers torch.ops.cpidx.*)
+    from ._cp import IndexerCPDecode, get_shared_cp_decode
+else:
+
+    def _needs_torch(*_args, **_kwargs):
+        raise ImportError("cpidx.IndexerCPDecode needs torch (pip install torch)")
+
+    IndexerCPDecode = _needs_torch  # type: ignore[assignment]
+    get_shared_cp_decode = _needs_torch  # type: ignore[assignment]

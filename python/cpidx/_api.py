@@ -1,0 +1,279 @@
+"""The functional API: decode_topk / prefill_topk on numpy (C++ reference) or torch (GPU decoder),
+the bf16 helpers of the host path, and the Registry (the package's one cache)."""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _C
+
+BLOCK_SIZE = 128  # tokens per sparse block = index-cache page
+HEAD_DIM = 128  # index head dim (the only compiled value)
+MAX_TOPK = 64
+MAX_QUERY_LEN = 8
+
+
+# ---- bf16 on the host ---------------------------------------------------------------------
+def bf16_bits(x: Any) -> np.ndarray:
+    """float array -> uint16 bf16 bit patterns (round to nearest even; NaN stays NaN). A copy."""
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    u = f.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)  # keep sign, force quiet NaN
+    return rounded
+
+
+def bf16_to_float32(bits: Any) -> np.ndarray:
+    """uint16 bf16 bit patterns -> float32 (exact)."""
+    b = np.ascontiguousarray(bits, dtype=np.uint16)
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def _host_bf16(x: Any, name: str) -> Any:
+    """numpy float arrays become bf16 bits (a copy, outside the hot path); others pass through."""
+    if isinstance(x, np.ndarray) and x.dtype.kind == "f":
+        return bf16_bits(x)
+    return x
+
+
+def _torch_module():
+    """torch if it is already imported (never imports it: the numpy path stays torch-free)."""
+    return sys.modules.get("torch")
+
+
+def _is_torch(x: Any) -> bool:
+    torch = _torch_module()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _is_cuda(x: Any) -> bool:
+    return _is_torch(x) and x.is_cuda
+
+
+def _as_bits(t: Any) -> Any:
+    """torch float8 caches go to the binding as uint8 bits (a view, zero-copy)."""
+    torch = _torch_module()
+    if torch is not None and t.dtype in (getattr(torch, "float8_e4m3fn", None),):
+        return t.view(torch.uint8)
+    return t
+
+
+def _cache_dtype_name(cache: Any) -> str:
+    bits = cache.element_size() if _is_torch(cache) else cache.dtype.itemsize
+    return "fp8_e4m3" if bits == 1 else "bf16"
+
+
+def _current_stream(device: Any) -> int:
+    torch = _torch_module()
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _token_bucket(n: int) -> int:
+    """Decoder size for the functional API when max_tokens is not given: the next power of two
+    (at least 64), so a handful of decoders serve every batch size."""
+    return max(64, 1 << max(0, int(n) - 1).bit_length())
+
+
+# ---- The registry -------------------------------------------------------------------------
+class Registry:
+    """The package's one cache, explicit and documented (no other hidden global state).
+
+    * ``decoder(...)``: one GPU :class:`cpidx.Decoder` per (device, heads, max_tokens,
+      max_seq_len, topk, init_blocks, local_blocks, cache dtype), used by :func:`decode_topk` and
+      :func:`prefill_topk` on CUDA tensors. Creating one allocates its workspace and
+      synchronises, so the first call of a shape must happen before CUDA-graph capture.
+    * ``cp_decode(**kwargs)``: one :class:`cpidx.IndexerCPDecode` per (rank, geometry, group),
+      shared by every layer of a model (see :func:`cpidx.get_shared_cp_decode`).
+
+    Entries live until :meth:`clear`. A workspace serves one stream at a time: layers run in
+    order on one stream, as in the engine. ``cpidx.registry`` is the default instance; pass your
+    own ``registry=`` to keep separate sets.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._decoders: dict = {}
+        self._cp: dict = {}
+
+    def decoder(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
+                init_blocks: int, local_blocks: int, cache_dtype: str = "bf16") -> "_C.Decoder":
+        key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
+        with self._lock:
+            dec = self._decoders.get(key)
+            if dec is None:
+                dec = _C.Decoder(total_heads=heads, world_size=1, rank=0, max_tokens=max_tokens,
+                                 max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
+                                 local_blocks=local_blocks, device=device,
+                                 cache_dtype=cache_dtype)
+                self._decoders[key] = dec
+            return dec
+
+    def cp_decode(self, **kwargs: Any) -> Any:
+        from ._cp import IndexerCPDecode
+
+        group = kwargs.get("group")
+        key = tuple(sorted((k, str(v)) for k, v in kwargs.items() if k != "group")) + (id(group),)
+        with self._lock:
+            inst = self._cp.get(key)
+            if inst is None:
+                inst = self._cp[key] = IndexerCPDecode(**kwargs)
+            return inst
+
+    def clear(self) -> None:
+        """Drop every decoder and shared IndexerCPDecode (their device memory goes with them)."""
+        with self._lock:
+            self._decoders.clear()
+            self._cp.clear()
+
+    def __len__(self) -> int:
+        return len(self._decoders) + len(self._cp)
+
+
+registry = Registry()
+
+
+# ---- decode / prefill ---------------------------------------------------------------------
+def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: Any,
+                query_len: int, out: Any, *, scale: float, topk: int, init_blocks: int = 0,
+                local_blocks: int = 1, max_seq_len: int,
+                attention_block_table: Any = None, sparse_block_table_out: Any = None,
+                sparse_context_lens_out: Any = None, block_page_stride: Optional[int] = None,
+                max_tokens: Optional[int] = None, decoder: Any = None,
+                registry: Optional[Registry] = None) -> Any:
+    """Top-K block ids of every head of ``index_query`` for decode rows (CONTRACT.md 3-4).
+
+    index_query ``[n, heads, 128]`` bf16 (rows request-major: ``row = req * query_len + t``),
+    index_cache ``[pages, 128, 128]`` bf16 or fp8 e4m3, block_table int32
+    ``[num_reqs, >= cdiv(max_seq_len, 128)]``, seq_lens int32 ``[num_reqs]``; writes int32 ids
+    ``[heads, n, topk]`` into ``out`` and returns it. The four sparse-table arguments go
+    together (one head only; CONTRACT.md section 6).
+
+    numpy arrays / CPU tensors: the C++ reference (bf16 as uint16 bits, or float arrays rounded
+    here). torch CUDA tensors: ``torch.ops.cpidx.decode_topk`` on the current stream, through
+    ``decoder`` if given, else the registry's decoder for this shape (``max_tokens`` fixes its
+    size; default: the next power of two >= n).
+    """
+    if _is_torch(index_query):
+        torch = _torch_module()
+        if attention_block_table is None and sparse_block_table_out is None and \
+                sparse_context_lens_out is None and block_page_stride is None and decoder is None \
+                and registry is None:
+            torch.ops.cpidx.decode_topk(index_query, _as_bits(index_cache), block_table, seq_lens,
+                                        out, query_len, float(scale), topk, init_blocks,
+                                        local_blocks, max_seq_len, max_tokens or 0)
+            return out
+        if decoder is None and registry is None and None not in (
+                attention_block_table, sparse_block_table_out, sparse_context_lens_out,
+                block_page_stride):
+            torch.ops.cpidx.decode_topk_sparse_table(
+                index_query, _as_bits(index_cache), block_table, seq_lens, out, query_len,
+                float(scale), topk, init_blocks, local_blocks, max_seq_len, max_tokens or 0,
+                attention_block_table, sparse_block_table_out, sparse_context_lens_out,
+                int(block_page_stride))
+            return out
+    # Not a registered-op case (host arrays, an explicit decoder, or an incomplete table
+    # argument set that the binding will name): call the implementation directly.
+    _decode_now(index_query, index_cache, block_table, seq_lens, query_len, out, scale=scale,
+                topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                max_seq_len=max_seq_len, attention_block_table=attention_block_table,
+                sparse_block_table_out=sparse_block_table_out,
+                sparse_context_lens_out=sparse_context_lens_out,
+                block_page_stride=block_page_stride, max_tokens=max_tokens, decoder=decoder,
+                registry=registry)
+    return out
+
+
+def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: Any,
+                query_len: int, out: Any, *, scale: float, topk: int, init_blocks: int,
+                local_blocks: int, max_seq_len: int, attention_block_table: Any = None,
+                sparse_block_table_out: Any = None, sparse_context_lens_out: Any = None,
+                block_page_stride: Optional[int] = None, max_tokens: Optional[int] = None,
+                decoder: Any = None, registry: Optional[Registry] = None) -> None:
+    """The eager implementation behind decode_topk and its torch op."""
+    table = dict(attention_block_table=attention_block_table,
+                 sparse_block_table_out=sparse_block_table_out,
+                 sparse_context_lens_out=sparse_context_lens_out,
+                 block_page_stride=block_page_stride)
+    if _is_cuda(index_query):
+        if decoder is None:
+            reg = registry if registry is not None else globals()["registry"]
+            decoder = reg.decoder(device=index_query.device.index, heads=index_query.shape[1],
+                                  max_tokens=max_tokens or _token_bucket(index_query.shape[0]),
+                                  max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
+                                  local_blocks=local_blocks,
+                                  cache_dtype=_cache_dtype_name(index_cache))
+        decoder.decode(index_query, _as_bits(index_cache), block_table, seq_lens, query_len, out,
+                       scale=scale, stream=_current_stream(index_query.device), **table)
+        return
+    if decoder is not None:
+        raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
+    _C.ref_decode_topk(_host_bf16(index_query, "index_query"),
+                       _as_bits(_host_bf16(index_cache, "index_cache")), block_table, seq_lens,
+                       query_len, out, scale=scale, topk=topk, init_blocks=init_blocks,
+                       local_blocks=local_blocks, max_seq_len=max_seq_len, **table)
+
+
+def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlens_q: Any,
+                 context_lens: Any, seq_lens: Any, out: Any, *, scale: float, topk: int,
+                 init_blocks: int = 0, local_blocks: int = 1, max_seq_len: int,
+                 max_tokens: Optional[int] = None, registry: Optional[Registry] = None) -> Any:
+    """Top-K block ids for prefill tokens (CONTRACT.md section 7): query ``i`` of request ``req``
+    (rows ``cu_seqlens_q[req] <= row < cu_seqlens_q[req + 1]``) sits at
+    ``context_lens[req] + i``. Writes int32 ``[heads, tokens, topk]`` into ``out``, returns it.
+
+    Host arrays: the C++ reference. torch CUDA tensors: for now the GPU decoder with one decode
+    row per token (same contract, same ids; a dedicated prefill kernel is a later issue). It
+    allocates index tensors, so it is not meant for CUDA-graph capture.
+    """
+    if _is_torch(index_query):
+        _torch_module().ops.cpidx.prefill_topk(
+            index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
+            seq_lens, out, float(scale), topk, init_blocks, local_blocks, max_seq_len,
+            max_tokens or 0)
+        return out
+    _prefill_now(index_query, index_cache, block_table, cu_seqlens_q, context_lens, seq_lens, out,
+                 scale=scale, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                 max_seq_len=max_seq_len, max_tokens=max_tokens, registry=registry)
+    return out
+
+
+def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlens_q: Any,
+                 context_lens: Any, seq_lens: Any, out: Any, *, scale: float, topk: int,
+                 init_blocks: int, local_blocks: int, max_seq_len: int,
+                 max_tokens: Optional[int] = None, registry: Optional[Registry] = None) -> None:
+    if not _is_cuda(index_query):
+        _C.ref_prefill_topk(_host_bf16(index_query, "index_query"),
+                            _as_bits(_host_bf16(index_cache, "index_cache")), block_table,
+                            cu_seqlens_q, context_lens, seq_lens, out, scale=scale, topk=topk,
+                            init_blocks=init_blocks, local_blocks=local_blocks,
+                            max_seq_len=max_seq_len)
+        return
+    torch = _torch_module()
+    tokens = index_query.shape[0]
+    num_reqs = seq_lens.shape[0]
+    for name, t, n in (("cu_seqlens_q", cu_seqlens_q, num_reqs + 1),
+                       ("context_lens", context_lens, num_reqs)):
+        if not _is_torch(t) or t.dtype != torch.int32:
+            raise TypeError(f"{name}: expected an int32 tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != 1 or t.shape[0] != n:
+            raise ValueError(f"{name}: expected shape [{n}], got {list(t.shape)}")
+    if tokens == 0:
+        return
+    # One decode row per token: row `i` of request `req` is a request of its own with
+    # seq_len = context_lens[req] + (i - cu_seqlens_q[req]) + 1 and the request's block-table row.
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    token_req = torch.repeat_interleave(torch.arange(num_reqs, device=index_query.device),
+                                        q_lens, output_size=tokens)
+    offset = torch.arange(tokens, device=index_query.device) - cu[:-1][token_req]
+    token_seq = (context_lens.long()[token_req] + offset + 1).to(torch.int32)
+    token_bt = block_table.index_select(0, token_req)
+    _decode_now(index_query, index_cache, token_bt, token_seq, 1, out, scale=scale, topk=topk,
+                init_blocks=init_blocks, local_blocks=local_blocks, max_seq_len=max_seq_len,
+                max_tokens=max_tokens, registry=registry)

@@ -1,0 +1,254 @@
+"""IndexerCPDecode: the seed's context-parallel decode (vLLM MiniMax-M3 indexer), drop-in.
+
+One instance per (rank, geometry, group) holds every buffer of a step, sized from maxima at
+construction, so ``__call__`` allocates nothing and never synchronises: it can be captured in a
+CUDA graph and replayed with new lengths. Exchanges, by what ``group`` is:
+
+* a :class:`cpidx.Communicator` (device memory): ``Decoder.cp_decode`` does the whole step in C++;
+* a ``torch.distributed`` ProcessGroup (or vLLM GroupCoordinator: its ``device_group`` /
+  ``cpu_group`` are used) on CUDA: with the NCCL communicator built (``cpidx.has_nccl``), rank 0
+  makes an NCCL unique id, ``broadcast_object_list`` hands it to the group, and the library's own
+  NCCL communicator runs the step (``exchange="nccl"``). Otherwise, or with ``exchange="torch"``,
+  the two all-gathers are ``torch.distributed.all_gather_into_tensor`` around the Decoder's
+  ``shard_keys`` and ``merge`` (the seed's structure);
+* ``world_size == 1``: the plain decode, no exchange (``group`` may be None).
+
+On ``device="cpu"`` the same steps run on the C++ reference (torch collectives, e.g. gloo).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from ._api import BLOCK_SIZE, _as_bits, registry
+
+_DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
+           "float8_e4m3fn": "fp8_e4m3"}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class IndexerCPDecode:
+    """Decode top-k for this rank's index heads, scored context-parallel.
+
+    Holds the persistent buffers so the path is allocation-free under CUDA graph capture. Every
+    shape is sized from ``max_seq_len`` (pass ``max_model_len``) and ``max_tokens``. The buffers
+    are scratch for a single call, so one instance serves every indexer layer on a rank (see
+    :func:`get_shared_cp_decode`).
+    """
+
+    def __init__(self, *, total_heads: int, rank: int, world_size: int, max_tokens: int,
+                 max_seq_len: int, topk: int, init_blocks: int, local_blocks: int, group: Any,
+                 device: Any, head_dim: int = 128, cache_dtype: Any = "bf16",
+                 max_query_len: int = 8, exchange: str = "auto") -> None:
+        if total_heads < 1 or world_size < 1:
+            raise ValueError(f"total_heads and world_size must be >= 1, got {total_heads} and "
+                             f"{world_size}")
+        if total_heads >= world_size:
+            if total_heads % world_size:
+                raise ValueError(f"index heads must divide evenly across TP ranks: total_heads "
+                                 f"{total_heads}, world_size {world_size}")
+            local_heads, replicas = total_heads // world_size, 1
+        else:
+            if world_size % total_heads:
+                raise ValueError(f"TP ranks must replicate index heads evenly: total_heads "
+                                 f"{total_heads}, world_size {world_size}")
+            local_heads, replicas = 1, world_size // total_heads
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+        if head_dim != 128:
+            raise ValueError(f"head_dim: expected 128, got {head_dim}")
+        if exchange not in ("auto", "nccl", "torch"):
+            raise ValueError(f"exchange: expected 'auto', 'nccl' or 'torch', got {exchange!r}")
+        self.total_heads = total_heads
+        self.local_heads = local_heads
+        self.replicas = replicas
+        self.head_offset = (rank // replicas) * local_heads
+        self.rank = rank
+        self.world_size = world_size
+        self.max_tokens = max_tokens
+        self.max_seq_len = max_seq_len
+        self.max_blocks = _cdiv(max_seq_len, BLOCK_SIZE)
+        self.topk = topk
+        self.init_blocks = init_blocks
+        self.local_blocks = local_blocks
+        self.group = group
+        self.device = torch.device(device)
+        dtype_key = str(cache_dtype).replace("torch.", "")
+        if dtype_key not in _DTYPES:
+            raise ValueError(f"cache_dtype: expected bf16 or fp8_e4m3, got {cache_dtype}")
+        self.cache_dtype = _DTYPES[dtype_key]
+        self._cuda = self.device.type == "cuda"
+        if self._cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+        self._decoder = None
+        if self._cuda:
+            self._decoder = _C.Decoder(
+                total_heads=total_heads, world_size=world_size, rank=rank, max_tokens=max_tokens,
+                max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
+                local_blocks=local_blocks, device=self.device.index, max_query_len=max_query_len,
+                cache_dtype=self.cache_dtype, head_dim=head_dim)
+        self._comm = None  # a cpidx Communicator, when the library runs the exchange
+        self._pg = None  # the torch ProcessGroup of the torch exchange
+        self.exchange = "none"
+        if world_size > 1:
+            self._setup_exchange(group, exchange)
+
+    # ---- construction helpers -------------------------------------------------------------
+    def _setup_exchange(self, group: Any, exchange: str) -> None:
+        if isinstance(group, _C.Communicator):
+            if (group.rank, group.world_size) != (self.rank, self.world_size):
+                raise ValueError(f"group: communicator is rank {group.rank} of "
+                                 f"{group.world_size}, expected rank {self.rank} of "
+                                 f"{self.world_size}")
+            if not self._cuda or not group.device_memory:
+                raise ValueError("group: a cpidx Communicator needs device='cuda' and a "
+                                 "device-memory communicator (NCCL)")
+            self._comm, self.exchange = group, "cpidx"
+            return
+        if group is None:
+            raise ValueError(f"group: world_size is {self.world_size}, so a torch.distributed "
+                             f"ProcessGroup or a cpidx Communicator is needed, got None")
+        device_group = getattr(group, "device_group", group)  # vLLM GroupCoordinator or a PG
+        cpu_group = getattr(group, "cpu_group", None)
+        if dist.get_world_size(device_group) != self.world_size or \
+                dist.get_rank(device_group) != self.rank:
+            raise ValueError(f"group: rank {dist.get_rank(device_group)} of "
+                             f"{dist.get_world_size(device_group)}, expected rank {self.rank} "
+                             f"of {self.world_size}")
+        use_nccl = self._cuda and exchange in ("auto", "nccl") and _C.has_nccl
+        if exchange == "nccl" and not use_nccl:
+            raise ValueError("exchange: 'nccl' needs device='cuda' and a cpidx build with the "
+                             "NCCL communicator (cpidx.has_nccl is False)")
+        if use_nccl:
+            self._comm = self._bootstrap_nccl(device_group, cpu_group)
+            self.exchange = "nccl"
+        else:
+            self._pg = device_group
+            self._alloc_exchange_buffers()
+            self.exchange = "torch"
+
+    def _bootstrap_nccl(self, device_group: Any, cpu_group: Any) -> Any:
+        """Rank 0 of the group makes the NCCL unique id; every rank joins with it."""
+        bcast_group = cpu_group if cpu_group is not None else device_group
+        src = dist.get_global_rank(bcast_group, 0)
+        box = [_C.nccl_unique_id() if self.rank == 0 else None]
+        kwargs = {}
+        if cpu_group is None and "nccl" in str(dist.get_backend(bcast_group)).lower():
+            kwargs["device"] = self.device
+        dist.broadcast_object_list(box, src=src, group=bcast_group, **kwargs)
+        return _C.make_nccl_communicator(box[0], self.world_size, self.rank, self.device.index)
+
+    def _alloc_exchange_buffers(self) -> None:
+        n, L, T, P, K = self.max_tokens, self.local_heads, self.total_heads, self.world_size, \
+            self.topk
+        D = 128
+
+        def buf(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+
+        self._q_local = buf(n * L * D, torch.bfloat16)
+        self._q_gathered = buf(P * n * L * D, torch.bfloat16)
+        self._q_full = buf(n * T * D, torch.bfloat16)
+        self._keys = buf(T * n * K, torch.int64)
+        self._keys_gathered = buf(P * T * n * K, torch.int64)
+
+    # ---- the step -------------------------------------------------------------------------
+    def __call__(self, local_q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, query_len: int, out: torch.Tensor, *, scale: float,
+                 attention_block_table: Optional[torch.Tensor] = None,
+                 sparse_block_table_out: Optional[torch.Tensor] = None,
+                 sparse_context_lens_out: Optional[torch.Tensor] = None,
+                 block_page_stride: Optional[int] = None) -> torch.Tensor:
+        """Write ``[local_heads, n, topk]`` block ids for this rank's heads; returns ``out``."""
+        n = local_q.shape[0]
+        if n > self.max_tokens:
+            raise ValueError(f"local_q: {n} rows exceed max_tokens {self.max_tokens}")
+        if n == 0:
+            return out
+        if local_q.dim() != 3 or local_q.shape[1] != self.local_heads:
+            raise ValueError(f"local_q: expected shape [n, {self.local_heads}, 128] (this "
+                             f"rank's heads), got {list(local_q.shape)}")
+        kv_cache = _as_bits(kv_cache)
+        table = dict(attention_block_table=attention_block_table,
+                     sparse_block_table_out=sparse_block_table_out,
+                     sparse_context_lens_out=sparse_context_lens_out,
+                     block_page_stride=block_page_stride)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
+        if self.world_size == 1:
+            if self._cuda:
+                self._decoder.decode(local_q, kv_cache, block_table, seq_lens, query_len, out,
+                                     scale=scale, stream=stream, **table)
+            else:
+                _C.ref_decode_topk(local_q, kv_cache, block_table, seq_lens, query_len, out,
+                                   scale=scale, max_seq_len=self.max_seq_len, **self._sel(),
+                                   **table)
+            return out
+        if self._comm is not None:
+            self._decoder.cp_decode(self._comm, local_q, kv_cache, block_table, seq_lens,
+                                    query_len, out, scale=scale, stream=stream, **table)
+            return out
+        full = self._full_queries(local_q)
+        T, K, P = self.total_heads, self.topk, self.world_size
+        keys = self._keys[: T * n * K].view(T, n, K)
+        if self._cuda:
+            self._decoder.shard_keys(full, kv_cache, block_table, seq_lens, query_len, keys,
+                                     scale=scale, stream=stream)
+        else:
+            _C.ref_shard_topk_keys(full, kv_cache, block_table, seq_lens, query_len, keys,
+                                   scale=scale, max_seq_len=self.max_seq_len,
+                                   world_size=P, rank=self.rank, **self._sel())
+        gathered = self._keys_gathered[: P * T * n * K]
+        dist.all_gather_into_tensor(gathered, keys.view(-1), group=self._pg)
+        gathered = gathered.view(P, T, n, K)
+        if self._cuda:
+            self._decoder.merge(gathered, seq_lens, query_len, out, stream=stream, **table)
+        else:
+            _C.ref_merge_topk_keys(gathered, seq_lens, query_len, out,
+                                   max_seq_len=self.max_seq_len, head_offset=self.head_offset,
+                                   **self._sel(), **table)
+        return out
+
+    def _sel(self) -> dict:
+        return dict(topk=self.topk, init_blocks=self.init_blocks, local_blocks=self.local_blocks)
+
+    def _full_queries(self, local_q: torch.Tensor) -> torch.Tensor:
+        """All-gather ``[n, local_heads, D]`` queries to ``[n, total_heads, D]``."""
+        n, L, T, P, R = local_q.shape[0], self.local_heads, self.total_heads, \
+            self.world_size, self.replicas
+        D = local_q.shape[-1]
+        q = self._q_local[: n * L * D].view(n, L, D)
+        q.copy_(local_q)
+        gathered = self._q_gathered[: P * n * L * D]
+        dist.all_gather_into_tensor(gathered, q.view(-1), group=self._pg)
+        # Replicated ranks carry the same head; keep the first of each group.
+        owners = gathered.view(P, n, L, D)[::R]
+        full = self._q_full[: n * T * D].view(n, T, D)
+        full.view(n, P // R, L, D).copy_(owners.permute(1, 0, 2, 3))
+        return full
+
+    def error_flag(self) -> Optional[torch.Tensor]:
+        """Device int32 [1]: bits of clamped device-side values (seq_len, page) since the last
+        ``clear_error_flag``; read it when convenient (the library never syncs on it)."""
+        return self._decoder.error_flag() if self._decoder is not None else None
+
+    def clear_error_flag(self) -> None:
+        if self._decoder is not None:
+            self._decoder.clear_error_flag(stream=torch.cuda.current_stream(self.device).cuda_stream)
+
+
+def get_shared_cp_decode(**kwargs: Any) -> IndexerCPDecode:
+    """One :class:`IndexerCPDecode` per rank and geometry (and group), shared by all layers.
+
+    Each of M3's sparse layers has its own indexer; the buffers are written and consumed within
+    one call and layers run in order on one stream, so all layers reuse one set. The instances
+    live in :data:`cpidx.registry` (``registry.clear()`` drops them); the key is every keyword
+    argument except ``group``, plus ``id(group)``.
+    """
+    return registry.cp_decode(**kwargs)

@@ -1,0 +1,75 @@
+"""torch.library registration of the cpidx ops (imported by cpidx when torch is importable).
+
+Destination passing: each op writes into its ``out`` tensors (``mutates_args``) and returns
+nothing, so it is allocation-free on the decode path, works inside ``torch.cuda.graph`` (after a
+warm-up call has created the decoder) and under ``torch.compile`` (the fake implementations
+below only describe that nothing new is returned).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._api import _decode_now, _prefill_now
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("cpidx::decode_topk", mutates_args=("out",))
+def decode_topk(index_query: Tensor, index_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                out: Tensor, query_len: int, scale: float, topk: int, init_blocks: int,
+                local_blocks: int, max_seq_len: int, max_tokens: int) -> None:
+    """ids [heads, n, topk] into out (see cpidx.decode_topk); max_tokens 0: automatic."""
+    _decode_now(index_query, index_cache, block_table, seq_lens, query_len, out, scale=scale,
+                topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                max_seq_len=max_seq_len, max_tokens=max_tokens or None)
+
+
+@decode_topk.register_fake
+def _decode_topk_fake(index_query, index_cache, block_table, seq_lens, out, query_len, scale,
+                      topk, init_blocks, local_blocks, max_seq_len, max_tokens) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "cpidx::decode_topk_sparse_table",
+    mutates_args=("out", "sparse_block_table_out", "sparse_context_lens_out"))
+def decode_topk_sparse_table(index_query: Tensor, index_cache: Tensor, block_table: Tensor,
+                             seq_lens: Tensor, out: Tensor, query_len: int, scale: float,
+                             topk: int, init_blocks: int, local_blocks: int, max_seq_len: int,
+                             max_tokens: int, attention_block_table: Tensor,
+                             sparse_block_table_out: Tensor, sparse_context_lens_out: Tensor,
+                             block_page_stride: int) -> None:
+    """decode_topk plus the fused page-16 sparse table (one head; CONTRACT.md section 6)."""
+    _decode_now(index_query, index_cache, block_table, seq_lens, query_len, out, scale=scale,
+                topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                max_seq_len=max_seq_len, max_tokens=max_tokens or None,
+                attention_block_table=attention_block_table,
+                sparse_block_table_out=sparse_block_table_out,
+                sparse_context_lens_out=sparse_context_lens_out,
+                block_page_stride=block_page_stride)
+
+
+@decode_topk_sparse_table.register_fake
+def _decode_topk_sparse_table_fake(index_query, index_cache, block_table, seq_lens, out,
+                                   query_len, scale, topk, init_blocks, local_blocks, max_seq_len,
+                                   max_tokens, attention_block_table, sparse_block_table_out,
+                                   sparse_context_lens_out, block_page_stride) -> None:
+    return None
+
+
+@torch.library.custom_op("cpidx::prefill_topk", mutates_args=("out",))
+def prefill_topk(index_query: Tensor, index_cache: Tensor, block_table: Tensor,
+                 cu_seqlens_q: Tensor, context_lens: Tensor, seq_lens: Tensor, out: Tensor,
+                 scale: float, topk: int, init_blocks: int, local_blocks: int, max_seq_len: int,
+                 max_tokens: int) -> None:
+    """ids [heads, tokens, topk] into out (see cpidx.prefill_topk)."""
+    _prefill_now(index_query, index_cache, block_table, cu_seqlens_q, context_lens, seq_lens, out,
+                 scale=scale, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                 max_seq_len=max_seq_len, max_tokens=max_tokens or None)
+
+
+@prefill_topk.register_fake
+def _prefill_topk_fake(index_query, index_cache, block_table, cu_seqlens_q, context_lens,
+                       seq_lens, out, scale, topk, init_blocks, local_blocks, max_seq_len,
+                       max_tokens) -> None:
+    return None

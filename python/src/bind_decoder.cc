@@ -1,0 +1,188 @@
+// python/src/bind_decoder.cc: the GPU Decoder family (cpidx/indexer.h) on CUDA tensors. The
+// Python object owns one Decoder (workspace sized at construction); every call checks its
+// arguments on the host, then only enqueues kernels on the caller's stream (an int, as torch's
+// `cuda_stream`): no allocation, no synchronisation, capturable in a CUDA graph.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cpidx/comm.h"
+#include "cpidx/indexer.h"
+#include "tensor_args.h"
+
+namespace cpidx::py {
+namespace {
+
+cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+DType cache_dtype_of(const std::string& name) {
+  if (name == "bf16" || name == "bfloat16") return DType::kBF16;
+  if (name == "fp8_e4m3" || name == "float8_e4m3fn") return DType::kFP8E4M3;
+  throw nb::value_error(("cache_dtype: expected 'bf16' or 'fp8_e4m3', got '" + name + "'").c_str());
+}
+
+struct PyDecoder {
+  std::unique_ptr<Decoder> decoder;
+  Place place;
+
+  const DecodeConfig& cfg() const { return decoder->config(); }
+
+  void decode(const InArray& index_query, const InArray& index_cache, const InArray& block_table,
+              const InArray& seq_lens, int query_len, const OutArray& out, double scale,
+              const std::optional<InArray>& attention_block_table,
+              const std::optional<OutArray>& sparse_block_table_out,
+              const std::optional<OutArray>& sparse_context_lens_out,
+              std::optional<int> block_page_stride, uintptr_t stream) {
+    const DecodeBatch b = decode_batch(index_query, index_cache, block_table, seq_lens,
+                                       query_len, scale, cfg().max_seq_len, place);
+    const TopkOutput o = topk_output(out, b.in.num_heads, b.rows, cfg().sel.topk, place);
+    const SparseTableOutput t = sparse_table_output(
+        attention_block_table, sparse_block_table_out, sparse_context_lens_out,
+        block_page_stride, b.in.num_reqs, b.rows, cfg().sel.topk, cfg().max_seq_len, place);
+    check_status(decoder->decode(b.in, o, t.enabled() ? &t : nullptr, as_stream(stream)));
+  }
+
+  void shard_keys(const InArray& index_query, const InArray& index_cache,
+                  const InArray& block_table, const InArray& seq_lens, int query_len,
+                  const nb::ndarray<>& keys_out, double scale, uintptr_t stream) {
+    const DecodeBatch b = decode_batch(index_query, index_cache, block_table, seq_lens,
+                                       query_len, scale, cfg().max_seq_len, place);
+    Key* keys = key_buffer(keys_out, "keys_out", {b.in.num_heads, b.rows, cfg().sel.topk}, place);
+    check_status(decoder->shard_keys(b.in, keys, as_stream(stream)));
+  }
+
+  void merge(const nb::ndarray<>& gathered, const InArray& seq_lens, int query_len,
+             const OutArray& out, const std::optional<InArray>& attention_block_table,
+             const std::optional<OutArray>& sparse_block_table_out,
+             const std::optional<OutArray>& sparse_context_lens_out,
+             std::optional<int> block_page_stride, uintptr_t stream) {
+    const DecodeBatch b = merge_batch(seq_lens, query_len, cfg().max_seq_len, place);
+    const int K = cfg().sel.topk;
+    const Key* keys = key_buffer(gathered, "gathered",
+                                 {cfg().world_size, cfg().total_heads, b.rows, K}, place);
+    const TopkOutput o = topk_output(out, decoder->geometry().local_heads, b.rows, K, place);
+    const SparseTableOutput t = sparse_table_output(
+        attention_block_table, sparse_block_table_out, sparse_context_lens_out,
+        block_page_stride, b.in.num_reqs, b.rows, K, cfg().max_seq_len, place);
+    check_status(decoder->merge(keys, b.in, o, t.enabled() ? &t : nullptr, as_stream(stream)));
+  }
+
+  void cp_decode(Communicator& comm, const InArray& local_q, const InArray& index_cache,
+                 const InArray& block_table, const InArray& seq_lens, int query_len,
+                 const OutArray& out, double scale,
+                 const std::optional<InArray>& attention_block_table,
+                 const std::optional<OutArray>& sparse_block_table_out,
+                 const std::optional<OutArray>& sparse_context_lens_out,
+                 std::optional<int> block_page_stride, uintptr_t stream) {
+    const DecodeBatch b = decode_batch(local_q, index_cache, block_table, seq_lens, query_len,
+                                       scale, cfg().max_seq_len, place);
+    const TopkOutput o = topk_output(out, b.in.num_heads, b.rows, cfg().sel.topk, place);
+    const SparseTableOutput t = sparse_table_output(
+        attention_block_table, sparse_block_table_out, sparse_context_lens_out,
+        block_page_stride, b.in.num_reqs, b.rows, cfg().sel.topk, cfg().max_seq_len, place);
+    Status st;
+    {
+      // Host communicators may block in the collective: let other Python threads run.
+      nb::gil_scoped_release release;
+      st = decoder->cp_decode(comm, b.in, o, t.enabled() ? &t : nullptr, as_stream(stream));
+    }
+    check_status(st);
+  }
+};
+
+}  // namespace
+
+void bind_decoder(nb::module_& m) {
+  using namespace nb::literals;
+  m.def("gpu_available", &gpu_available,
+        "True when the module was built with CUDA and a device is visible.");
+  nb::class_<PyDecoder>(m, "Decoder",
+                        "The GPU decode indexer of one (device, geometry): workspace sized at "
+                        "construction; decode / shard_keys / merge / cp_decode only enqueue work.")
+      .def(
+          "__init__",
+          [](PyDecoder* self, int total_heads, int world_size, int rank, int max_tokens,
+             int64_t max_seq_len, int topk, int init_blocks, int local_blocks, int device,
+             int max_query_len, const std::string& cache_dtype, int head_dim) {
+            DecodeConfig c;
+            c.total_heads = total_heads;
+            c.world_size = world_size;
+            c.rank = rank;
+            c.max_tokens = max_tokens;
+            if (max_seq_len < 1 || max_seq_len > INT32_MAX) {
+              throw nb::value_error(
+                  ("max_seq_len: expected 1 to 2^31-1, got " + std::to_string(max_seq_len)).c_str());
+            }
+            c.max_seq_len = static_cast<int32_t>(max_seq_len);
+            c.max_query_len = max_query_len;
+            c.sel = selection(topk, init_blocks, local_blocks);
+            c.cache_dtype = cache_dtype_of(cache_dtype);
+            c.head_dim = head_dim;
+            std::unique_ptr<Decoder> d;
+            check_status(Decoder::create(c, device, &d));
+            new (self) PyDecoder{std::move(d), Place{true, device}};
+          },
+          nb::kw_only(), "total_heads"_a, "world_size"_a, "rank"_a, "max_tokens"_a,
+          "max_seq_len"_a, "topk"_a, "init_blocks"_a, "local_blocks"_a, "device"_a,
+          "max_query_len"_a = kMaxQueryLen, "cache_dtype"_a = "bf16", "head_dim"_a = kHeadDim)
+      .def_prop_ro("device", [](const PyDecoder& d) { return d.place.device; })
+      .def_prop_ro("total_heads", [](const PyDecoder& d) { return d.cfg().total_heads; })
+      .def_prop_ro("world_size", [](const PyDecoder& d) { return d.cfg().world_size; })
+      .def_prop_ro("rank", [](const PyDecoder& d) { return d.cfg().rank; })
+      .def_prop_ro("local_heads", [](const PyDecoder& d) { return d.decoder->geometry().local_heads; })
+      .def_prop_ro("replicas", [](const PyDecoder& d) { return d.decoder->geometry().replicas; })
+      .def_prop_ro("head_offset", [](const PyDecoder& d) { return d.decoder->geometry().head_offset; })
+      .def_prop_ro("max_tokens", [](const PyDecoder& d) { return d.cfg().max_tokens; })
+      .def_prop_ro("max_seq_len", [](const PyDecoder& d) { return d.cfg().max_seq_len; })
+      .def_prop_ro("max_query_len", [](const PyDecoder& d) { return d.cfg().max_query_len; })
+      .def_prop_ro("topk", [](const PyDecoder& d) { return d.cfg().sel.topk; })
+      .def_prop_ro("init_blocks", [](const PyDecoder& d) { return d.cfg().sel.init_blocks; })
+      .def_prop_ro("local_blocks", [](const PyDecoder& d) { return d.cfg().sel.local_blocks; })
+      .def_prop_ro("cache_dtype",
+                   [](const PyDecoder& d) { return std::string(to_string(d.cfg().cache_dtype)); })
+      .def_prop_ro("workspace_bytes",
+                   [](const PyDecoder& d) { return d.decoder->plan().workspace_bytes; })
+      .def_prop_ro("grid", [](const PyDecoder& d) { return d.decoder->plan().grid; })
+      .def("decode", &PyDecoder::decode, "index_query"_a, "index_cache"_a, "block_table"_a,
+           "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
+           "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),
+           "sparse_context_lens_out"_a = nb::none(), "block_page_stride"_a = nb::none(),
+           "stream"_a = 0, "Plain decode of every head in index_query: ids [heads, n, topk].")
+      .def("shard_keys", &PyDecoder::shard_keys, "index_query"_a, "index_cache"_a,
+           "block_table"_a, "seq_lens"_a, "query_len"_a, "keys_out"_a, nb::kw_only(), "scale"_a,
+           "stream"_a = 0,
+           "This rank's shard top-K keys [total_heads, n, topk] (int64) from all heads' queries.")
+      .def("merge", &PyDecoder::merge, "gathered"_a, "seq_lens"_a, "query_len"_a, "out"_a,
+           nb::kw_only(), "attention_block_table"_a = nb::none(),
+           "sparse_block_table_out"_a = nb::none(), "sparse_context_lens_out"_a = nb::none(),
+           "block_page_stride"_a = nb::none(), "stream"_a = 0,
+           "Merge gathered keys [world, total_heads, n, topk] into ids [local_heads, n, topk].")
+      .def("cp_decode", &PyDecoder::cp_decode, "comm"_a, "local_q"_a, "index_cache"_a,
+           "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
+           "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),
+           "sparse_context_lens_out"_a = nb::none(), "block_page_stride"_a = nb::none(),
+           "stream"_a = 0,
+           "The whole context-parallel step over a device communicator: ids [local_heads, n, "
+           "topk].")
+      .def(
+          "error_flag",
+          [](PyDecoder& d) {
+            // A view of the device int32 error bits, kept alive by the Decoder object.
+            return nb::ndarray<nb::pytorch, int32_t, nb::shape<1>>(
+                d.decoder->error_flag(), {1}, nb::find(&d), {}, nb::dtype<int32_t>(),
+                nb::device::cuda::value, d.place.device);
+          },
+          "Device int32 [1]: OR of DeviceError bits since the last clear (a torch tensor view).")
+      .def(
+          "clear_error_flag",
+          [](PyDecoder& d, uintptr_t stream) {
+            check_status(d.decoder->clear_error_flag(as_stream(stream)));
+          },
+          "stream"_a = 0);
+}
+
+}  // namespace cpidx::py

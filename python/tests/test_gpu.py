@@ -1,0 +1,216 @@
+"""GPU path: torch CUDA tensors through the ops == the C++ Decoder called directly (bitwise) ==
+the golden ids; the context-parallel halves on one GPU; CUDA-graph capture and replay with
+changing lengths; torch.compile. Skips without torch, a CUDA build or a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cpidx  # noqa: E402
+from helpers import golden_cases, golden_decode, random_decode  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and cpidx.cuda_built and cpidx.gpu_available()),
+    reason="needs a CUDA build of cpidx and a GPU")
+
+DEV = "cuda"
+
+
+def to_dev(b):
+    q = torch.from_numpy(b.query.view(np.int16)).view(torch.bfloat16).to(DEV)
+    k = torch.from_numpy(b.cache.view(np.int16)).view(torch.bfloat16).to(DEV)
+    return q, k, torch.from_numpy(b.block_table).to(DEV), torch.from_numpy(b.seq_lens).to(DEV)
+
+
+def host_ids(b, topk, init, local, heads=None):
+    q = b.query if heads is None else b.query[:, heads]
+    out = np.zeros((q.shape[1], b.rows, topk), np.int32)
+    cpidx.decode_topk(q, b.cache, b.block_table, b.seq_lens, b.query_len, out, scale=b.scale,
+                      topk=topk, init_blocks=init, local_blocks=local, max_seq_len=b.max_seq_len)
+    return out
+
+
+@pytest.mark.parametrize("case", golden_cases("decode"), ids=lambda c: f"seed{c['seed']}")
+def test_golden_decode_gpu(case):
+    b = golden_decode(case)
+    q, k, bt, sl = to_dev(b)
+    out = torch.full((case["T"], b.rows, case["K"]), 3, dtype=torch.int32, device=DEV)
+    cpidx.decode_topk(q, k, bt, sl, b.query_len, out, scale=b.scale, topk=case["K"],
+                      init_blocks=case["init"], local_blocks=case["local"],
+                      max_seq_len=b.max_seq_len)
+    assert out.cpu().tolist() == case["ids"]
+
+
+@pytest.mark.parametrize("T,Q,K,init,local", [(4, 1, 16, 0, 1), (2, 4, 8, 1, 2), (8, 2, 64, 0, 1)])
+def test_op_equals_decoder_and_reference(T, Q, K, init, local):
+    rng = np.random.default_rng(T * 100 + Q)
+    b = random_decode(rng, T, Q, [3000, 1, 0, 129, 2049], max_seq_len=4096)
+    q, k, bt, sl = to_dev(b)
+    via_op = torch.full((T, b.rows, K), 1, dtype=torch.int32, device=DEV)
+    cpidx.decode_topk(q, k, bt, sl, Q, via_op, scale=b.scale, topk=K, init_blocks=init,
+                      local_blocks=local, max_seq_len=4096)
+    dec = cpidx.Decoder(total_heads=T, world_size=1, rank=0, max_tokens=b.rows, max_seq_len=4096,
+                        topk=K, init_blocks=init, local_blocks=local, device=0)
+    direct = torch.full_like(via_op, 2)
+    dec.decode(q, k, bt, sl, Q, direct, scale=b.scale,
+               stream=torch.cuda.current_stream().cuda_stream)
+    again = torch.full_like(via_op, 4)
+    cpidx.decode_topk(q, k, bt, sl, Q, again, scale=b.scale, topk=K, init_blocks=init,
+                      local_blocks=local, max_seq_len=4096)
+    torch.cuda.synchronize()
+    assert torch.equal(via_op, direct) and torch.equal(via_op, again)
+    np.testing.assert_array_equal(via_op.cpu().numpy(), host_ids(b, K, init, local))
+    assert int(dec.error_flag().item()) == 0
+
+
+def test_fp8_cache_gpu():
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("torch without float8_e4m3fn")
+    rng = np.random.default_rng(9)
+    b = random_decode(rng, 4, 1, [1000, 300], max_seq_len=1024, lo=-1, hi=2)
+    q, k, bt, sl = to_dev(b)
+    k8 = k.float().to(torch.float8_e4m3fn)
+    out = torch.zeros((4, b.rows, 16), dtype=torch.int32, device=DEV)
+    cpidx.decode_topk(q, k8, bt, sl, 1, out, scale=b.scale, topk=16, max_seq_len=1024)
+    b.cache = k8.view(torch.uint8).cpu().numpy()
+    np.testing.assert_array_equal(out.cpu().numpy(), host_ids(b, 16, 0, 1))
+
+
+def test_sparse_table_gpu_matches_reference():
+    rng = np.random.default_rng(4)
+    b = random_decode(rng, 1, 2, [2100, 4, 0, 3000], max_seq_len=3072)
+    q, k, bt, sl = to_dev(b)
+    G = bt.shape[1]
+    attn = (1000 + 37 * torch.arange(4)[:, None] + torch.arange(G)[None]).int().to(DEV)
+    table = torch.full((b.rows, 128), -1, dtype=torch.int32, device=DEV)
+    ctx = torch.full((b.rows,), -1, dtype=torch.int32, device=DEV)
+    out = torch.zeros((1, b.rows, 16), dtype=torch.int32, device=DEV)
+    cpidx.decode_topk(q, k, bt, sl, 2, out, scale=b.scale, topk=16, max_seq_len=3072,
+                      attention_block_table=attn, sparse_block_table_out=table,
+                      sparse_context_lens_out=ctx, block_page_stride=8)
+    h_table = np.full((b.rows, 128), -1, np.int32)
+    h_ctx = np.full((b.rows,), -1, np.int32)
+    h_out = np.zeros((1, b.rows, 16), np.int32)
+    cpidx.decode_topk(b.query, b.cache, b.block_table, b.seq_lens, 2, h_out, scale=b.scale,
+                      topk=16, max_seq_len=3072, attention_block_table=attn.cpu().numpy(),
+                      sparse_block_table_out=h_table, sparse_context_lens_out=h_ctx,
+                      block_page_stride=8)
+    np.testing.assert_array_equal(out.cpu().numpy(), h_out)
+    np.testing.assert_array_equal(table.cpu().numpy(), h_table)
+    np.testing.assert_array_equal(ctx.cpu().numpy(), h_ctx)
+
+
+@pytest.mark.parametrize("T,P", [(4, 2), (4, 4), (4, 8), (2, 4)])
+def test_cp_halves_on_one_gpu_equal_plain(T, P):
+    rng = np.random.default_rng(T + 10 * P)
+    b = random_decode(rng, T, 2, [5000, 129, 0, 1300], max_seq_len=5120)
+    q, k, bt, sl = to_dev(b)
+    K = 16
+    plain = torch.zeros((T, b.rows, K), dtype=torch.int32, device=DEV)
+    cpidx.decode_topk(q, k, bt, sl, 2, plain, scale=b.scale, topk=K, max_seq_len=5120)
+    decs = [cpidx.Decoder(total_heads=T, world_size=P, rank=r, max_tokens=b.rows,
+                          max_seq_len=5120, topk=K, init_blocks=0, local_blocks=1, device=0)
+            for r in range(P)]
+    gathered = torch.zeros((P, T, b.rows, K), dtype=torch.int64, device=DEV)
+    s = torch.cuda.current_stream().cuda_stream
+    for r, d in enumerate(decs):
+        d.shard_keys(q, k, bt, sl, 2, gathered[r], scale=b.scale, stream=s)
+    for d in decs:
+        out = torch.full((d.local_heads, b.rows, K), 9, dtype=torch.int32, device=DEV)
+        d.merge(gathered, sl, 2, out, stream=s)
+        assert torch.equal(out, plain[d.head_offset: d.head_offset + d.local_heads])
+
+
+def test_cuda_graph_replay_with_changing_lengths():
+    T, Q, K, reqs, msl = 4, 2, 16, 6, 8192
+    rng = np.random.default_rng(12)
+    first = random_decode(rng, T, Q, [msl] * reqs, max_seq_len=msl)
+    q, k, bt, sl = to_dev(first)
+    out = torch.zeros((T, first.rows, K), dtype=torch.int32, device=DEV)
+    cp = cpidx.IndexerCPDecode(total_heads=T, rank=0, world_size=1, max_tokens=first.rows,
+                               max_seq_len=msl, topk=K, init_blocks=0, local_blocks=1,
+                               group=None, device=DEV)
+
+    def step():
+        cpidx.decode_topk(q, k, bt, sl, Q, out, scale=0.5, topk=K, max_seq_len=msl,
+                          max_tokens=first.rows)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up creates the registry's decoder outside capture
+        cp(q, k, bt, sl, Q, out, scale=0.5)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    cp_out = torch.zeros_like(out)
+    cp_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cp_graph):
+        cp(q, k, bt, sl, Q, cp_out, scale=0.5)
+    for lens in ([1, 129, 0, 8000, 300, 4097], [8192, 2, 2, 0, 0, 128], [5] * reqs):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        bt.copy_(torch.randint(0, k.shape[0], bt.shape, dtype=torch.int32))
+        q.copy_(torch.randint(-3, 4, q.shape).to(torch.bfloat16))
+        graph.replay()
+        cp_graph.replay()
+        eager = torch.zeros_like(out)
+        cpidx.decode_topk(q, k, bt, sl, Q, eager, scale=0.5, topk=K, max_seq_len=msl)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), lens
+        assert torch.equal(cp_out, eager), lens
+
+
+def test_torch_compile_calls_ops():
+    rng = np.random.default_rng(13)
+    b = random_decode(rng, 4, 1, [1000, 3000], max_seq_len=4096)
+    q, k, bt, sl = to_dev(b)
+    want = torch.zeros((4, b.rows, 16), dtype=torch.int32, device=DEV)
+    cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=16, max_seq_len=4096)
+
+    def f(q, k, bt, sl):
+        out = torch.empty((4, q.shape[0], 16), dtype=torch.int32, device=q.device)
+        torch.ops.cpidx.decode_topk(q, k, bt, sl, out, 1, 0.5, 16, 0, 1, 4096, 0)
+        return out.long() + 1
+
+    got = torch.compile(f, fullgraph=True)(q, k, bt, sl)
+    assert torch.equal(got, want.long() + 1)
+
+    def g(q, k, bt, sl, out):
+        cpidx.decode_topk(q, k, bt, sl, 1, out, scale=0.5, topk=16, max_seq_len=4096)
+        return out
+
+    assert torch.equal(torch.compile(g)(q, k, bt, sl, torch.zeros_like(want)), want)
+
+
+def test_prefill_gpu_matches_golden():
+    from helpers import golden_inputs
+
+    for case in golden_cases("prefill"):
+        q_lens = case["q_lens"]
+        query, cache, bt, msl = golden_inputs(case["seed"], case["T"], sum(q_lens),
+                                              case["seq_lens"])
+        cu = torch.tensor([0] + list(np.cumsum(q_lens)), dtype=torch.int32, device=DEV)
+        out = torch.zeros((case["T"], sum(q_lens), case["K"]), dtype=torch.int32, device=DEV)
+        qt = torch.from_numpy(query.view(np.int16)).view(torch.bfloat16).to(DEV)
+        kt = torch.from_numpy(cache.view(np.int16)).view(torch.bfloat16).to(DEV)
+        cpidx.prefill_topk(qt, kt, torch.from_numpy(bt).to(DEV), cu,
+                           torch.tensor(case["context_lens"], dtype=torch.int32, device=DEV),
+                           torch.tensor(case["seq_lens"], dtype=torch.int32, device=DEV), out,
+                           scale=case["scale"], topk=case["K"], init_blocks=case["init"],
+                           local_blocks=case["local"], max_seq_len=msl)
+        assert out.cpu().tolist() == case["ids"]
+
+
+def test_bad_device_is_named():
+    rng = np.random.default_rng(14)
+    b = random_decode(rng, 2, 1, [300], max_seq_len=512)
+    q, k, bt, sl = to_dev(b)
+    out = torch.zeros((2, 1, 4), dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="seq_lens: expected a CUDA tensor"):
+        cpidx.decode_topk(q, k, bt, sl.cpu(), 1, out, scale=1.0, topk=4, max_seq_len=512)
+    with pytest.raises(TypeError, match="seq_lens: expected int32, got int64"):
+        cpidx.decode_topk(q, k, bt, sl.long(), 1, out, scale=1.0, topk=4, max_seq_len=512)

@@ -1,0 +1,293 @@
+"""The host path (numpy -> C++ reference) against the golden cases, an independent numpy oracle,
+and the context-parallel halves; every bad argument raises an error naming it. Needs no GPU and
+no torch (this is what CI runs)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cpidx
+from cpidx import _C
+from helpers import BS, D, golden_cases, golden_decode, golden_inputs, oracle_decode, \
+    random_decode, splitmix_values
+
+
+def run_decode(b, topk, init, local, heads=None, **kw):
+    q = b.query if heads is None else b.query[:, heads, :]
+    out = np.full((q.shape[1], b.rows, topk), 12345, dtype=np.int32)
+    res = cpidx.decode_topk(q, b.cache, b.block_table, b.seq_lens, b.query_len, out,
+                            scale=b.scale, topk=topk, init_blocks=init, local_blocks=local,
+                            max_seq_len=b.max_seq_len, **kw)
+    assert res is out
+    return out
+
+
+def test_golden_stream_first_value():
+    assert splitmix_values(0, 1)[0] == 6
+
+
+def test_bf16_round_trip():
+    x = np.array([1.0, -2.5, 3.140625, 0.0, -0.0, np.inf, 1 + 2 ** -8, 1 + 3 * 2 ** -8],
+                 dtype=np.float32)
+    bits = cpidx.bf16_bits(x)
+    assert bits.dtype == np.uint16
+    np.testing.assert_array_equal(cpidx.bf16_to_float32(bits)[:6], x[:6])
+    assert cpidx.bf16_to_float32(bits)[6] == 1.0  # tie rounds to even
+    assert cpidx.bf16_to_float32(bits)[7] == 1 + 2 ** -6 - 2 ** -7 + 2 ** -7  # 1.015625
+    assert np.isnan(cpidx.bf16_to_float32(cpidx.bf16_bits(np.float32("nan"))))
+
+
+@pytest.mark.parametrize("case", golden_cases("decode"), ids=lambda c: f"seed{c['seed']}")
+def test_golden_decode(case):
+    b = golden_decode(case)
+    out = run_decode(b, case["K"], case["init"], case["local"])
+    np.testing.assert_array_equal(out, np.array(case["ids"], dtype=np.int32))
+
+
+@pytest.mark.parametrize("case", golden_cases("decode")[:4], ids=lambda c: f"seed{c['seed']}")
+def test_golden_decode_float32_inputs(case):
+    """float32 host arrays are rounded to bf16 by the wrapper (exact for the golden values)."""
+    b = golden_decode(case)
+    b.query = cpidx.bf16_to_float32(b.query)
+    b.cache = cpidx.bf16_to_float32(b.cache)
+    out = run_decode(b, case["K"], case["init"], case["local"])
+    np.testing.assert_array_equal(out, np.array(case["ids"], dtype=np.int32))
+
+
+@pytest.mark.parametrize("case", golden_cases("prefill"), ids=lambda c: f"seed{c['seed']}")
+def test_golden_prefill(case):
+    q_lens = case["q_lens"]
+    rows = sum(q_lens)
+    query, cache, bt, max_seq_len = golden_inputs(case["seed"], case["T"], rows,
+                                                  case["seq_lens"])
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    out = np.full((case["T"], rows, case["K"]), 7, dtype=np.int32)
+    res = cpidx.prefill_topk(query, cache, bt, cu, np.array(case["context_lens"], np.int32),
+                             np.array(case["seq_lens"], np.int32), out, scale=case["scale"],
+                             topk=case["K"], init_blocks=case["init"],
+                             local_blocks=case["local"], max_seq_len=max_seq_len)
+    assert res is out
+    np.testing.assert_array_equal(out, np.array(case["ids"], dtype=np.int32))
+
+
+@pytest.mark.parametrize("case", golden_cases("sparse_table"),
+                         ids=lambda c: f"seed{c['from_seed']}-stride{c['block_page_stride']}")
+def test_golden_sparse_table(case):
+    src = next(c for c in golden_cases("decode") if c["seed"] == case["from_seed"])
+    b = golden_decode(src)
+    K, G = case["K"], b.block_table.shape[1]
+    attn = np.array([[1000 + 37 * req + blk for blk in range(G)]
+                     for req in range(len(b.seq_lens))], dtype=np.int32)
+    table = np.full((b.rows, K * 8), -5, dtype=np.int32)
+    ctx = np.full((b.rows,), -5, dtype=np.int32)
+    out = run_decode(b, K, src["init"], src["local"], heads=slice(case["head"], case["head"] + 1),
+                     attention_block_table=attn, sparse_block_table_out=table,
+                     sparse_context_lens_out=ctx, block_page_stride=case["block_page_stride"])
+    np.testing.assert_array_equal(out[0], np.array(src["ids"][case["head"]], dtype=np.int32))
+    np.testing.assert_array_equal(table, np.array(case["table"], dtype=np.int32))
+    np.testing.assert_array_equal(ctx, np.array(case["context_lens"], dtype=np.int32))
+
+
+@pytest.mark.parametrize("T,Q,seq_lens,K,init,local", [
+    (4, 1, [1, 128, 129, 0, 700], 8, 0, 1),
+    (2, 3, [300, 3, 1025], 4, 1, 2),
+    (1, 2, [2000], 16, 2, 0),
+    (8, 1, [513, 260], 6, 0, 1),
+])
+def test_reference_matches_numpy_oracle(T, Q, seq_lens, K, init, local):
+    rng = np.random.default_rng(sum(seq_lens) + T)
+    b = random_decode(rng, T, Q, seq_lens, max_seq_len=2048)
+    np.testing.assert_array_equal(run_decode(b, K, init, local), oracle_decode(b, K, init, local))
+
+
+def test_strided_query_and_output():
+    """Row/head strides are free (last dim contiguous): a head slice and a strided out view."""
+    rng = np.random.default_rng(3)
+    b = random_decode(rng, 4, 2, [900, 40, 300], max_seq_len=1024)
+    full = run_decode(b, 8, 0, 1)
+    row_major = np.full((b.rows, 3, 8), -9, dtype=np.int32)  # out[h, row] = row_major[row, h]
+    cpidx.decode_topk(b.query[:, 1:3, :], b.cache, b.block_table, b.seq_lens, b.query_len,
+                      row_major[:, :2, :].transpose(1, 0, 2), scale=b.scale, topk=8,
+                      init_blocks=0, local_blocks=1, max_seq_len=b.max_seq_len)
+    np.testing.assert_array_equal(row_major[:, :2, :].transpose(1, 0, 2), full[1:3])
+    assert (row_major[:, 2] == -9).all()
+
+
+@pytest.mark.parametrize("T,P", [(4, 1), (4, 2), (4, 4), (4, 8), (2, 8), (1, 2)])
+def test_context_parallel_halves_equal_plain(T, P):
+    """Every rank's shard keys, gathered in Python and merged, give the plain ids (CONTRACT 5)."""
+    rng = np.random.default_rng(T * 10 + P)
+    b = random_decode(rng, T, 2, [1500, 129, 0, 640], max_seq_len=1536)
+    K, init, local = 6, 1, 1
+    plain = run_decode(b, K, init, local)
+    sel = dict(topk=K, init_blocks=init, local_blocks=local, max_seq_len=b.max_seq_len)
+    gathered = np.zeros((P, T, b.rows, K), dtype=np.int64)
+    for r in range(P):
+        _C.ref_shard_topk_keys(b.query, b.cache, b.block_table, b.seq_lens, b.query_len,
+                               gathered[r], scale=b.scale, world_size=P, rank=r, **sel)
+    L, R = (T // P, 1) if T >= P else (1, P // T)
+    for r in range(P):
+        off = (r // R) * L
+        out = np.full((L, b.rows, K), 99, dtype=np.int32)
+        _C.ref_merge_topk_keys(gathered, b.seq_lens, b.query_len, out, head_offset=off, **sel)
+        np.testing.assert_array_equal(out, plain[off: off + L])
+
+
+def test_fp8_cache_as_uint8_bits():
+    rng = np.random.default_rng(5)
+    b = random_decode(rng, 2, 1, [700, 300], max_seq_len=768)
+    # e4m3 bits of -1, 0, +1 (exact in bf16 too): same ids as the bf16 cache.
+    vals = cpidx.bf16_to_float32(b.cache)
+    signs = np.clip(vals, -1, 1).astype(np.int64)
+    b.cache = cpidx.bf16_bits(signs.astype(np.float32))
+    want = run_decode(b, 8, 0, 1)
+    b.cache = np.choose(signs + 1, [np.uint8(0xB8), np.uint8(0x00), np.uint8(0x38)]).astype(
+        np.uint8)
+    np.testing.assert_array_equal(run_decode(b, 8, 0, 1), want)
+
+
+# ---- bad arguments: each raises ValueError / TypeError naming the argument ------------------
+def _valid():
+    rng = np.random.default_rng(11)
+    b = random_decode(rng, 2, 2, [300, 5], max_seq_len=512)
+    K = 4
+    return dict(
+        index_query=b.query, index_cache=b.cache, block_table=b.block_table,
+        seq_lens=b.seq_lens, query_len=2, out=np.zeros((2, b.rows, K), np.int32), scale=0.5,
+        topk=K, init_blocks=0, local_blocks=1, max_seq_len=512)
+
+
+def _table(kw, width_minus=0, ctx_len=None, stride=8):
+    rows = kw["index_query"].shape[0]
+    kw["index_query"] = kw["index_query"][:, :1, :]
+    kw["out"] = kw["out"][:1]
+    kw["attention_block_table"] = np.zeros((2, 4), np.int32)
+    kw["sparse_block_table_out"] = np.zeros((rows, kw["topk"] * 8 - width_minus), np.int32)
+    kw["sparse_context_lens_out"] = np.zeros((ctx_len or rows,), np.int32)
+    kw["block_page_stride"] = stride
+    return kw
+
+
+BAD = {
+    "seq_lens_int64": (lambda k: k.update(seq_lens=k["seq_lens"].astype(np.int64)), TypeError,
+                       "seq_lens: expected int32, got int64"),
+    "seq_lens_2d": (lambda k: k.update(seq_lens=k["seq_lens"][None]), ValueError, "seq_lens"),
+    "seq_lens_strided": (lambda k: k.update(seq_lens=np.repeat(k["seq_lens"], 2)[::2]),
+                         ValueError, "seq_lens"),
+    "block_table_int64": (lambda k: k.update(block_table=k["block_table"].astype(np.int64)),
+                          TypeError, "block_table: expected int32"),
+    "block_table_narrow": (lambda k: k.update(block_table=k["block_table"][:, :3]), ValueError,
+                           "block_table"),
+    "block_table_fortran": (lambda k: k.update(block_table=np.asfortranarray(k["block_table"])),
+                            ValueError, "block_table"),
+    "block_table_rows": (lambda k: k.update(block_table=k["block_table"][:1]), ValueError,
+                         "block_table"),
+    "index_query_int32": (lambda k: k.update(index_query=k["index_query"].astype(np.int32)),
+                          TypeError, "index_query: expected bfloat16"),
+    "index_query_head_dim": (lambda k: k.update(index_query=k["index_query"][:, :, :64]),
+                             ValueError, "index_query"),
+    "index_query_rows": (lambda k: k.update(index_query=k["index_query"][:3]), ValueError,
+                         "index_query"),
+    "index_query_2d": (lambda k: k.update(index_query=k["index_query"][:, 0, :]), ValueError,
+                       "index_query"),
+    "index_query_strided_dim": (
+        lambda k: k.update(index_query=np.repeat(k["index_query"], 2, axis=2)[:, :, ::2]),
+        ValueError, "index_query"),
+    "index_query_too_many_heads": (
+        lambda k: k.update(index_query=np.repeat(k["index_query"], 5, axis=1),
+                           out=np.zeros((10, 4, 4), np.int32)), ValueError, "index_query"),
+    "index_cache_int32": (lambda k: k.update(index_cache=k["index_cache"].astype(np.int32)),
+                          TypeError, "index_cache"),
+    "index_cache_shape": (lambda k: k.update(index_cache=k["index_cache"][:, :64, :]), ValueError,
+                          "index_cache"),
+    "index_cache_strided": (
+        lambda k: k.update(index_cache=np.repeat(k["index_cache"], 2, axis=0)[::2]), ValueError,
+        "index_cache"),
+    "out_int64": (lambda k: k.update(out=k["out"].astype(np.int64)), TypeError,
+                  "out: expected int32"),
+    "out_shape": (lambda k: k.update(out=k["out"][:, :, :3]), ValueError, "out: expected shape"),
+    "out_heads": (lambda k: k.update(out=k["out"][:1]), ValueError, "out"),
+    "out_strided_last": (lambda k: k.update(out=np.zeros((2, 4, 8), np.int32)[:, :, ::2]),
+                         ValueError, "out"),
+    "query_len_0": (lambda k: k.update(query_len=0), ValueError, "query_len"),
+    "query_len_9": (lambda k: k.update(query_len=9), ValueError, "query_len"),
+    "scale_0": (lambda k: k.update(scale=0.0), ValueError, "scale"),
+    "scale_nan": (lambda k: k.update(scale=float("nan")), ValueError, "scale"),
+    "topk_0": (lambda k: k.update(topk=0), ValueError, "topk"),
+    "topk_65": (lambda k: k.update(topk=65), ValueError, "topk"),
+    "init_negative": (lambda k: k.update(init_blocks=-1), ValueError, "init_blocks"),
+    "local_negative": (lambda k: k.update(local_blocks=-1), ValueError, "local_blocks"),
+    "max_seq_len_0": (lambda k: k.update(max_seq_len=0), ValueError, "max_seq_len"),
+    "table_partial": (lambda k: (_table(k), k.pop("block_page_stride"),
+                                 k.pop("sparse_context_lens_out")), ValueError,
+                      "missing sparse_context_lens_out, block_page_stride"),
+    "table_page_stride": (lambda k: _table(k, stride=4), ValueError, "block_page_stride"),
+    "table_narrow": (lambda k: _table(k, width_minus=1), ValueError, "sparse_block_table_out"),
+    "table_ctx_len": (lambda k: _table(k, ctx_len=3), ValueError, "sparse_context_lens_out"),
+    "table_two_heads": (lambda k: (_table(k), k.update(index_query=k["index_query"].repeat(2, 1),
+                                                      out=np.zeros((2, 4, 4), np.int32))),
+                        ValueError, "one index head"),
+    "table_attn_int64": (lambda k: (_table(k), k.update(
+        attention_block_table=k["attention_block_table"].astype(np.int64))), TypeError,
+                         "attention_block_table"),
+}
+
+
+def test_valid_arguments_pass():
+    kw = _valid()
+    cpidx.decode_topk(**kw)
+    kw = _table(_valid())
+    cpidx.decode_topk(**kw)
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_argument_is_named(name):
+    mutate, exc, text = BAD[name]
+    kw = _valid()
+    mutate(kw)
+    with pytest.raises(exc, match=text.replace("(", r"\(").replace(")", r"\)")):
+        cpidx.decode_topk(**kw)
+
+
+def test_bad_prefill_arguments_are_named():
+    case = golden_cases("prefill")[0]
+    q_lens = case["q_lens"]
+    query, cache, bt, msl = golden_inputs(case["seed"], case["T"], sum(q_lens), case["seq_lens"])
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    ctx = np.array(case["context_lens"], np.int32)
+    sl = np.array(case["seq_lens"], np.int32)
+    out = np.zeros((case["T"], sum(q_lens), case["K"]), np.int32)
+    common = dict(scale=1.0, topk=case["K"], max_seq_len=msl)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        cpidx.prefill_topk(query, cache, bt, cu[:-1], ctx, sl, out, **common)
+    with pytest.raises(TypeError, match="context_lens: expected int32"):
+        cpidx.prefill_topk(query, cache, bt, cu, ctx.astype(np.int64), sl, out, **common)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out[:, 1:], **common)
+
+
+def test_shard_and_merge_bad_arguments_are_named():
+    kw = _valid()
+    sel = dict(topk=4, init_blocks=0, local_blocks=1, max_seq_len=512)
+    keys = np.zeros((2, 4, 4), np.int64)
+    args = (kw["index_query"], kw["index_cache"], kw["block_table"], kw["seq_lens"], 2)
+    with pytest.raises(TypeError, match="keys_out: expected int64"):
+        _C.ref_shard_topk_keys(*args, keys.astype(np.int32), scale=1.0, world_size=2, rank=0,
+                               **sel)
+    with pytest.raises(ValueError, match="keys_out"):
+        _C.ref_shard_topk_keys(*args, keys[:, :3], scale=1.0, world_size=2, rank=0, **sel)
+    with pytest.raises(ValueError, match="rank"):
+        _C.ref_shard_topk_keys(*args, keys, scale=1.0, world_size=2, rank=2, **sel)
+    with pytest.raises(ValueError, match="gathered"):
+        _C.ref_merge_topk_keys(keys, kw["seq_lens"], 2, np.zeros((1, 4, 4), np.int32),
+                               head_offset=0, **sel)
+
+
+def test_gpu_decoder_without_gpu_raises_cleanly():
+    if cpidx.gpu_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        cpidx.Decoder(total_heads=4, world_size=1, rank=0, max_tokens=8, max_seq_len=1024,
+                      topk=16, init_blocks=0, local_blocks=1, device=0)

@@ -1,0 +1,131 @@
+"""torch on the host: the registered ops (torch.library.opcheck, fake tensors) and
+IndexerCPDecode over a 2-process gloo group, on the C++ reference. Skips without torch."""
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cpidx  # noqa: E402
+from helpers import golden_cases, golden_decode, random_decode  # noqa: E402
+
+
+def as_torch(b):
+    return (torch.from_numpy(b.query.view(np.int16)).view(torch.bfloat16),
+            torch.from_numpy(b.cache.view(np.int16)).view(torch.bfloat16),
+            torch.from_numpy(b.block_table), torch.from_numpy(b.seq_lens))
+
+
+def test_ops_registered():
+    for name in ("decode_topk", "decode_topk_sparse_table", "prefill_topk"):
+        assert hasattr(torch.ops.cpidx, name)
+
+
+@pytest.mark.parametrize("case", golden_cases("decode")[:6], ids=lambda c: f"seed{c['seed']}")
+def test_golden_decode_cpu_tensors(case):
+    b = golden_decode(case)
+    q, k, bt, sl = as_torch(b)
+    out = torch.full((case["T"], b.rows, case["K"]), 5, dtype=torch.int32)
+    cpidx.decode_topk(q, k, bt, sl, b.query_len, out, scale=b.scale, topk=case["K"],
+                      init_blocks=case["init"], local_blocks=case["local"],
+                      max_seq_len=b.max_seq_len)
+    assert out.tolist() == case["ids"]
+
+
+def test_opcheck_decode_topk():
+    rng = np.random.default_rng(1)
+    b = random_decode(rng, 2, 2, [300, 40], max_seq_len=512)
+    q, k, bt, sl = as_torch(b)
+    out = torch.zeros((2, b.rows, 4), dtype=torch.int32)
+    torch.library.opcheck(torch.ops.cpidx.decode_topk.default,
+                          (q, k, bt, sl, out, 2, 0.5, 4, 0, 1, 512, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compile_calls_op_on_cpu():
+    rng = np.random.default_rng(2)
+    b = random_decode(rng, 2, 1, [700, 129], max_seq_len=768)
+    q, k, bt, sl = as_torch(b)
+    want = torch.zeros((2, b.rows, 8), dtype=torch.int32)
+    cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=8, max_seq_len=768)
+
+    def f(q, k, bt, sl, out):
+        torch.ops.cpidx.decode_topk(q, k, bt, sl, out, 1, 0.5, 8, 0, 1, 768, 0)
+        return out + 0
+
+    got = torch.compile(f, fullgraph=True, backend="eager")(q, k, bt, sl,
+                                                            torch.zeros_like(want))
+    assert torch.equal(got, want)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank, world, port, T, results):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rng = np.random.default_rng(7)
+        b = random_decode(rng, T, 2, [1500, 129, 0, 640], max_seq_len=1536)
+        q, k, bt, sl = as_torch(b)
+        cp = cpidx.IndexerCPDecode(total_heads=T, rank=rank, world_size=world, max_tokens=16,
+                                   max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
+                                   group=dist.group.WORLD, device="cpu")
+        assert cp.exchange == "torch"
+        L, off = cp.local_heads, cp.head_offset
+        out = torch.full((L, b.rows, 6), 77, dtype=torch.int32)
+        cp(q[:, off: off + L].contiguous(), k, bt, sl, 2, out, scale=b.scale)
+        plain = torch.zeros((T, b.rows, 6), dtype=torch.int32)
+        cpidx.decode_topk(q, k, bt, sl, 2, plain, scale=b.scale, topk=6, init_blocks=1,
+                          local_blocks=1, max_seq_len=1536)
+        results[rank] = bool(torch.equal(out, plain[off: off + L]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("T", [4, 1])
+def test_indexer_cp_decode_gloo_two_ranks(T):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, 2, port, T, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert dict(results) == {0: True, 1: True}
+
+
+def test_shared_cp_decode_registry():
+    kw = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=16,
+              init_blocks=0, local_blocks=1, group=None, device="cpu")
+    cpidx.registry.clear()
+    a = cpidx.get_shared_cp_decode(**kw)
+    assert cpidx.get_shared_cp_decode(**kw) is a
+    assert cpidx.get_shared_cp_decode(**dict(kw, topk=8)) is not a
+    cpidx.registry.clear()
+    assert cpidx.get_shared_cp_decode(**kw) is not a
+    cpidx.registry.clear()
+
+
+def test_indexer_cp_decode_geometry_errors():
+    base = dict(rank=0, max_tokens=8, max_seq_len=1024, topk=16, init_blocks=0, local_blocks=1,
+                group=None, device="cpu")
+    with pytest.raises(ValueError, match="divide evenly"):
+        cpidx.IndexerCPDecode(total_heads=6, world_size=4, **base)
+    with pytest.raises(ValueError, match="replicate"):
+        cpidx.IndexerCPDecode(total_heads=3, world_size=4, **base)
+    with pytest.raises(ValueError, match="group"):
+        cpidx.IndexerCPDecode(total_heads=4, world_size=2, **base)
