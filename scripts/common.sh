@@ -66,3 +66,44 @@ cpidx_prepare() {
   cpidx_cuda_path
   cpidx_build_ci
 }
+
+# ---- Python package (scripts/test.sh) ----------------------------------------------------------
+# A virtual environment in build-ci/pyenv (Debian's python3 needs python3-venv and python3-dev for
+# it and for the module's headers), then `pip install .[test]` of the CPU-only wheel: CI has no
+# GPU and the CUDA kernels were already compiled by the ctest build, so the wheel skips them
+# (CPIDX_PY_CMAKE_ARGS overrides, e.g. CPIDX_PY_CMAKE_ARGS= for a CUDA wheel).
+CPIDX_PY_APT_PACKAGES=(python3 python3-dev python3-venv python3-pip)
+
+cpidx_ensure_python() {
+  if command -v dpkg-query >/dev/null 2>&1 &&
+     { ! command -v python3 >/dev/null 2>&1 || [ "$(command -v python3)" = /usr/bin/python3 ]; }; then
+    local missing=() p
+    for p in "${CPIDX_PY_APT_PACKAGES[@]}"; do
+      dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
+        missing+=("$p")
+    done
+    if [ "${#missing[@]}" -gt 0 ]; then
+      cpidx_log "installing missing packages: ${missing[*]}"
+      cpidx_as_root apt-get update
+      cpidx_as_root env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y --no-install-recommends "${missing[@]}"
+    fi
+  fi
+}
+
+cpidx_install_python() {
+  cpidx_ensure_python
+  local venv=build-ci/pyenv
+  if [ ! -x "$venv/bin/python" ]; then
+    cpidx_log "creating $venv (python3 -m venv)"
+    python3 -m venv "$venv"
+  fi
+  cpidx_log "pip install .[test] (CMAKE_ARGS=${CPIDX_PY_CMAKE_ARGS-"-DCPIDX_CUDA=OFF"}; log in build-ci/pip.log)"
+  if ! CMAKE_ARGS="${CPIDX_PY_CMAKE_ARGS-"-DCPIDX_CUDA=OFF"}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+       "$venv/bin/python" -m pip install --disable-pip-version-check ".[test]" \
+       >build-ci/pip.log 2>&1; then
+    tail -n 40 build-ci/pip.log
+    cpidx_log "pip install failed (build-ci/pip.log)"
+    return 1
+  fi
+}

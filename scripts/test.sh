@@ -1,9 +1,34 @@
 #!/usr/bin/env bash
 # scripts/test.sh: on a fresh Debian 12 machine, install what is missing, build the `ci` preset
-# and run the whole test suite with ctest (CPU, MPI at 2 and 4 ranks, and GPU tests, which skip
-# themselves without a GPU). Exits with ctest's status; extra arguments go to ctest.
+# and run the whole C++ test suite with ctest (CPU, MPI at 2 and 4 ranks, and GPU tests, which
+# skip themselves without a GPU); then fuzz the reference for 60 s (scripts/fuzz.sh) and run the
+# CPU suite again under ASan + UBSan (asan preset); then pip-install the Python package (CPU-only
+# wheel, in a venv under build-ci/) and run pytest (GPU and torch tests skip themselves). Extra
+# arguments go to both ctest runs. Stops at the first failing step; pytest's summary is the last
+# line.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 cpidx_prepare
 cpidx_log "testing (ctest --preset ci -j$(nproc))"
 ctest --preset ci -j"$(nproc)" "$@"
+# Hardening: a short libFuzzer run of validation + reference (clang, installed when missing),
+# then the CPU suite again under ASan + UBSan (the asan preset).
+./scripts/fuzz.sh 60
+cpidx_log "building the asan preset (CPU only, ASan + UBSan; log in build-asan/build.log)"
+mkdir -p build-asan
+if ! { cmake --preset asan && cmake --build --preset asan -j"$(nproc)"; } >build-asan/build.log 2>&1; then
+  tail -n 40 build-asan/build.log
+  cpidx_log "asan build failed (build-asan/build.log)"
+  exit 1
+fi
+cpidx_log "testing under ASan + UBSan (ctest --preset asan -j$(nproc))"
+ctest --preset asan -j"$(nproc)" "$@"
+cpidx_install_python
+cpidx_log "testing the Python package (pytest python/tests)"
+rc=0
+build-ci/pyenv/bin/python -m pytest python/tests -q -p no:cacheprovider || rc=$?
+if [ "$rc" -eq 5 ]; then
+  cpidx_log "pytest collected no tests: treated as a failure"
+  exit 1
+fi
+exit "$rc"

@@ -16,6 +16,7 @@
 #include "bench_step.h"
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
+#include "random_bits.h"
 #include "subcommands.h"
 
 #if defined(CPIDX_WITH_CUDA)
@@ -45,22 +46,6 @@ namespace {
   } while (0)
 
 constexpr int64_t kPageBytesBf16 = 128 * 128 * 2;
-
-// Random bf16 in +-[2^-7, 1) (never zero, never NaN) or random non-NaN e4m3 bytes.
-void fill_pool(std::vector<uint16_t>& pool, uint64_t seed) {
-  uint64_t s = seed;
-  for (size_t i = 0; i < pool.size(); i += 4) {
-    s += 0x9E3779B97F4A7C15ull;
-    uint64_t z = (s ^ (s >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    for (int j = 0; j < 4 && i + j < pool.size(); ++j) {
-      const uint16_t r = static_cast<uint16_t>(z >> (16 * j));
-      const uint16_t sign = r & 0x8000, exp = 120 + (r >> 7) % 7, mant = r & 0x7F;
-      pool[i + j] = static_cast<uint16_t>(sign | (exp << 7) | mant);
-    }
-  }
-}
 
 struct Shape {
   std::string mode;  // "plain" or "cp"
@@ -92,7 +77,7 @@ class Bench {
     const int64_t page_bytes = dtype == "fp8" ? kPageBytesBf16 / 2 : kPageBytesBf16;
     pool_pages_ = pool_mb * (1 << 20) / page_bytes;
     std::vector<uint16_t> h(static_cast<size_t>(pool_pages_ * page_bytes / 2));
-    fill_pool(h, 1234);
+    fill_random_bf16(h, 1234);
     if (dtype == "fp8") {
       for (auto& v : h) {  // two e4m3 bytes per element, NaN codes (x111_1111) avoided
         uint8_t* b = reinterpret_cast<uint8_t*>(&v);
@@ -150,7 +135,7 @@ InputSet Bench::make_set(const Shape& sh, int T, int64_t G, std::mt19937_64& rng
   }
   std::shuffle(s.h_block_table.begin(), s.h_block_table.end(), rng);
   s.h_query.resize(static_cast<size_t>(n * T * kHeadDim));
-  fill_pool(s.h_query, rng());
+  fill_random_bf16(s.h_query, rng());
   BENCH_CUDA(cudaMalloc(&s.query, s.h_query.size() * 2));
   BENCH_CUDA(cudaMalloc(&s.block_table, s.h_block_table.size() * 4));
   BENCH_CUDA(cudaMalloc(&s.seq_lens, s.h_seq_lens.size() * 4));
@@ -190,26 +175,10 @@ std::string Bench::check(const Shape& sh, const InputSet& set, int64_t G,
   int32_t err = 0;
   Status st = ref::decode_topk(in, sel, TopkOutput{want.data(), n * K, K}, nullptr, &err);
   if (!st.is_ok()) return "ref-error";
-  std::vector<float> scores(static_cast<size_t>(heads * n * G));
-  ref::block_scores(in, 1, 0, scores.data(), &err);
-  int64_t exact = 0, near = 0, bad = 0;
-  for (int h = 0; h < heads; ++h) {
-    for (int64_t row = 0; row < n; ++row) {
-      const int32_t* g = ids.data() + (h * n_all + row) * K;
-      const int32_t* c = want.data() + (h * n + row) * K;
-      if (std::equal(g, g + K, c)) { ++exact; continue; }
-      // Allowed: swaps among blocks scoring within 1e-3 relative of the K-th score.
-      const float* s = scores.data() + (h * n + row) * G;
-      const float kth = c[K - 1] >= 0 ? s[c[K - 1]] : 0.f;
-      bool ok = true;
-      for (int i = 0; i < K && ok; ++i) {
-        if (g[i] == c[i]) continue;
-        ok = g[i] >= 0 && c[i] >= 0 && g[i] < G &&
-             std::fabs(s[g[i]] - s[c[i]]) <= 1e-3f * std::max(1.f, std::fabs(kth));
-      }
-      ok ? ++near : ++bad;
-    }
-  }
+  const ref::IdsComparison cmp = ref::compare_ids(
+      in, sel, TopkOutput{const_cast<int32_t*>(ids.data()), n_all * K, K},
+      TopkOutput{want.data(), n * K, K});
+  const int64_t near = cmp.near_tie_rows, bad = cmp.bad_rows;
   char buf[64];
   if (bad) std::snprintf(buf, sizeof(buf), "FAIL(%lld)", static_cast<long long>(bad));
   else std::snprintf(buf, sizeof(buf), near ? "ok(%lld tie)" : "ok", static_cast<long long>(near));

@@ -20,6 +20,7 @@
 
 #include "cpidx/comm_nccl.h"
 #include "cpidx/indexer.h"
+#include "random_bits.h"
 #endif
 
 namespace cpidx::tools {
@@ -64,22 +65,6 @@ Status cuda_ok(cudaError_t e, const char* what) {
   return Status(StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(e));
 }
 #define STEP_CUDA(expr) CPIDX_RETURN_IF_ERROR(cuda_ok((expr), #expr))
-
-// Random bf16 in +-[2^-7, 1) (never zero, never NaN): the same values as bench.cc's pool.
-void fill_bits(std::vector<uint16_t>& v, uint64_t seed) {
-  uint64_t s = seed;
-  for (size_t i = 0; i < v.size(); i += 4) {
-    s += 0x9E3779B97F4A7C15ull;
-    uint64_t z = (s ^ (s >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    for (size_t j = 0; j < 4 && i + j < v.size(); ++j) {
-      const uint16_t r = static_cast<uint16_t>(z >> (16 * j));
-      const uint16_t sign = r & 0x8000, exp = 120 + (r >> 7) % 7, mant = r & 0x7F;
-      v[i + j] = static_cast<uint16_t>(sign | (exp << 7) | mant);
-    }
-  }
-}
 
 struct HostSet {
   std::vector<int32_t> seq_lens, block_table;
@@ -360,7 +345,7 @@ StepBench::StepBench(int64_t pool_mb, std::string dtype, bool pdl) : impl_(new I
   im.page_bytes = im.dtype == "fp8" ? kPageBytesBf16 / 2 : kPageBytesBf16;
   im.pool_pages = pool_mb * (1 << 20) / im.page_bytes;
   im.h_pool.resize(static_cast<size_t>(im.pool_pages * im.page_bytes / 2));
-  fill_bits(im.h_pool, 1234);
+  fill_random_bf16(im.h_pool, 1234);
   if (im.dtype == "fp8") {
     for (auto& v : im.h_pool) {  // two e4m3 bytes per element, NaN codes (x111_1111) avoided
       auto* b = reinterpret_cast<uint8_t*>(&v);
@@ -419,7 +404,7 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
     }
     std::shuffle(h.block_table.begin(), h.block_table.end(), rng);
     h.query.resize(static_cast<size_t>(n * kHeads * kHeadDim));
-    fill_bits(h.query, rng());
+    fill_random_bf16(h.query, rng());
   }
 
   auto& comms = im.comms[P];

@@ -374,65 +374,14 @@ std::vector<GpuRank> run_real(const SyntheticStep& s, const Selection& sel, int 
 }
 #endif
 
-// GPU plain ids vs CPU reference ids [T][n][K]: exact, or (near-tie) every differing slot holds
-// distinct visible blocks whose forced scores are within 1e-3 relative of the K-th CPU score.
-struct CpuComparison {
-  int64_t exact = 0, near_ties = 0, bad = 0;
-  std::string first_bad;
-};
-
-CpuComparison compare_with_cpu(const SyntheticStep& s, const Selection& sel,
-                               const std::vector<int32_t>& gpu, const std::vector<int32_t>& cpu) {
-  CpuComparison res;
-  const int T = s.config.total_heads, K = sel.topk, Q = s.config.query_len;
-  const int64_t n = s.num_rows(), W = s.max_blocks;
-  std::vector<float> scores;
-  for (int h = 0; h < T; ++h) {
-    for (int64_t row = 0; row < n; ++row) {
-      const int32_t* g = gpu.data() + (h * n + row) * K;
-      const int32_t* c = cpu.data() + (h * n + row) * K;
-      if (std::equal(g, g + K, c)) {
-        ++res.exact;
-        continue;
-      }
-      if (scores.empty()) {
-        scores.resize(static_cast<size_t>(T * n * W));
-        int32_t err = 0;
-        ref::block_scores(s.for_heads(0, T), 1, 0, scores.data(), &err);
-      }
-      const int64_t pos = s.seq_lens[static_cast<size_t>(row / Q)] - Q + row % Q;
-      const int64_t V = visible_blocks(pos);
-      auto forced = [&](int32_t b) {
-        return forced_score(scores[static_cast<size_t>((h * n + row) * W + b)], b, V,
-                            sel.init_blocks, sel.local_blocks);
-      };
-      const int64_t count = std::min<int64_t>(K, V);
-      bool ok = true;
-      std::vector<bool> seen(static_cast<size_t>(std::max<int64_t>(V, 1)), false);
-      for (int i = 0; i < K && ok; ++i) {
-        if (i >= count) {
-          ok = g[i] == -1;
-        } else if (g[i] < 0 || g[i] >= V || seen[static_cast<size_t>(g[i])]) {
-          ok = false;
-        } else {
-          seen[static_cast<size_t>(g[i])] = true;
-        }
-      }
-      if (ok && count > 0) {
-        const float kth = forced(c[count - 1]);
-        const float tol = 1e-3f * std::max(1.0f, std::fabs(kth));
-        for (int i = 0; i < count && ok; ++i) {
-          if (g[i] != c[i]) ok = std::fabs(forced(g[i]) - forced(c[i])) <= tol;
-        }
-      }
-      if (ok) {
-        ++res.near_ties;
-      } else if (res.bad++ == 0) {
-        res.first_bad = "head " + std::to_string(h) + ", row " + std::to_string(row);
-      }
-    }
-  }
-  return res;
+// GPU plain ids vs CPU reference ids [T][n][K] by the contract's rule (ref::compare_ids).
+ref::IdsComparison compare_with_cpu(const SyntheticStep& s, const Selection& sel,
+                                    const std::vector<int32_t>& gpu,
+                                    const std::vector<int32_t>& cpu) {
+  const int64_t n = s.num_rows();
+  const TopkOutput got{const_cast<int32_t*>(gpu.data()), n * sel.topk, sel.topk};
+  const TopkOutput want{const_cast<int32_t*>(cpu.data()), n * sel.topk, sel.topk};
+  return ref::compare_ids(s.for_heads(0, s.config.total_heads), sel, got, want);
 }
 
 // First slot where a rank's ids differ from the plain GPU ids of its heads; empty if none.
@@ -546,11 +495,11 @@ int run_demo_gpu(const SyntheticStep& step, const Selection& sel, int ranks, boo
       }
     }
   }
-  CpuComparison cpu;
+  ref::IdsComparison cpu;
   if (failure.empty()) {
     cpu = compare_with_cpu(step, sel, plain.ids, cpu_plain_ids);
-    if (cpu.bad > 0) {
-      failure = "plain GPU vs CPU reference: " + std::to_string(cpu.bad) +
+    if (cpu.bad_rows > 0) {
+      failure = "plain GPU vs CPU reference: " + std::to_string(cpu.bad_rows) +
                 " rows differ beyond near-ties (first: " + cpu.first_bad + ")";
     }
   }
@@ -558,8 +507,8 @@ int run_demo_gpu(const SyntheticStep& step, const Selection& sel, int ranks, boo
     std::printf("gpu selection: plain GPU == CPU reference (%lld rows x %d heads: %lld exact, "
                 "%lld near-ties within 1e-3); context-parallel == plain GPU on every rank, "
                 "bitwise\n",
-                static_cast<long long>(n), T, static_cast<long long>(cpu.exact),
-                static_cast<long long>(cpu.near_ties));
+                static_cast<long long>(n), T, static_cast<long long>(cpu.exact_rows),
+                static_cast<long long>(cpu.near_tie_rows));
   } else {
     std::printf("gpu selection: FAILED: %s\n", failure.c_str());
   }

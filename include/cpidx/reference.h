@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cpidx/comm.h"
@@ -77,6 +78,17 @@ struct CpStageTimes {
 Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& local,
                  const Selection& sel, const TopkOutput& out, const SparseTableOutput* table,
                  int32_t* err, CpStageTimes* times = nullptr);
+
+// The acceptance rule of CONTRACT.md section 4 for ids computed elsewhere (GPU, another path)
+// against ids `want` of the same inputs: a row passes exactly, or as a near tie when its ids
+// are distinct, visible, -1 after min(K, V), and every position that differs holds blocks whose
+// forced scores are within 1e-3 relative of the K-th score. Compares every head of `in`.
+struct IdsComparison {
+  int64_t exact_rows = 0, near_tie_rows = 0, bad_rows = 0;
+  std::string first_bad;  // "head h, row r: got ... | want ..." for the first bad row
+};
+IdsComparison compare_ids(const DecodeInputs& in, const Selection& sel, const TopkOutput& got,
+                          const TopkOutput& want);
 
 }  // namespace ref
 }  // namespace cpidx

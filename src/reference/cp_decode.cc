@@ -35,13 +35,43 @@ Status check_local(const Communicator& comm, const Geometry& geo, const DecodeIn
               "num_heads of the local query must equal local_heads = "
                   << geo.local_heads << ", got " << local.num_heads);
   CPIDX_RETURN_IF_ERROR(validate(local, sel));
-  CPIDX_CHECK(out.ids != nullptr, "ids output is null");
+  CPIDX_RETURN_IF_ERROR(detail::check_ids(out, geo.local_heads, local.num_rows(), sel.topk));
   if (table != nullptr) {
     CPIDX_RETURN_IF_ERROR(validate(*table, geo.local_heads));
     if (table->enabled()) {
       CPIDX_RETURN_IF_ERROR(detail::check_table_args(*table, local.num_reqs, local.query_len,
                                                      local.max_seq_len, sel.topk));
     }
+  }
+  return Status::ok();
+}
+
+// Every rank must run the step with the same settings, or the merge would mix lists scored
+// differently (no crash, silently wrong ids). One gather of the settings; a mismatch is a
+// kCommError on every rank naming the first setting that differs and its value on each rank.
+Status agree_on_settings(Communicator& comm, const Geometry& geo, const DecodeInputs& local,
+                         const Selection& sel) {
+  constexpr int kCount = 7;
+  static const char* const kNames[kCount] = {"topk",        "init_blocks", "local_blocks",
+                                             "query_len",   "max_seq_len", "total_heads",
+                                             "scale (bits)"};
+  const long long mine[kCount] = {sel.topk,        sel.init_blocks,  sel.local_blocks,
+                                  local.query_len, local.max_seq_len, geo.total_heads,
+                                  static_cast<long long>(float_bits(local.scale))};
+  const int world = comm.world_size();
+  std::vector<long long> all(static_cast<size_t>(world) * kCount);
+  CPIDX_RETURN_IF_ERROR(comm.all_gather(mine, all.data(), sizeof(mine), nullptr));
+  for (int f = 0; f < kCount; ++f) {
+    bool same = true;
+    for (int r = 0; r < world; ++r) {
+      same = same && all[static_cast<size_t>(r) * kCount + f] == mine[f];
+    }
+    if (same) continue;
+    std::string msg = std::string("ranks disagree on ") + kNames[f] + ": values by rank [";
+    for (int r = 0; r < world; ++r) {
+      msg += (r ? ", " : "") + std::to_string(all[static_cast<size_t>(r) * kCount + f]);
+    }
+    return Status(StatusCode::kCommError, msg + "]");
   }
   return Status::ok();
 }
@@ -59,7 +89,7 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
       comm.check_agree(n_or_bad, "decode rows n = num_reqs * query_len (-1: inputs rejected)");
   CPIDX_RETURN_IF_ERROR(local_status);
   CPIDX_RETURN_IF_ERROR(agree_rows);
-  CPIDX_RETURN_IF_ERROR(comm.check_agree(sel.topk, "topk"));
+  CPIDX_RETURN_IF_ERROR(agree_on_settings(comm, geo, local, sel));
 
   const int64_t n = local.num_rows();
   const int world = geo.world_size;

@@ -2,6 +2,7 @@
 // the contract's order, and the per-request position arithmetic shared by every path.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 
@@ -38,6 +39,14 @@ void load_query(const uint16_t* query, int64_t row_stride, int64_t head_stride, 
 // seq_len is already clamped. Page clamps OR into *err.
 void score_request(const DecodeInputs& in, int world, int rank, int req, int32_t seq_len,
                    int64_t slots, float* out, int32_t* err);
+
+inline bool aligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+// ids [heads, rows, topk]: not null, int32-aligned, strides that nest without overlap (either
+// [heads, n, K] or [n, heads, K], gaps allowed). Names the strides and the bound on failure.
+Status check_ids(const TopkOutput& out, int heads, int64_t rows, int topk);
 
 // topk in [1, kMaxTopK] (kUnsupported above), init/local blocks >= 0.
 Status check_selection(const Selection& sel);

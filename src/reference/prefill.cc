@@ -26,7 +26,7 @@ struct Chunk {
 Status prefill_topk(const PrefillInputs& in, const Selection& sel, const TopkOutput& out,
                     int32_t* err) {
   CPIDX_RETURN_IF_ERROR(validate(in, sel));
-  CPIDX_CHECK(out.ids != nullptr, "ids output is null");
+  CPIDX_RETURN_IF_ERROR(detail::check_ids(out, in.num_heads, in.num_tokens, sel.topk));
   const int heads = in.num_heads;
   const int k = sel.topk;
   // Rows no request covers (cu_seqlens_q short of num_tokens) still get a defined -1 row.
@@ -36,7 +36,8 @@ Status prefill_topk(const PrefillInputs& in, const Selection& sel, const TopkOut
     }
   }
 
-  // cu_seqlens_q is clamped into a non-decreasing sequence inside [0, num_tokens].
+  // cu_seqlens_q is clamped into a non-decreasing sequence inside [0, num_tokens]; a value the
+  // clamp moves is a bad device value like a seq_len out of range, and flagged the same way.
   int32_t flags_host = 0;
   std::vector<Chunk> chunks;
   std::vector<int64_t> starts(static_cast<size_t>(in.num_reqs) + 1, 0);
@@ -45,6 +46,9 @@ Status prefill_topk(const PrefillInputs& in, const Selection& sel, const TopkOut
     const int64_t prev = req == 0 ? 0 : starts[static_cast<size_t>(req) - 1];
     starts[static_cast<size_t>(req)] =
         std::clamp<int64_t>(in.cu_seqlens_q[req], prev, in.num_tokens);
+    if (starts[static_cast<size_t>(req)] != in.cu_seqlens_q[req]) {
+      flags_host |= kErrSeqLenOutOfRange;
+    }
   }
   for (int req = 0; req < in.num_reqs; ++req) {
     contexts[static_cast<size_t>(req)] =

@@ -73,6 +73,8 @@ Status block_scores(const DecodeInputs& in, int world, int rank, float* scores, 
   CPIDX_CHECK(rank >= 0 && rank < world, "rank must be in [0, " << world << "), got " << rank);
   const int64_t slots = owned_blocks(in.max_blocks(), world, rank);
   CPIDX_CHECK(scores != nullptr || slots == 0, "scores is null");
+  CPIDX_CHECK(detail::aligned(scores, alignof(float)),
+              "scores must be 4-byte aligned, got address " << scores);
   const int64_t n = in.num_rows();
   const int num_q = in.query_len;
   std::atomic<int32_t> flags{0};

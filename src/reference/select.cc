@@ -41,6 +41,8 @@ Status shard_topk_keys(const DecodeInputs& in, const Selection& sel, int world, 
   CPIDX_CHECK(world >= 1, "world must be >= 1, got " << world);
   CPIDX_CHECK(rank >= 0 && rank < world, "rank must be in [0, " << world << "), got " << rank);
   CPIDX_CHECK(keys != nullptr, "keys is null");
+  CPIDX_CHECK(detail::aligned(keys, alignof(Key)), "keys must be 8-byte aligned, got address "
+                                                       << keys);
   const int64_t n = in.num_rows();
   const int num_q = in.query_len;
   const int heads = in.num_heads;
@@ -88,8 +90,11 @@ Status merge_topk_keys(const Key* gathered, int world, int total_heads, int64_t 
   CPIDX_CHECK(
       n == int64_t{num_reqs} * query_len,
       "n must equal num_reqs * query_len = " << int64_t{num_reqs} * query_len << ", got " << n);
+  CPIDX_CHECK(num_reqs >= 0, "num_reqs must be >= 0, got " << num_reqs);
   CPIDX_CHECK(gathered != nullptr || n == 0, "gathered keys are null");
-  CPIDX_CHECK(out.ids != nullptr, "ids output is null");
+  CPIDX_CHECK(detail::aligned(gathered, alignof(Key)),
+              "gathered keys must be 8-byte aligned, got address " << gathered);
+  CPIDX_RETURN_IF_ERROR(detail::check_ids(out, local_heads, n, sel.topk));
   const bool with_table = table != nullptr;
   if (with_table) {
     CPIDX_RETURN_IF_ERROR(validate(*table, local_heads));
@@ -127,8 +132,14 @@ Status merge_topk_keys(const Key* gathered, int world, int total_heads, int64_t 
 Status decode_topk(const DecodeInputs& in, const Selection& sel, const TopkOutput& out,
                    const SparseTableOutput* table, int32_t* err) {
   CPIDX_RETURN_IF_ERROR(validate(in, sel));
-  CPIDX_CHECK(out.ids != nullptr, "ids output is null");
-  if (table != nullptr) CPIDX_RETURN_IF_ERROR(validate(*table, in.num_heads));
+  CPIDX_RETURN_IF_ERROR(detail::check_ids(out, in.num_heads, in.num_rows(), sel.topk));
+  if (table != nullptr) {  // every argument is checked before scoring raises any error bit
+    CPIDX_RETURN_IF_ERROR(validate(*table, in.num_heads));
+    if (table->enabled()) {
+      CPIDX_RETURN_IF_ERROR(detail::check_table_args(*table, in.num_reqs, in.query_len,
+                                                     in.max_seq_len, sel.topk));
+    }
+  }
   std::vector<Key> keys(static_cast<size_t>(in.num_heads * in.num_rows() * sel.topk));
   CPIDX_RETURN_IF_ERROR(shard_topk_keys(in, sel, 1, 0, keys.data(), err));
   return merge_topk_keys(keys.data(), 1, in.num_heads, in.num_rows(), sel, 0, in.num_heads,

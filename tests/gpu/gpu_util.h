@@ -158,68 +158,15 @@ inline std::vector<int32_t> cpu_decode(const DecodeData& d, const cpidx::Selecti
   return ids.ids;
 }
 
-struct CompareResult {
-  int64_t exact_rows = 0, near_tie_rows = 0, bad_rows = 0;
-  std::string first_bad;
-};
+using CompareResult = cpidx::ref::IdsComparison;
 
-// GPU ids vs CPU ids: a row passes exactly, or (near-tie) every differing position holds blocks
-// whose forced scores are within 1e-3 relative of the K-th score, and the GPU ids are distinct
-// and visible.
+// GPU ids vs CPU ids ([T][n][K] each) by the contract's rule (cpidx::ref::compare_ids).
 inline CompareResult compare_ids(const DecodeData& d, const cpidx::Selection& sel,
                                  const std::vector<int32_t>& gpu, const std::vector<int32_t>& cpu) {
-  CompareResult res;
-  const int K = sel.topk, T = d.total_heads, Q = d.query_len;
   const int64_t n = d.rows();
-  std::vector<float> scores;
-  int64_t W = 0;
-  for (int h = 0; h < T; ++h) {
-    for (int64_t row = 0; row < n; ++row) {
-      const int32_t* g = gpu.data() + (h * n + row) * K;
-      const int32_t* c = cpu.data() + (h * n + row) * K;
-      if (std::equal(g, g + K, c)) { ++res.exact_rows; continue; }
-      if (scores.empty()) {
-        W = cpidx::owned_blocks(d.max_blocks(), 1, 0);
-        scores.resize(static_cast<size_t>(T * n * W));
-        int32_t err = 0;
-        cpidx::ref::block_scores(d.all_heads(), 1, 0, scores.data(), &err);
-      }
-      const int req = static_cast<int>(row / Q), t = static_cast<int>(row % Q);
-      int32_t e = 0;
-      const int64_t pos = cpidx::clamp_seq_len(d.seq_lens[req], d.max_seq_len, &e) - Q + t;
-      const int64_t V = cpidx::visible_blocks(pos);
-      auto forced = [&](int32_t b) {
-        return cpidx::forced_score(scores[(h * n + row) * W + b], b, V, sel.init_blocks,
-                                   sel.local_blocks);
-      };
-      const int64_t count = std::min<int64_t>(K, V);
-      bool ok = true;
-      std::vector<bool> seen(static_cast<size_t>(V), false);
-      for (int i = 0; i < K && ok; ++i) {
-        if (i >= count) { ok = g[i] == -1; continue; }
-        if (g[i] < 0 || g[i] >= V || seen[g[i]]) { ok = false; break; }
-        seen[g[i]] = true;
-      }
-      if (ok && count > 0) {
-        const float kth = forced(c[count - 1]);
-        const float tol = 1e-3f * std::max(1.0f, std::fabs(kth));
-        for (int i = 0; i < count && ok; ++i) {
-          if (g[i] != c[i]) ok = std::fabs(forced(g[i]) - forced(c[i])) <= tol;
-        }
-      }
-      if (ok) {
-        ++res.near_tie_rows;
-      } else {
-        if (res.bad_rows++ == 0) {
-          res.first_bad = "head " + std::to_string(h) + " row " + std::to_string(row) + ": gpu";
-          for (int i = 0; i < K; ++i) res.first_bad += " " + std::to_string(g[i]);
-          res.first_bad += " | cpu";
-          for (int i = 0; i < K; ++i) res.first_bad += " " + std::to_string(c[i]);
-        }
-      }
-    }
-  }
-  return res;
+  const cpidx::TopkOutput got{const_cast<int32_t*>(gpu.data()), n * sel.topk, sel.topk};
+  const cpidx::TopkOutput want{const_cast<int32_t*>(cpu.data()), n * sel.topk, sel.topk};
+  return cpidx::ref::compare_ids(d.all_heads(), sel, got, want);
 }
 
 }  // namespace cpidx_gpu_test

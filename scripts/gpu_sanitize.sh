@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# scripts/gpu_sanitize.sh [memcheck|racecheck|synccheck|all]: on the GPU machine, build like
+# scripts/device.sh (build-device/, sm_90a) and run compute-sanitizer on a small subset of the GPU
+# tests: the tiny end-to-end cases written for it (GpuSanitize.*), the host-validation table
+# (GpuValidation.*: nothing may launch), bad device values, the fused sparse table and, under
+# memcheck only, the golden cases. Logs and a summary go to $OUT (default ./device-out):
+# sanitize_<tool>.log, sanitize_<tool>.json (gtest), sanitize_summary.txt. About 3 minutes in all
+# after the build; exits non-zero if any tool reports an error or a test fails.
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
+compute-sanitizer --version | tail -n 1 | tee -a "$OUT/gpu.txt"
+gtest_src=()
+[ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
+cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build build-device -j"$(nproc)" --target cpidx_gpu_tests >"$OUT/build.log" 2>&1 ||
+  { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
+
+small='GpuSanitize.*:GpuValidation.*:GpuDecode.BadDeviceValuesAreClampedAndFlagged:GpuDecode.FusedSparseTableMatchesReference'
+declare -A filter=(
+  [memcheck]="$small:GpuDecode.GoldenCasesPlainAndContextParallel"
+  [racecheck]="$small"
+  [synccheck]="$small"
+)
+declare -A extra=([memcheck]="--leak-check full" [racecheck]="" [synccheck]="")
+case "$what" in
+  all) tools=(memcheck racecheck synccheck) ;;
+  memcheck|racecheck|synccheck) tools=("$what") ;;
+  *) echo "usage: $0 [memcheck|racecheck|synccheck|all]" >&2; exit 2 ;;
+esac
+
+rc=0
+: >"$OUT/sanitize_summary.txt"
+for tool in "${tools[@]}"; do
+  start=$(date +%s)
+  # shellcheck disable=SC2086  # extra holds separate flags
+  timeout 600 compute-sanitizer --tool "$tool" ${extra[$tool]} --error-exitcode 99 --print-limit 50 \
+    ./build-device/tests/cpidx_gpu_tests --gtest_filter="${filter[$tool]}" \
+    --gtest_output=json:"$OUT/sanitize_$tool.json" >"$OUT/sanitize_$tool.log" 2>&1
+  tool_rc=$?
+  errors=$(grep -E "ERROR SUMMARY" "$OUT/sanitize_$tool.log" | tail -n 1)
+  tests=$(grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/sanitize_$tool.log" | tr '\n' ' ')
+  printf '%-9s exit %-3s %4ss  %s  %s\n' "$tool" "$tool_rc" "$(( $(date +%s) - start ))" \
+    "${errors:-no ERROR SUMMARY line}" "$tests" | tee -a "$OUT/sanitize_summary.txt"
+  [ "$tool_rc" -ne 0 ] && rc=1
+done
+exit $rc

@@ -1,0 +1,512 @@
+// The GPU Decoder against host-visible bad input (CONTRACT.md section 8), table-driven like
+// tests/test_validation_table.cc: every entry point (decode, shard_keys, merge, cp_decode) with
+// each bad argument fails before any kernel runs, names the argument and the expected value,
+// leaves the (poisoned) device outputs and the error flag untouched, and starts no collective.
+// Plus GpuSanitize.*: one tiny end-to-end case per path, sized for compute-sanitizer
+// (scripts/gpu_sanitize.sh). Every test skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gpu_util.h"
+
+namespace {
+
+using namespace cpidx_gpu_test;
+using cpidx::DecodeInputs;
+using cpidx::Key;
+using cpidx::Selection;
+using cpidx::Status;
+using cpidx::StatusCode;
+using cpidx_test::random_decode;
+
+constexpr StatusCode kInv = StatusCode::kInvalidArgument;
+constexpr StatusCode kUnsup = StatusCode::kUnsupported;
+constexpr int kT = 4, kK = 8;
+
+template <typename T>
+T* shift_bytes(T* p, int bytes) {
+  using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
+  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(p) + bytes);
+}
+
+struct Expected {
+  StatusCode code = kInv;
+  std::vector<std::string> needles;
+};
+
+::testing::AssertionResult failed_as(const Status& s, const Expected& e) {
+  if (s.is_ok()) return ::testing::AssertionFailure() << "accepted";
+  if (s.code() != e.code) {
+    return ::testing::AssertionFailure() << "code " << cpidx::to_string(s.code()) << ", want "
+                                         << cpidx::to_string(e.code) << ": " << s.message();
+  }
+  for (const auto& n : e.needles) {
+    if (s.message().find(n) == std::string::npos) {
+      return ::testing::AssertionFailure() << "message lacks \"" << n << "\": " << s.message();
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// A device communicator that records collectives (none may start on bad input).
+class CountingDeviceComm final : public cpidx::Communicator {
+ public:
+  CountingDeviceComm(int rank, int world, cpidx::MemorySpace space = cpidx::MemorySpace::kDevice)
+      : rank_(rank), world_(world), space_(space) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  cpidx::MemorySpace memory_space() const override { return space_; }
+  Status all_gather(const void*, void*, size_t, cudaStream_t) override {
+    ++gathers;
+    return Status::ok();
+  }
+  Status check_agree(long long, const char*) override { return Status::ok(); }
+  Status barrier() override { return Status::ok(); }
+  int gathers = 0;
+
+ private:
+  int rank_, world_;
+  cpidx::MemorySpace space_;
+};
+
+// 4 heads, Q = 2, 3 requests (one padding), max_seq_len 1024.
+const cpidx_test::DecodeData& batch() {
+  static const cpidx_test::DecodeData d = random_decode(5151, kT, 2, {300, 0, 700}, 1024);
+  return d;
+}
+
+struct InputCase {
+  std::string name;
+  std::function<void(DecodeInputs&)> edit;
+  Expected e;
+};
+
+// Bad inputs every GPU entry point checks (the Decoder's bounds: max_tokens 6, max_seq_len 1024,
+// max_query_len 8, bf16 cache, K 8).
+std::vector<InputCase> input_cases() {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  using I = DecodeInputs;
+  return {
+      {"query_len 0", [](I& in) { in.query_len = 0; }, {kInv, {"query_len", "[1, 8]", "got 0"}}},
+      {"query_len 9", [](I& in) { in.query_len = 9; }, {kInv, {"query_len", "[1, 8]", "got 9"}}},
+      {"num_reqs 0", [](I& in) { in.num_reqs = 0; }, {kInv, {"num_reqs", ">= 1", "got 0"}}},
+      {"batch above max_tokens",
+       [](I& in) { in.query_len = 3; },
+       {kInv, {"num_reqs * query_len (9)", "max_tokens (6)"}}},
+      {"max_seq_len mismatch",
+       [](I& in) { in.max_seq_len = 896; },
+       {kInv, {"max_seq_len", "Decoder's bound 1024", "got 896"}}},
+      {"max_seq_len 0", [](I& in) { in.max_seq_len = 0; }, {kInv, {"max_seq_len", ">= 1"}}},
+      {"scale 0", [](I& in) { in.scale = 0.0f; }, {kInv, {"scale", "> 0 and finite"}}},
+      {"scale nan", [=](I& in) { in.scale = nan; }, {kInv, {"scale", "> 0 and finite"}}},
+      {"q_head_stride 64",
+       [](I& in) { in.q_head_stride = 64; },
+       {kInv, {"q_head_stride", ">= 128", "got 64"}}},
+      {"q_row_stride 0",
+       [](I& in) { in.q_row_stride = 0; },
+       {kInv, {"q_row_stride", ">= 128", "got 0"}}},
+      {"q_row_stride not a multiple of 8",
+       [](I& in) { in.q_row_stride += 4; },
+       {kInv, {"index_query", "multiples of 8"}}},
+      {"query null", [](I& in) { in.query = nullptr; }, {kInv, {"query is null"}}},
+      {"query 2-byte aligned only",
+       [](I& in) { in.query = shift_bytes(in.query, 2); },
+       {kInv, {"index_query", "16-byte aligned"}}},
+      {"query odd address",
+       [](I& in) { in.query = shift_bytes(in.query, 1); },
+       {kInv, {"query", "2-byte aligned"}}},
+      {"cache null", [](I& in) { in.cache.data = nullptr; }, {kInv, {"cache data is null"}}},
+      {"cache 2-byte aligned only",
+       [](I& in) { in.cache.data = shift_bytes(static_cast<const char*>(in.cache.data), 2); },
+       {kInv, {"index_cache", "16-byte aligned"}}},
+      {"cache dtype differs from the Decoder's",
+       [](I& in) { in.cache.dtype = cpidx::DType::kFP8E4M3; },
+       {kInv, {"index_cache dtype", "bf16", "got fp8_e4m3"}}},
+      {"dtype code 9",
+       [](I& in) { in.cache.dtype = static_cast<cpidx::DType>(9); },
+       {kUnsup, {"dtype", "bf16 or fp8_e4m3"}}},
+      {"num_pages 0", [](I& in) { in.cache.num_pages = 0; }, {kInv, {"num_pages", ">= 1"}}},
+      {"block_table null",
+       [](I& in) { in.block_table = nullptr; },
+       {kInv, {"block_table is null"}}},
+      {"block_table misaligned",
+       [](I& in) { in.block_table = shift_bytes(in.block_table, 2); },
+       {kInv, {"block_table", "4-byte aligned"}}},
+      {"bt_row_stride 7",
+       [](I& in) { in.bt_row_stride = 7; },
+       {kInv, {"bt_row_stride", "= 8", "got 7"}}},
+      {"seq_lens null", [](I& in) { in.seq_lens = nullptr; }, {kInv, {"seq_lens is null"}}},
+      {"seq_lens misaligned",
+       [](I& in) { in.seq_lens = shift_bytes(in.seq_lens, 1); },
+       {kInv, {"seq_lens", "4-byte aligned"}}},
+  };
+}
+
+struct OutCase {
+  std::string name;
+  std::function<cpidx::TopkOutput(int32_t*, int heads, int64_t rows)> out;
+  Expected e;
+};
+
+std::vector<OutCase> out_cases() {
+  using O = cpidx::TopkOutput;
+  const Expected strides{kInv, {"ids strides", "topk = 8", "without overlap"}};
+  return {
+      {"ids null",
+       [](int32_t*, int, int64_t) {
+         return O{nullptr, 0, 0};
+       },
+       {kInv, {"ids output is null"}}},
+      {"ids misaligned",
+       [](int32_t* b, int, int64_t r) {
+         return O{shift_bytes(b, 2), r * kK, kK};
+       },
+       {kInv, {"ids output", "4-byte aligned"}}},
+      {"row stride < topk",
+       [](int32_t* b, int, int64_t r) {
+         return O{b, r * kK, kK - 1};
+       },
+       strides},
+      {"heads overlap",
+       [](int32_t* b, int, int64_t) {
+         return O{b, kK, kK};
+       },
+       strides},
+      {"negative row stride",
+       [](int32_t* b, int, int64_t r) {
+         return O{b, r * kK, -kK};
+       },
+       strides},
+  };
+}
+
+struct Fixture {
+  explicit Fixture(int world = 1, int rank = 0)
+      : d(batch()), b(d), ids(static_cast<size_t>(kT * d.rows() * kK + 64)) {
+    cpidx::DecodeConfig c = config_for(d, {kK, 1, 1}, world, rank);
+    const Status s = cpidx::Decoder::create(c, 0, &dec);
+    EXPECT_TRUE(s.is_ok()) << s.to_string();
+  }
+  void poison() {
+    ids.poison();
+    cudaMemset(dec->error_flag(), 0, sizeof(int32_t));
+    cudaDeviceSynchronize();
+  }
+  // After a rejected call: nothing ran.
+  void expect_untouched(const std::string& where) {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << where;
+    for (int32_t v : ids.download()) {
+      ASSERT_EQ(v, cpidx_test::kPoison) << where << ": an id was written";
+    }
+    int32_t flag = -1;
+    cudaMemcpy(&flag, dec->error_flag(), sizeof(flag), cudaMemcpyDeviceToHost);
+    EXPECT_EQ(flag, 0) << where << ": the error flag was raised";
+  }
+  // Ids [heads, n, K], dense.
+  cpidx::TopkOutput dense() { return {ids.ptr, d.rows() * kK, kK}; }
+  const cpidx_test::DecodeData& d;
+  DeviceBatch b;
+  DeviceVec<int32_t> ids;
+  std::unique_ptr<cpidx::Decoder> dec;
+};
+
+TEST(GpuValidation, DecodeRejectsEachBadArgumentBeforeAnyKernel) {
+  SKIP_WITHOUT_GPU();
+  Fixture f;
+  ASSERT_NE(f.dec, nullptr);
+  for (const auto& c : input_cases()) {
+    f.poison();
+    DecodeInputs in = f.b.all_heads();
+    c.edit(in);
+    EXPECT_TRUE(failed_as(f.dec->decode(in, f.dense(), nullptr, nullptr), c.e)) << c.name;
+    f.expect_untouched("decode: " + c.name);
+  }
+  for (const auto& c : out_cases()) {
+    f.poison();
+    EXPECT_TRUE(failed_as(
+        f.dec->decode(f.b.all_heads(), c.out(f.ids.ptr, kT, f.d.rows()), nullptr, nullptr), c.e))
+        << c.name;
+    f.expect_untouched("decode: " + c.name);
+  }
+  // Heads: 0, more than the Decoder's T.
+  for (int heads : {0, 5}) {
+    f.poison();
+    DecodeInputs in = f.b.all_heads();
+    in.num_heads = heads;
+    EXPECT_TRUE(failed_as(f.dec->decode(in, f.dense(), nullptr, nullptr),
+                          {kInv, {"num_heads", "[1, 4]", "got " + std::to_string(heads)}}));
+    f.expect_untouched("decode: heads " + std::to_string(heads));
+  }
+  // The untouched call works (the table's edits are what fail).
+  f.poison();
+  EXPECT_TRUE(f.dec->decode(f.b.all_heads(), f.dense(), nullptr, nullptr).is_ok());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+TEST(GpuValidation, SparseTableArgumentsOnDecodeMergeAndCp) {
+  SKIP_WITHOUT_GPU();
+  const cpidx_test::DecodeData& d = batch();
+  const int64_t n = d.rows(), G = d.max_blocks();
+  DeviceBatch b(d);
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, {kK, 1, 1}, 4, 0), 0, &dec).is_ok());
+  DeviceVec<int32_t> attn(std::vector<int32_t>(static_cast<size_t>(d.num_reqs() * G), 1));
+  DeviceVec<int32_t> table(static_cast<size_t>(n * kK * 8 + 8)), ctx(static_cast<size_t>(n + 8));
+  DeviceVec<int32_t> ids(static_cast<size_t>(n * kK));
+  DeviceVec<Key> gathered(static_cast<size_t>(4 * kT * n * kK));
+  cudaMemset(gathered.ptr, 0, gathered.count * sizeof(Key));
+  using T = cpidx::SparseTableOutput;
+  struct Case {
+    std::string name;
+    std::function<void(T&)> edit;
+    std::vector<std::string> needles;
+  };
+  const std::vector<Case> cases = {
+      {"partly", [](T& t) { t.context_lens = nullptr; }, {"all together or not at all"}},
+      {"page stride 12",
+       [](T& t) { t.block_page_stride = 12; },
+       {"block_page_stride", "8 or 16", "got 12"}},
+      {"table_row_stride",
+       [](T& t) { t.table_row_stride = kK * 8 - 1; },
+       {"table_row_stride", "topk * 8 = 64", "got 63"}},
+      {"attn_bt_row_stride",
+       [G](T& t) { t.attn_bt_row_stride = G - 1; },
+       {"attn_bt_row_stride", "= 8", "got 7"}},
+      {"misaligned table", [](T& t) { t.table = shift_bytes(t.table, 2); }, {"4-byte aligned"}},
+  };
+  for (const auto& c : cases) {
+    T t{attn.ptr, G, table.ptr, kK * 8, ctx.ptr, 8};
+    c.edit(t);
+    table.poison();
+    ctx.poison();
+    ids.poison();
+    CountingDeviceComm comm(0, 4);
+    const cpidx::TopkOutput out{ids.ptr, n * kK, kK};
+    // decode of one head (a plain decode on the rank-0 Decoder), merge and cp_decode (L = 1).
+    EXPECT_TRUE(failed_as(dec->decode(b.inputs(0, 1), out, &t, nullptr), {kInv, c.needles}))
+        << "decode " << c.name;
+    EXPECT_TRUE(
+        failed_as(dec->merge(gathered.ptr, b.all_heads(), out, &t, nullptr), {kInv, c.needles}))
+        << "merge " << c.name;
+    EXPECT_TRUE(
+        failed_as(dec->cp_decode(comm, b.inputs(0, 1), out, &t, nullptr), {kInv, c.needles}))
+        << "cp_decode " << c.name;
+    EXPECT_EQ(comm.gathers, 0) << c.name << ": a collective started";
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (const DeviceVec<int32_t>* v : {&table, &ctx, &ids}) {
+      for (int32_t x : v->download()) ASSERT_EQ(x, cpidx_test::kPoison) << c.name;
+    }
+  }
+  // A table with several heads.
+  T t{attn.ptr, G, table.ptr, kK * 8, ctx.ptr, 8};
+  DeviceVec<int32_t> ids4(static_cast<size_t>(kT * n * kK));
+  EXPECT_TRUE(failed_as(dec->decode(b.all_heads(), {ids4.ptr, n * kK, kK}, &t, nullptr),
+                        {kInv, {"local_heads == 1", "got 4"}}));
+}
+
+TEST(GpuValidation, ShardKeysAndMerge) {
+  SKIP_WITHOUT_GPU();
+  Fixture f(2, 1);  // rank 1 of 2: owns heads 2-3
+  ASSERT_NE(f.dec, nullptr);
+  const int64_t n = f.d.rows();
+  DeviceVec<Key> keys(static_cast<size_t>(2 * kT * n * kK + 1));
+  auto keys_untouched = [&](const std::string& where) {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (Key k : keys.download()) ASSERT_EQ(k, 0x7B7B7B7B7B7B7B7Bull) << where;
+  };
+  for (const auto& c : input_cases()) {
+    keys.poison();
+    f.poison();
+    DecodeInputs in = f.b.all_heads();
+    c.edit(in);
+    EXPECT_TRUE(failed_as(f.dec->shard_keys(in, keys.ptr, nullptr), c.e)) << "shard " << c.name;
+    keys_untouched("shard_keys: " + c.name);
+  }
+  keys.poison();
+  EXPECT_TRUE(failed_as(f.dec->shard_keys(f.b.all_heads(), nullptr, nullptr),
+                        {kInv, {"keys must not be null"}}));
+  EXPECT_TRUE(failed_as(f.dec->shard_keys(f.b.all_heads(), shift_bytes(keys.ptr, 4), nullptr),
+                        {kInv, {"keys", "8-byte aligned"}}));
+  EXPECT_TRUE(failed_as(f.dec->shard_keys(f.b.inputs(0, 2), keys.ptr, nullptr),
+                        {kInv, {"num_heads", "must be 4", "got 2"}}));
+  keys_untouched("shard_keys: keys / heads");
+
+  // merge: the batch shape, the gathered keys and the outputs.
+  struct MergeCase {
+    std::string name;
+    std::function<void(const Key*&, DecodeInputs&)> edit;
+    Expected e;
+  };
+  const std::vector<MergeCase> cases = {
+      {"gathered null",
+       [](const Key*& g, DecodeInputs&) { g = nullptr; },
+       {kInv, {"gathered keys must not be null"}}},
+      {"gathered misaligned",
+       [](const Key*& g, DecodeInputs&) { g = shift_bytes(g, 4); },
+       {kInv, {"gathered keys", "8-byte aligned"}}},
+      {"seq_lens null",
+       [](const Key*&, DecodeInputs& in) { in.seq_lens = nullptr; },
+       {kInv, {"seq_lens must not be null"}}},
+      {"seq_lens misaligned",
+       [](const Key*&, DecodeInputs& in) { in.seq_lens = shift_bytes(in.seq_lens, 2); },
+       {kInv, {"seq_lens", "4-byte aligned"}}},
+      {"num_reqs 0",
+       [](const Key*&, DecodeInputs& in) { in.num_reqs = 0; },
+       {kInv, {"num_reqs", ">= 1", "got 0"}}},
+      {"query_len 0",
+       [](const Key*&, DecodeInputs& in) { in.query_len = 0; },
+       {kInv, {"query_len", "max_query_len = 8", "got 0"}}},
+      {"query_len 9",
+       [](const Key*&, DecodeInputs& in) { in.query_len = 9; },
+       {kInv, {"query_len", "max_query_len = 8", "got 9"}}},
+      {"batch above max_tokens",
+       [](const Key*&, DecodeInputs& in) { in.num_reqs = 4; },
+       {kInv, {"num_reqs * query_len (8)", "max_tokens (6)"}}},
+  };
+  for (const auto& c : cases) {
+    f.poison();
+    const Key* g = keys.ptr;
+    DecodeInputs in = f.b.all_heads();
+    c.edit(g, in);
+    EXPECT_TRUE(failed_as(f.dec->merge(g, in, f.dense(), nullptr, nullptr), c.e)) << c.name;
+    f.expect_untouched("merge: " + c.name);
+  }
+  for (const auto& c : out_cases()) {
+    f.poison();
+    EXPECT_TRUE(failed_as(
+        f.dec->merge(keys.ptr, f.b.all_heads(), c.out(f.ids.ptr, 2, n), nullptr, nullptr), c.e))
+        << c.name;
+    f.expect_untouched("merge: " + c.name);
+  }
+}
+
+TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
+  SKIP_WITHOUT_GPU();
+  Fixture f(2, 0);  // rank 0 of 2: L = 2
+  ASSERT_NE(f.dec, nullptr);
+  for (const auto& c : input_cases()) {
+    f.poison();
+    CountingDeviceComm comm(0, 2);
+    DecodeInputs in = f.b.inputs(0, 2);
+    c.edit(in);
+    EXPECT_TRUE(failed_as(f.dec->cp_decode(comm, in, f.dense(), nullptr, nullptr), c.e)) << c.name;
+    EXPECT_EQ(comm.gathers, 0) << c.name << ": a collective started";
+    f.expect_untouched("cp_decode: " + c.name);
+  }
+  for (const auto& c : out_cases()) {
+    f.poison();
+    CountingDeviceComm comm(0, 2);
+    EXPECT_TRUE(failed_as(
+        f.dec->cp_decode(comm, f.b.inputs(0, 2), c.out(f.ids.ptr, 2, f.d.rows()), nullptr, nullptr),
+        c.e))
+        << c.name;
+    EXPECT_EQ(comm.gathers, 0) << c.name;
+    f.expect_untouched("cp_decode: " + c.name);
+  }
+  struct CommCase {
+    std::string name;
+    CountingDeviceComm comm;
+    int heads;
+    std::vector<std::string> needles;
+  };
+  std::vector<CommCase> comms;
+  comms.push_back({"world 4 vs 2",
+                   CountingDeviceComm(0, 4),
+                   2,
+                   {"communicator (rank 0 of 4)", "(rank 0 of 2)"}});
+  comms.push_back({"rank 1 vs 0",
+                   CountingDeviceComm(1, 2),
+                   2,
+                   {"communicator (rank 1 of 2)", "(rank 0 of 2)"}});
+  comms.push_back(
+      {"host memory", CountingDeviceComm(0, 2, cpidx::MemorySpace::kHost), 2, {"device memory"}});
+  comms.push_back({"all heads instead of the local ones",
+                   CountingDeviceComm(0, 2),
+                   kT,
+                   {"num_heads", "must be 2", "got 4"}});
+  for (auto& c : comms) {
+    f.poison();
+    EXPECT_TRUE(
+        failed_as(f.dec->cp_decode(c.comm, f.b.inputs(0, c.heads), f.dense(), nullptr, nullptr),
+                  {kInv, c.needles}))
+        << c.name;
+    EXPECT_EQ(c.comm.gathers, 0) << c.name;
+    f.expect_untouched("cp_decode: " + c.name);
+  }
+}
+
+TEST(GpuValidation, CreateChecksTheDevice) {
+  SKIP_WITHOUT_GPU();
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  cpidx::DecodeConfig c = config_for(batch(), {kK, 0, 1});
+  for (int device : {-1, count}) {
+    std::unique_ptr<cpidx::Decoder> dec;
+    EXPECT_TRUE(failed_as(cpidx::Decoder::create(c, device, &dec),
+                          {kInv, {"device must be in [0, " + std::to_string(count) + ")"}}));
+    EXPECT_EQ(dec, nullptr);
+  }
+}
+
+// ---- Tiny end-to-end cases for compute-sanitizer ------------------------------------------------
+// One small batch through every path (plain, simulated context-parallel at P = 2 and 4, the
+// fused sparse table, bad device values), compared with the CPU reference. Sized so that
+// memcheck, racecheck and synccheck each finish in well under a minute.
+
+TEST(GpuSanitize, SmallDecodeEveryPath) {
+  SKIP_WITHOUT_GPU();
+  const Selection sel{8, 1, 1};
+  cpidx_test::DecodeData d = random_decode(5252, kT, 2, {1, 129, 0, 700, 1024}, 1024);
+  const std::vector<int32_t> plain = gpu_decode(d, sel);
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  const CompareResult r = compare_ids(d, sel, plain, cpu);
+  EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
+  for (int P : {2, 4}) EXPECT_EQ(gpu_cp_simulated(d, sel, P), plain) << "P=" << P;
+
+  // Bad device values: clamped and flagged, same bits as the reference.
+  d.seq_lens[1] = 5000;
+  d.seq_lens[2] = -3;
+  d.block_table[static_cast<size_t>(3 * d.bt_row_stride + 1)] = 1 << 30;
+  int32_t flag = 0;
+  const std::vector<int32_t> bad = gpu_decode(d, sel, &flag);
+  int32_t cpu_err = 0;
+  cpidx_test::IdsBuffer ids(kT, d.rows(), sel.topk);
+  ASSERT_TRUE(cpidx::ref::decode_topk(d.all_heads(), sel, ids.out(), nullptr, &cpu_err).is_ok());
+  EXPECT_EQ(flag, cpidx::kErrSeqLenOutOfRange | cpidx::kErrPageOutOfRange);
+  EXPECT_EQ(flag, cpu_err);
+  EXPECT_EQ(compare_ids(d, sel, bad, ids.ids).bad_rows, 0);
+}
+
+TEST(GpuSanitize, SmallSparseTable) {
+  SKIP_WITHOUT_GPU();
+  const Selection sel{8, 0, 1};
+  const cpidx_test::DecodeData d = random_decode(5353, 1, 2, {1, 128, 0, 513}, 640);
+  const int64_t n = d.rows(), G = d.max_blocks();
+  std::vector<int32_t> attn(static_cast<size_t>(d.num_reqs() * G));
+  for (size_t i = 0; i < attn.size(); ++i) attn[i] = static_cast<int32_t>(50 + 3 * i);
+  cpidx_test::IdsBuffer ids(1, n, sel.topk);
+  std::vector<int32_t> table(static_cast<size_t>(n * sel.topk * 8), cpidx_test::kPoison);
+  std::vector<int32_t> ctx(static_cast<size_t>(n), cpidx_test::kPoison);
+  cpidx::SparseTableOutput t{attn.data(), G, table.data(), sel.topk * 8, ctx.data(), 16};
+  ASSERT_TRUE(cpidx::ref::decode_topk(d.all_heads(), sel, ids.out(), &t, nullptr).is_ok());
+  DeviceBatch b(d);
+  DeviceVec<int32_t> dattn(attn), dids(ids.ids.size()), dtable(table.size()), dctx(ctx.size());
+  dids.poison();
+  dtable.poison();
+  dctx.poison();
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+  cpidx::SparseTableOutput dt{dattn.ptr, G, dtable.ptr, sel.topk * 8, dctx.ptr, 16};
+  ASSERT_TRUE(dec->decode(b.all_heads(), {dids.ptr, n * sel.topk, sel.topk}, &dt, nullptr).is_ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(dids.download(), ids.ids);
+  EXPECT_EQ(dtable.download(), table);
+  EXPECT_EQ(dctx.download(), ctx);
+}
+
+}  // namespace
