@@ -42,6 +42,8 @@ struct DecodePlan {
   size_t workspace_bytes = 0;
 };
 
+// A Decoder's workspace is scratch for one step at a time: steps (of any layer) must run in
+// order on one stream, as a model's layers do. Use one Decoder per stream otherwise.
 class Decoder {
  public:
   // Checks the configuration (geometry, K, D, dtype, maxima), plans the kernels for `device` and

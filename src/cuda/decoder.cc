@@ -135,6 +135,30 @@ struct Decoder::Impl {
     return p;
   }
 
+  // The merge launch alone; callers have validated its arguments.
+  Status launch_merge(const Key* gathered, const DecodeInputs& batch, const TopkOutput& out,
+                      const SparseTableOutput* table, cudaStream_t stream) const {
+    cuda::MergeParams m;
+    m.gathered = gathered;
+    m.world = cfg.world_size;
+    m.total_heads = cfg.total_heads;
+    m.n = batch.num_rows();
+    m.topk = cfg.sel.topk;
+    m.head_offset = geo.head_offset;
+    m.local_heads = geo.local_heads;
+    m.ids = out.ids;
+    m.ids_head_stride = out.head_stride;
+    m.ids_row_stride = out.row_stride;
+    m.table = table_args(table);
+    m.seq_lens = batch.seq_lens;
+    m.num_reqs = batch.num_reqs;
+    m.query_len = batch.query_len;
+    m.max_seq_len = cfg.max_seq_len;
+    m.pdl = cfg.programmatic_launch;
+    CPIDX_CUDA_TRY(cuda::launch_merge_topk(m, stream));
+    return Status::ok();
+  }
+
   static cuda::SparseTableArgs table_args(const SparseTableOutput* t) {
     cuda::SparseTableArgs a;
     if (t && t->enabled()) {
@@ -269,25 +293,7 @@ Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const Topk
               "num_reqs * query_len (" << batch.num_rows() << ") exceeds max_tokens ("
                                        << impl_->cfg.max_tokens << ")");
   CPIDX_RETURN_IF_ERROR(impl_->check_outputs(out, impl_->geo.local_heads, batch, table));
-  cuda::MergeParams m;
-  m.gathered = gathered;
-  m.world = impl_->cfg.world_size;
-  m.total_heads = impl_->cfg.total_heads;
-  m.n = batch.num_rows();
-  m.topk = impl_->cfg.sel.topk;
-  m.head_offset = impl_->geo.head_offset;
-  m.local_heads = impl_->geo.local_heads;
-  m.ids = out.ids;
-  m.ids_head_stride = out.head_stride;
-  m.ids_row_stride = out.row_stride;
-  m.table = Impl::table_args(table);
-  m.seq_lens = batch.seq_lens;
-  m.num_reqs = batch.num_reqs;
-  m.query_len = batch.query_len;
-  m.max_seq_len = impl_->cfg.max_seq_len;
-  m.pdl = impl_->cfg.programmatic_launch;
-  CPIDX_CUDA_TRY(cuda::launch_merge_topk(m, stream));
-  return Status::ok();
+  return impl_->launch_merge(gathered, batch, out, table, stream);
 }
 
 Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
@@ -345,7 +351,7 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   // 4. Gather the keys; 5. merge the owned heads.
   const size_t k_bytes = static_cast<size_t>(T) * n * im.cfg.sel.topk * sizeof(Key);
   CPIDX_RETURN_IF_ERROR(comm.all_gather(keys_send, keys_recv, k_bytes, stream));
-  return merge(keys_recv, local, out, table, stream);
+  return im.launch_merge(keys_recv, local, out, table, stream);  // validated above
 }
 
 bool gpu_available() {
