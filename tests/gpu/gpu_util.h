@@ -91,12 +91,12 @@ inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selectio
   return c;
 }
 
-// The plain GPU decode of every head: ids [T][n][K] (host copy).
+// The plain GPU decode of every head on `device` (the current device): ids [T][n][K], host copy.
 inline std::vector<int32_t> gpu_decode(const DecodeData& d, const cpidx::Selection& sel,
-                                       int32_t* error_flag = nullptr) {
+                                       int32_t* error_flag = nullptr, int device = 0) {
   DeviceBatch b(d);
   std::unique_ptr<cpidx::Decoder> dec;
-  cpidx::Status st = cpidx::Decoder::create(config_for(d, sel), 0, &dec);
+  cpidx::Status st = cpidx::Decoder::create(config_for(d, sel), device, &dec);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   if (!st.is_ok()) return {};
   const int64_t n = d.rows();

@@ -74,19 +74,7 @@ inline std::vector<int32_t> lengths(std::mt19937& rng, int reqs, int32_t max_len
 // The plain GPU decode of every head on `device`: ids [T][n][K] (host copy).
 inline std::vector<int32_t> plain_decode_on(int device, const DecodeData& d, const Selection& sel) {
   DeviceScope scope(device);
-  DeviceBatch b(d);
-  std::unique_ptr<cpidx::Decoder> dec;
-  Status st = cpidx::Decoder::create(config_for(d, sel), device, &dec);
-  EXPECT_TRUE(st.is_ok()) << st.to_string();
-  if (!st.is_ok()) return {};
-  const int64_t n = d.rows();
-  DeviceVec<int32_t> ids(static_cast<size_t>(d.total_heads * n * sel.topk));
-  ids.poison();
-  st = dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk}, nullptr,
-                   nullptr);
-  EXPECT_TRUE(st.is_ok()) << st.to_string();
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  return ids.download();
+  return cpidx_gpu_test::gpu_decode(d, sel, nullptr, device);
 }
 
 struct RankResult {
