@@ -7,6 +7,9 @@
 # to replay: build-fuzz/fuzz/cpidx_fuzz_reference build-fuzz/artifacts/crash-...
 set -euo pipefail
 seconds=${1:-60}
+# In CI the mutation sequence is fixed (seed 1) so a run can be reproduced; by hand it is random
+# unless CPIDX_FUZZ_SEED is set (libFuzzer: 0 = random).
+seed=${CPIDX_FUZZ_SEED:-$([ -n "${CI:-}" ] && echo 1 || echo 0)}
 source "$(dirname "$0")/common.sh"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -42,7 +45,7 @@ fi
 mkdir -p build-fuzz/corpus build-fuzz/artifacts
 cpidx_log "fuzzing for ${seconds} s (log in build-fuzz/fuzz.log)"
 rc=0
-build-fuzz/fuzz/cpidx_fuzz_reference -max_total_time="$seconds" -timeout=30 -print_final_stats=1 \
+build-fuzz/fuzz/cpidx_fuzz_reference -max_total_time="$seconds" -timeout=30 -seed="$seed" -print_final_stats=1 \
   -artifact_prefix=build-fuzz/artifacts/ build-fuzz/corpus fuzz/corpus >build-fuzz/fuzz.log 2>&1 || rc=$?
 if [ "$rc" -ne 0 ]; then
   tail -n 60 build-fuzz/fuzz.log
