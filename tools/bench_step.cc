@@ -387,8 +387,12 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
   const double shard_bytes = cache_bytes / P;
   res.cache_mb = cache_bytes / 1e6;
   res.floor_us = shard_bytes / 4.5e12 * 1e6;
-  // Enough sets that one graph replay reads >= 480 MiB per GPU (past the 60 MiB L2 8 times).
-  res.sets = static_cast<int>(std::max<double>(1, std::ceil(480.0 * (1 << 20) / shard_bytes)));
+  // Enough sets that one graph replay reads >= 480 MiB per GPU (past the 60 MiB L2 8 times),
+  // at most 128: each set's step holds two captured NCCL collectives, and a few thousand of them
+  // made the 1 x 8K set-up outlast its time box on the 2-GPU machine (docs/perf/README.md).
+  // Small shapes then rotate >= 128 x their bytes, still past the L2 for B*L >= 64K tokens.
+  res.sets = static_cast<int>(
+      std::min(128.0, std::max<double>(1, std::ceil(480.0 * (1 << 20) / shard_bytes))));
   const int calls_per_set = res.sets == 1 ? 2 : 1;
   res.calls = res.sets * calls_per_set;
 
