@@ -22,19 +22,25 @@ cpidx_cmake_ok() {
   [ "$(printf '%s\n%s\n' "$CPIDX_MIN_CMAKE" "$have" | sort -V | head -n1)" = "$CPIDX_MIN_CMAKE" ]
 }
 
+# Installs, with apt-get, those of the given Debian packages that are not installed yet (runs
+# `apt-get update` only when something is missing).
+cpidx_apt_install_missing() {
+  local missing=() p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
+      missing+=("$p")
+  done
+  if [ "${#missing[@]}" -gt 0 ]; then
+    cpidx_log "installing missing packages: ${missing[*]}"
+    cpidx_as_root apt-get update
+    cpidx_as_root env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y --no-install-recommends "${missing[@]}"
+  fi
+}
+
 cpidx_ensure_packages() {
   if command -v dpkg-query >/dev/null 2>&1; then
-    local missing=() p
-    for p in "${CPIDX_APT_PACKAGES[@]}"; do
-      dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
-        missing+=("$p")
-    done
-    if [ "${#missing[@]}" -gt 0 ]; then
-      cpidx_log "installing missing packages: ${missing[*]}"
-      cpidx_as_root apt-get update
-      cpidx_as_root env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y --no-install-recommends "${missing[@]}"
-    fi
+    cpidx_apt_install_missing "${CPIDX_APT_PACKAGES[@]}"
   else
     cpidx_log "no dpkg: not a Debian system, assuming ${CPIDX_APT_PACKAGES[*]} are installed"
   fi
@@ -77,17 +83,7 @@ CPIDX_PY_APT_PACKAGES=(python3 python3-dev python3-venv python3-pip)
 cpidx_ensure_python() {
   if command -v dpkg-query >/dev/null 2>&1 &&
      { ! command -v python3 >/dev/null 2>&1 || [ "$(command -v python3)" = /usr/bin/python3 ]; }; then
-    local missing=() p
-    for p in "${CPIDX_PY_APT_PACKAGES[@]}"; do
-      dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
-        missing+=("$p")
-    done
-    if [ "${#missing[@]}" -gt 0 ]; then
-      cpidx_log "installing missing packages: ${missing[*]}"
-      cpidx_as_root apt-get update
-      cpidx_as_root env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y --no-install-recommends "${missing[@]}"
-    fi
+    cpidx_apt_install_missing "${CPIDX_PY_APT_PACKAGES[@]}"
   fi
 }
 

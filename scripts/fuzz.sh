@@ -21,17 +21,9 @@ fuzzer_runtime_ok() {
 }
 if ! fuzzer_runtime_ok; then
   cpidx_ensure_packages  # cmake and friends, as for the main build
-  if ! command -v clang++ >/dev/null 2>&1; then
-    cpidx_log "installing clang"
-    cpidx_as_root apt-get update
-    cpidx_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends clang
-  fi
-  if ! fuzzer_runtime_ok; then
-    cpidx_log "installing libclang-rt-$(clang_major)-dev (libFuzzer runtime)"
-    cpidx_as_root apt-get update
-    cpidx_as_root env DEBIAN_FRONTEND=noninteractive \
-      apt-get install -y --no-install-recommends "libclang-rt-$(clang_major)-dev"
-  fi
+  command -v clang++ >/dev/null 2>&1 || cpidx_apt_install_missing clang
+  # the libFuzzer runtime of that clang
+  fuzzer_runtime_ok || cpidx_apt_install_missing "libclang-rt-$(clang_major)-dev"
 fi
 
 cpidx_log "building the fuzz preset (clang $(clang_major), ASan + UBSan; log in build-fuzz/build.log)"
