@@ -92,6 +92,8 @@ class Bench {
   ~Bench() { cudaFree(pool_); }
 
   Result run(const Shape& sh, int replays);
+  // DecodeConfig::split_max_pages of every Decoder (-1: the library's choice, 0: fused only).
+  void set_split_pages(int64_t pages) { split_pages_ = pages; }
 
  private:
   InputSet make_set(const Shape& sh, int T, int64_t G, std::mt19937_64& rng, int64_t& next_page);
@@ -118,6 +120,7 @@ class Bench {
 
   std::string dtype_;
   bool pdl_ = true;
+  int64_t split_pages_ = DecodeConfig::kAutoSplit;
   void* pool_ = nullptr;
   std::vector<uint16_t> h_pool_;
   int64_t pool_pages_ = 0, page_bytes_ = 0;
@@ -213,6 +216,7 @@ Result Bench::run(const Shape& sh, int replays) {
   cfg.max_query_len = sh.qlen;
   cfg.cache_dtype = dtype_ == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
   cfg.programmatic_launch = pdl_;
+  cfg.split_max_pages = split_pages_;
   std::vector<std::unique_ptr<Decoder>> decs(static_cast<size_t>(sh.world));
   for (int r = 0; r < sh.world; ++r) {
     cfg.rank = r;
@@ -309,7 +313,7 @@ std::vector<int64_t> parse_list(const std::string& text) {
 int run_bench(int argc, char** argv) {
   std::string modes = "plain1,plain4,cp2,cp4", reqs = "1,8,64", contexts = "8K,64K,256K,1M",
               qlens = "1,4", json, dtype = "bf16";
-  int64_t replays = 10, pool_mb = 4096;
+  int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit;
   bool pdl = true;
   Flags flags("cpidx bench [flags]",
               "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
@@ -327,6 +331,9 @@ int run_bench(int argc, char** argv) {
       .add("replays", &replays, "timed graph replays per shape")
       .add("pool-mb", &pool_mb, "MiB of random key pages to draw from")
       .add("pdl", &pdl, "launch with programmatic dependent launch")
+      .add("split-pages", &split_pages,
+           "steps with at most this many pages per rank take the split path (-1: automatic, "
+           "0: fused path only)")
       .add("json", &json, "write the results as JSON to this file");
   switch (flags.parse(argc, argv, 2)) {
     case Flags::Parse::kHelp: return kExitOk;
@@ -383,6 +390,7 @@ int run_bench(int argc, char** argv) {
           }
           if (!bench) {
             bench = std::make_unique<Bench>(pool_mb, dtype, pdl);
+            bench->set_split_pages(split_pages);
             std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s %9s  %s\n", "mode", "heads",
                         "reqs", "context", "Q", "sets", "cache_MB", "us", "GB/s", "floor_us",
                         "grid/stg", "check");
@@ -411,7 +419,8 @@ int run_bench(int argc, char** argv) {
     if (!f) { std::fprintf(stderr, "cannot write %s\n", json.c_str()); return kExitFailed; }
     cudaDeviceProp prop;
     cudaGetDeviceProperties(&prop, 0);
-    std::fprintf(f, "{\"device\": \"%s\", \"dtype\": \"%s\", \"results\": [\n", prop.name, dtype.c_str());
+    std::fprintf(f, "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, \"results\": [\n",
+                 prop.name, dtype.c_str(), static_cast<long long>(split_pages));
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       std::fprintf(f,

@@ -32,6 +32,15 @@ struct DecodeConfig {
   // Launch kernels with programmatic dependent launch: a step's kernels start while the
   // previous kernel in the stream drains, and wait for its results before reading anything.
   bool programmatic_launch = true;
+  // Small steps take the split path: the scoring kernel writes one key per (column, page) to an
+  // L2-resident buffer and a second kernel selects each row's top K (cheaper than the fused
+  // path's per-CTA lists and merge when there is little to stream). Chosen on the device, per
+  // step, by this rank's page count: <= split_max_pages pages take the split path.
+  // kAutoSplit: the library's choice (kDefaultSplitPages); 0: always the fused path. The buffer
+  // costs split_max_pages * 8 * padded(T * max_query_len) bytes.
+  static constexpr int64_t kAutoSplit = -1;
+  static constexpr int64_t kDefaultSplitPages = 16384;  // 2M tokens of context on this rank
+  int64_t split_max_pages = kAutoSplit;
 };
 
 // Launch facts chosen at construction (for reports and benchmarks).
@@ -39,6 +48,7 @@ struct DecodePlan {
   int grid = 0;             // persistent CTAs of the scoring kernel
   int stages = 0;           // key pages in flight per CTA
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
+  int64_t split_max_pages = 0;  // steps with at most this many pages take the split path
   size_t workspace_bytes = 0;
 };
 

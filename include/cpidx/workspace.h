@@ -18,6 +18,8 @@ struct DecodeWorkspaceLayout {
   size_t q_recv = 0;      // [P, max_tokens, L, D] bf16
   size_t keys_send = 0;   // [T, max_tokens, K] keys
   size_t keys_recv = 0;   // [P, T, max_tokens, K] keys
+  size_t split_keys = 0;  // [padded(T * Qmax), split_max_pages] keys (split path)
+  int64_t split_max_pages = 0;  // 0: no split path
   size_t total = 0;       // bytes to allocate
   int64_t num_slots = 0;  // rows of `partial`
 };

@@ -51,6 +51,11 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
   w.q_recv = take(cp ? P * n * L * kHeadDim * 2 : 0);
   w.keys_send = take(cp ? T * n * K * sizeof(Key) : 0);
   w.keys_recv = take(cp ? P * T * n * K * sizeof(Key) : 0);
+  w.split_max_pages = c.split_max_pages == DecodeConfig::kAutoSplit
+                          ? DecodeConfig::kDefaultSplitPages
+                          : c.split_max_pages;
+  const size_t cols = cuda::padded_columns(c.total_heads * c.max_query_len);
+  w.split_keys = take(static_cast<size_t>(w.split_max_pages) * cols * sizeof(Key));
   w.total = align_up(o, 256);
   return w;
 }
@@ -131,8 +136,20 @@ struct Decoder::Impl {
     p.num_slots = layout.num_slots;
     p.arrivals = at<int32_t>(layout.arrivals);
     p.error_flag = at<int32_t>(layout.error_flag);
+    if (layout.split_max_pages > 0) {
+      p.split_keys = at<Key>(layout.split_keys);
+      p.split_max_pages = layout.split_max_pages;
+    }
     p.pdl = cfg.programmatic_launch;
     return p;
+  }
+
+  // Scoring and selection: the scoring kernel, then the split path's selection (which returns
+  // at once when the step took the fused path).
+  Status launch_scoring(const cuda::ScoreTopkParams& p, DType dtype, cudaStream_t stream) const {
+    CPIDX_CUDA_TRY(cuda::launch_score_topk(p, dtype, launch, stream));
+    CPIDX_CUDA_TRY(cuda::launch_select_topk(p, launch, stream));
+    return Status::ok();
   }
 
   // The merge launch alone; callers have validated its arguments.
@@ -205,6 +222,9 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   CPIDX_CHECK(c.max_query_len >= 1 && c.max_query_len <= kMaxQueryLen,
               "max_query_len must be in [1, " << kMaxQueryLen << "], got " << c.max_query_len);
   CPIDX_CHECK(c.world_size <= 8, "world_size must be <= 8, got " << c.world_size);
+  CPIDX_CHECK(c.split_max_pages >= DecodeConfig::kAutoSplit && c.split_max_pages <= (1 << 24),
+              "split_max_pages must be -1 (automatic), 0 (never) or a page count <= 2^24, got "
+                  << c.split_max_pages);
   int count = 0;
   CPIDX_CUDA_TRY(cudaGetDeviceCount(&count));
   CPIDX_CHECK(device >= 0 && device < count,
@@ -216,6 +236,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   Status st = [&]() -> Status {
     CPIDX_CUDA_TRY(cuda::plan_score_topk(c.total_heads * c.max_query_len, c.sel.topk,
                                          c.cache_dtype, c.max_tokens, device, &impl->launch));
+    CPIDX_CUDA_TRY(cuda::plan_select_topk(device, &impl->launch));
     impl->layout = decode_workspace_layout(c, impl->launch.grid);
     CPIDX_CUDA_TRY(cudaMalloc(&impl->workspace, impl->layout.total));
     CPIDX_CUDA_TRY(cudaMemset(impl->workspace, 0, impl->layout.total));
@@ -230,6 +251,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   impl->plan.grid = impl->launch.grid;
   impl->plan.stages = impl->launch.stages;
   impl->plan.smem_bytes = impl->launch.smem_bytes;
+  impl->plan.split_max_pages = impl->layout.split_max_pages;
   impl->plan.workspace_bytes = impl->layout.total;
   out->reset(new Decoder(std::move(impl)));
   return Status::ok();
@@ -261,8 +283,7 @@ Status Decoder::decode(const DecodeInputs& in, const TopkOutput& out,
   p.ids_head_stride = out.head_stride;
   p.ids_row_stride = out.row_stride;
   p.table = Impl::table_args(table);
-  CPIDX_CUDA_TRY(cuda::launch_score_topk(p, in.cache.dtype, impl_->launch, stream));
-  return Status::ok();
+  return impl_->launch_scoring(p, in.cache.dtype, stream);
 }
 
 Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t stream) {
@@ -273,8 +294,7 @@ Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t strea
   cuda::ScoreTopkParams p =
       impl_->score_params(in, impl_->cfg.world_size, impl_->cfg.rank);
   p.keys = keys;
-  CPIDX_CUDA_TRY(cuda::launch_score_topk(p, in.cache.dtype, impl_->launch, stream));
-  return Status::ok();
+  return impl_->launch_scoring(p, in.cache.dtype, stream);
 }
 
 Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const TopkOutput& out,
@@ -346,7 +366,7 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   Key* keys_send = im.at<Key>(im.layout.keys_send);
   Key* keys_recv = im.at<Key>(im.layout.keys_recv);
   p.keys = keys_send;
-  CPIDX_CUDA_TRY(cuda::launch_score_topk(p, local.cache.dtype, im.launch, stream));
+  CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
 
   // 4. Gather the keys; 5. merge the owned heads.
   const size_t k_bytes = static_cast<size_t>(T) * n * im.cfg.sel.topk * sizeof(Key);

@@ -2,6 +2,10 @@
 //  - score_topk: one pass over a rank's shard of the paged index cache; every key page is read
 //    once by the bulk-copy engine and scored on tensor cores against all (head, query-token)
 //    columns of its request; block max, causal mask, forcing and the shard top-K are fused.
+//  - select_topk: the second kernel of the split path (small shapes): score_topk writes one key per
+//    (column, owned block) to an L2-resident buffer instead of selecting, and this kernel picks
+//    each (request, column)'s top K by radix select, one CTA per item. Which path runs is decided
+//    on the device from the step's page count, so one captured graph serves every batch.
 //  - merge_topk: P candidate lists of K keys per (owned head, row) -> final ids (+ sparse table).
 #pragma once
 
@@ -53,6 +57,9 @@ struct ScoreTopkParams {
   int64_t num_slots = 0;
   int32_t* arrivals = nullptr;            // [>= num_reqs], zero between launches
   int32_t* error_flag = nullptr;          // OR of DeviceError bits
+  // Split path: used when the step's owned pages <= split_max_pages (0 with no buffer: never).
+  Key* split_keys = nullptr;              // [ncols_pad][split_max_pages] block keys
+  int64_t split_max_pages = -1;           // -1: the fused path always
   bool pdl = true;                        // programmatic dependent launch
 };
 
@@ -63,6 +70,7 @@ struct ScoreTopkLaunch {
   int max_reqs = 0;       // bound used to size the request prefix in shared memory
   int ncols_pad = 0;      // padded columns (H * Q rounded up to 8) the launch was sized for
   int topk = 0;           // K the layout was sized for
+  int select_grid = 0;    // CTAs of select_topk (split path), fixed at construction
 };
 
 // Chooses the launch (stages, grid, shared memory) for the given maxima and sets the kernel's
@@ -71,6 +79,14 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
                             ScoreTopkLaunch* launch);
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream);
+// Sets l->select_grid and the selection kernel's shared-memory cap (needs l->max_reqs).
+cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l);
+// The split path's selection; launched after every score_topk (it returns at once when the step
+// took the fused path).
+cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& l,
+                               cudaStream_t stream);
+// Columns (heads x query tokens) padded as the kernels lay them out: 8, 16, 32 or 64.
+int padded_columns(int heads_x_q);
 
 struct MergeParams {
   const Key* gathered = nullptr;   // [world, total_heads, n, K]

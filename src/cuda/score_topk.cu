@@ -209,7 +209,10 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   if (blockIdx.x == 0 && err) atomicOr(p.error_flag, err);
   err = 0;
   const int64_t total = s.prefix[B];
-  int64_t g_eff = cdiv(total, kMinPagesPerCta);
+  // Split path (small steps): one key per (column, page) to p.split_keys, selection left to
+  // select_topk; every CTA that has a page takes one. Fused path: at least kMinPagesPerCta.
+  const bool split = total <= p.split_max_pages;
+  int64_t g_eff = split ? total : cdiv(total, kMinPagesPerCta);
   g_eff = g_eff < grid ? g_eff : grid;
   const int64_t start = g_eff ? blockIdx.x * total / g_eff : 0;
   const int64_t end = g_eff ? (blockIdx.x + 1) * total / g_eff : 0;
@@ -221,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   }
 
   // ---- 2. Requests with no owned page: their outputs are all padding. ----------------------
-  for (int r = blockIdx.x; r < B; r += grid) {
+  for (int r = blockIdx.x; !split && r < B; r += grid) {
     if (s.prefix[r + 1] != s.prefix[r]) continue;
     for (int idx = tid; idx < ncols * cap; idx += kConsumerThreads) s.cbuf[idx] = kPadKey;
     consumer_sync();
@@ -328,7 +331,10 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
       for (int w = 1; w < kConsumerWarps; ++w) v = max_num(v, red[w * NT * 8 + col]);
       const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
       const int64_t vis = visible_blocks(pos);
-      if (gblk < vis) {
+      if (split) {
+        const float score = forced_score(p.scale * v, gblk, vis, p.init_blocks, p.local_blocks);
+        p.split_keys[col * p.split_max_pages + x] = gblk < vis ? make_key(score, gblk) : kPadKey;
+      } else if (gblk < vis) {
         const float score = forced_score(p.scale * v, gblk, vis, p.init_blocks, p.local_blocks);
         const Key key = make_key(score, gblk);
         if (key > s.tau[col]) {
@@ -337,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
         }
       }
     }
-    if (x + 1 != s.prefix[r + 1] && x + 1 != end) continue;
+    if (split || (x + 1 != s.prefix[r + 1] && x + 1 != end)) continue;
 
     // ---- 4. End of this CTA's part of request r. ---------------------------------------------
     consumer_sync();
@@ -375,10 +381,17 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   if (err) atomicOr(p.error_flag, err);
 }
 
+// Raises the instance's dynamic shared-memory cap to all the device allows. The cap is per
+// function and process-wide, so it must never depend on one Decoder's layout: a later Decoder
+// with a smaller layout would lower it under an earlier one's launches.
 template <int NT, DType kDType>
-cudaError_t set_smem(size_t bytes) {
+cudaError_t raise_smem_cap(int smem_optin) {
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaFuncGetAttributes(&attr, score_topk_kernel<NT, kDType>);
+  if (e != cudaSuccess) return e;
   return cudaFuncSetAttribute(score_topk_kernel<NT, kDType>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              smem_optin - static_cast<int>(attr.sharedSizeBytes));
 }
 
 template <int NT, DType kDType>
@@ -405,14 +418,14 @@ cudaError_t dispatch(int ncols_pad, DType dtype, F&& f) {
   }
 }
 
-int pad_cols(int ncols) {
-  int nt = (ncols + 7) / 8;
+}  // namespace
+
+int padded_columns(int heads_x_q) {
+  int nt = (heads_x_q + 7) / 8;
   int p2 = 1;
   while (p2 < nt) p2 *= 2;
   return p2 * 8;
 }
-
-}  // namespace
 
 cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_reqs, int device,
                             ScoreTopkLaunch* launch) {
@@ -421,20 +434,22 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   if (e != cudaSuccess) return e;
   e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
-  const int ncols = pad_cols(max_heads_x_q);
+  const int ncols = padded_columns(max_heads_x_q);
   const int page_bytes = kBlockSize * kHeadDim * dtype_bytes(dtype);
   // NOTE: two CTAs per SM keep one CTA streaming while the other selects or merges; each keeps
   // `stages` pages in flight. Take the deepest pipeline that still fits two CTAs, else one.
+  for (int nc = 8; nc <= 64; nc *= 2) {
+    e = dispatch(nc, dtype, [&](auto nt, auto dt) {
+      return raise_smem_cap<decltype(nt)::value, decltype(dt)::value>(smem_optin);
+    });
+    if (e != cudaSuccess) return e;
+  }
   const int grid_guess = 2 * sms;
   for (int ctas = 2; ctas >= 1; --ctas) {
     for (int stages = 6; stages >= 2; --stages) {
       SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs, grid_guess);
       // NOTE: static shared memory (a few hundred bytes) counts against the same opt-in limit.
       if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
-      e = dispatch(ncols, dtype, [&](auto nt, auto dt) {
-        return set_smem<decltype(nt)::value, decltype(dt)::value>(lay.total);
-      });
-      if (e != cudaSuccess) { cudaGetLastError(); continue; }
       int blocks = 0;
       e = dispatch(ncols, dtype, [&](auto nt, auto dt) {
         return occupancy<decltype(nt)::value, decltype(dt)::value>(&blocks, lay.total);
@@ -447,14 +462,6 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
       launch->max_reqs = max_reqs;
       launch->ncols_pad = ncols;
       launch->topk = topk;
-      // Smaller column counts use smaller layouts: raise every instance's limit once, here.
-      for (int nc = 8; nc <= ncols; nc *= 2) {
-        const SmemLayout small(stages, page_bytes, nc, topk, max_reqs, launch->grid);
-        e = dispatch(nc, dtype, [&](auto nt, auto dt) {
-          return set_smem<decltype(nt)::value, decltype(dt)::value>(small.total);
-        });
-        if (e != cudaSuccess) return e;
-      }
       return cudaSuccess;
     }
   }
@@ -463,11 +470,11 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
 
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream) {
-  const int ncols = pad_cols(p.num_heads * p.query_len);
+  const int ncols = padded_columns(p.num_heads * p.query_len);
   if (ncols > l.ncols_pad || p.num_reqs > l.max_reqs || p.topk != l.topk) {
     return cudaErrorInvalidValue;
   }
-  // plan_score_topk raised the shared-memory limit of every instance up to l.ncols_pad.
+  // plan_score_topk raised every instance's shared-memory cap to the device's limit.
   return dispatch(ncols, dtype, [&](auto nt, auto dt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
     constexpr DType DT = decltype(dt)::value;

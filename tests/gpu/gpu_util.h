@@ -78,6 +78,27 @@ struct DeviceBatch {
   std::unique_ptr<DeviceVec<uint8_t>> cache8;
 };
 
+// Which decode path the helpers' Decoders take: the fused path, the split path (scores to L2,
+// then a selection kernel) or the library's automatic choice. Tests run both paths on the same
+// inputs and expect the same ids, bit for bit.
+enum class Path { kAuto, kFused, kSplit };
+constexpr Path kBothPaths[] = {Path::kFused, Path::kSplit};
+inline Path& test_path() {
+  static Path path = Path::kAuto;
+  return path;
+}
+inline const char* path_name(Path p) {
+  return p == Path::kFused ? "fused" : p == Path::kSplit ? "split" : "auto";
+}
+// Sets the path for the helpers while in scope.
+struct UsePath {
+  explicit UsePath(Path p) : prev(test_path()) { test_path() = p; }
+  ~UsePath() { test_path() = prev; }
+  UsePath(const UsePath&) = delete;
+  UsePath& operator=(const UsePath&) = delete;
+  Path prev;
+};
+
 inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selection& sel,
                                       int world = 1, int rank = 0, int max_tokens = 0) {
   cpidx::DecodeConfig c;
@@ -88,6 +109,10 @@ inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selectio
   c.max_seq_len = d.max_seq_len;
   c.sel = sel;
   c.cache_dtype = d.dtype;
+  // Split forced: every test shape (<= 16M tokens of context per step) fits 2^17 pages.
+  c.split_max_pages = test_path() == Path::kFused   ? 0
+                      : test_path() == Path::kSplit ? int64_t{1} << 17
+                                                    : cpidx::DecodeConfig::kAutoSplit;
   return c;
 }
 

@@ -26,15 +26,24 @@ Selection sel_of(int k, int init = 0, int local = 1) {
   return s;
 }
 
+// Both GPU paths against one CPU reference, and against each other bit for bit.
 void expect_matches_reference(const DecodeData& d, const Selection& sel, const char* what) {
-  const std::vector<int32_t> gpu = gpu_decode(d, sel);
   const std::vector<int32_t> cpu = cpu_decode(d, sel);
-  ASSERT_EQ(gpu.size(), cpu.size());
-  for (int32_t v : gpu) ASSERT_NE(v, cpidx_test::kPoison) << what << ": unwritten output";
-  const CompareResult r = compare_ids(d, sel, gpu, cpu);
-  EXPECT_EQ(r.bad_rows, 0) << what << ": " << r.first_bad;
-  // Near ties are rare on random data; a systematic error would show up as many of them.
-  EXPECT_LE(r.near_tie_rows, std::max<int64_t>(2, (r.exact_rows + r.near_tie_rows) / 50)) << what;
+  std::vector<int32_t> fused;
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    SCOPED_TRACE(path_name(path));
+    const std::vector<int32_t> gpu = gpu_decode(d, sel);
+    ASSERT_EQ(gpu.size(), cpu.size());
+    for (int32_t v : gpu) ASSERT_NE(v, cpidx_test::kPoison) << what << ": unwritten output";
+    const CompareResult r = compare_ids(d, sel, gpu, cpu);
+    EXPECT_EQ(r.bad_rows, 0) << what << ": " << r.first_bad;
+    // Near ties are rare on random data; a systematic error would show up as many of them.
+    EXPECT_LE(r.near_tie_rows, std::max<int64_t>(2, (r.exact_rows + r.near_tie_rows) / 50))
+        << what;
+    if (path == Path::kFused) fused = gpu;
+    else EXPECT_EQ(gpu, fused) << what << ": the two paths differ";
+  }
 }
 
 std::vector<int32_t> lengths(std::mt19937& rng, int reqs, int32_t max_len, bool pad) {
@@ -44,6 +53,10 @@ std::vector<int32_t> lengths(std::mt19937& rng, int reqs, int32_t max_len, bool 
   if (pad && reqs > 2) s[1] = 0;
   return s;
 }
+
+// Bodies run once per path by the tests below.
+void graph_replay_follows_new_lengths_and_tables();
+void bad_device_values_are_clamped_and_flagged();
 
 TEST(GpuDecode, RandomShapesMatchReference) {
   SKIP_WITHOUT_GPU();
@@ -86,7 +99,11 @@ TEST(GpuDecode, Fp8CacheMatchesReference) {
   DecodeData t = random_decode(401, 4, 1, lengths(rng, 7, 9000, true), 9000, DType::kFP8E4M3,
                                Values::kTies, 1.0f);
   const Selection sel = sel_of(16, 1, 2);
-  EXPECT_EQ(gpu_decode(t, sel), cpu_decode(t, sel)) << "fp8 ties must match exactly";
+  const std::vector<int32_t> want = cpu_decode(t, sel);
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    EXPECT_EQ(gpu_decode(t, sel), want) << "fp8 ties must match exactly, " << path_name(path);
+  }
 }
 
 TEST(GpuDecode, TieHeavyInputsFollowContractOrder) {
@@ -98,7 +115,11 @@ TEST(GpuDecode, TieHeavyInputsFollowContractOrder) {
       DecodeData d = random_decode(500 + Q * 10 + K, 4, Q, lengths(rng, 6, 12000, true), 12000,
                                    DType::kBF16, Values::kTies, 1.0f);
       const Selection sel = sel_of(K, 1, 2);
-      EXPECT_EQ(gpu_decode(d, sel), cpu_decode(d, sel)) << "Q=" << Q << " K=" << K;
+      const std::vector<int32_t> want = cpu_decode(d, sel);
+      for (Path path : kBothPaths) {
+        UsePath use(path);
+        EXPECT_EQ(gpu_decode(d, sel), want) << "Q=" << Q << " K=" << K << " " << path_name(path);
+      }
     }
   }
 }
@@ -114,15 +135,23 @@ TEST(GpuDecode, ContextParallelSimulatedEqualsPlainBitwise) {
       s[2] = 300;
       DecodeData d = random_decode(600 + P * 10 + Q, 4, Q, s, 50000);
       const Selection sel = sel_of(16);
-      const std::vector<int32_t> plain = gpu_decode(d, sel);
-      EXPECT_EQ(gpu_cp_simulated(d, sel, P), plain) << "P=" << P << " Q=" << Q;
+      const std::vector<int32_t> plain = gpu_decode(d, sel);  // automatic path
+      for (Path path : kBothPaths) {
+        UsePath use(path);
+        EXPECT_EQ(gpu_cp_simulated(d, sel, P), plain)
+            << "P=" << P << " Q=" << Q << " " << path_name(path);
+      }
     }
   }
   // Replicated heads: T=1 at P=4 and T=2 at P=8.
   DecodeData d1 = random_decode(650, 1, 2, lengths(rng, 5, 30000, true), 30000);
-  EXPECT_EQ(gpu_cp_simulated(d1, sel_of(16), 4), gpu_decode(d1, sel_of(16)));
   DecodeData d2 = random_decode(651, 2, 1, lengths(rng, 5, 30000, true), 30000);
-  EXPECT_EQ(gpu_cp_simulated(d2, sel_of(16), 8), gpu_decode(d2, sel_of(16)));
+  const std::vector<int32_t> plain1 = gpu_decode(d1, sel_of(16)), plain2 = gpu_decode(d2, sel_of(16));
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    EXPECT_EQ(gpu_cp_simulated(d1, sel_of(16), 4), plain1) << path_name(path);
+    EXPECT_EQ(gpu_cp_simulated(d2, sel_of(16), 8), plain2) << path_name(path);
+  }
 }
 
 // ---- Golden cases --------------------------------------------------------------------------
@@ -145,10 +174,15 @@ TEST(GpuDecode, GoldenCasesPlainAndContextParallel) {
     for (const auto& head : c["ids"].array)
       for (const auto& row : head.array)
         for (int32_t v : row.ints()) want.push_back(v);
-    EXPECT_EQ(gpu_decode(d, sel), want) << "seed " << c["seed"].number << " plain";
-    for (int P : cpidx_test::valid_worlds(d.total_heads)) {
-      if (P == 1) continue;
-      EXPECT_EQ(gpu_cp_simulated(d, sel, P), want) << "seed " << c["seed"].number << " P=" << P;
+    for (Path path : kBothPaths) {
+      UsePath use(path);
+      EXPECT_EQ(gpu_decode(d, sel), want)
+          << "seed " << c["seed"].number << " plain " << path_name(path);
+      for (int P : cpidx_test::valid_worlds(d.total_heads)) {
+        if (P == 1) continue;
+        EXPECT_EQ(gpu_cp_simulated(d, sel, P), want)
+            << "seed " << c["seed"].number << " P=" << P << " " << path_name(path);
+      }
     }
     ++checked;
   }
@@ -158,6 +192,9 @@ TEST(GpuDecode, GoldenCasesPlainAndContextParallel) {
 // ---- Sparse table ------------------------------------------------------------------------
 TEST(GpuDecode, FusedSparseTableMatchesReference) {
   SKIP_WITHOUT_GPU();
+  for (Path path : kBothPaths) {
+  UsePath use(path);
+  SCOPED_TRACE(path_name(path));
   for (int stride : {8, 16}) {
     for (int Q : {1, 4}) {
       DecodeData d = random_decode(700 + Q + stride, 1, Q, {1, 127, 128, 129, 0, 4097, 300},
@@ -191,11 +228,85 @@ TEST(GpuDecode, FusedSparseTableMatchesReference) {
       EXPECT_EQ(dctx.download(), ctx);
     }
   }
+  }
+}
+
+// Decoders of different geometry live side by side (an engine's registry holds several): creating
+// a small one must not shrink what an earlier, larger one launches with.
+TEST(GpuDecode, DecodersOfDifferentGeometryCoexist) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(31);
+  DecodeData big = random_decode(900, 8, 4, lengths(rng, 6, 9000, true), 9000);
+  DecodeData small = random_decode(901, 1, 1, lengths(rng, 1, 300, false), 300);
+  DeviceBatch b(big);
+  std::unique_ptr<cpidx::Decoder> first, second;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(big, sel_of(64), 1, 0, 64), 0, &first).is_ok());
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(small, sel_of(1)), 0, &second).is_ok());
+  const int64_t n = big.rows();
+  DeviceVec<int32_t> ids(static_cast<size_t>(8 * n * 64));
+  ids.poison();
+  const cpidx::Status st =
+      first->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * 64, 64}, nullptr, nullptr);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(ids.download(), gpu_decode(big, sel_of(64)));
+  EXPECT_EQ(gpu_decode(small, sel_of(1)), cpu_decode(small, sel_of(1)));
 }
 
 // ---- CUDA graphs -----------------------------------------------------------------------------
 TEST(GpuDecode, GraphReplayFollowsNewLengthsAndTables) {
   SKIP_WITHOUT_GPU();
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    SCOPED_TRACE(path_name(path));
+    graph_replay_follows_new_lengths_and_tables();
+  }
+}
+
+TEST(GpuDecode, GraphReplayCrossesBetweenPaths) {
+  SKIP_WITHOUT_GPU();
+  // One captured graph; the step's page count moves across the split threshold (100 pages here)
+  // and back between replays.
+  const int32_t bound = 1 << 14;
+  DecodeData d = random_decode(810, 4, 1, {bound, bound, 5, 0}, bound);
+  const Selection sel = sel_of(16);
+  DeviceBatch b(d);
+  cpidx::DecodeConfig config = config_for(d, sel);
+  config.split_max_pages = 100;
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config, 0, &dec).is_ok());
+  ASSERT_EQ(dec->plan().split_max_pages, 100);
+  const int64_t n = d.rows();
+  DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  ASSERT_TRUE(dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
+                          nullptr, stream).is_ok());
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  // Pages: 257 (fused), 100 (split, at the threshold), 101 (fused), 2 (split), 155 (fused).
+  for (const std::vector<int32_t>& lens :
+       {std::vector<int32_t>{bound, bound, 5, 0}, {99 * 128, 128, 0, 0}, {99 * 128, 129, 0, 0},
+        {7, 0, 0, 1}, {bound, 3000, 3, 0}}) {
+    d.seq_lens = lens;
+    b.seq_lens.upload(d.seq_lens);
+    ids.poison();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<int32_t> got = ids.download();
+    const CompareResult r = compare_ids(d, sel, got, cpu_decode(d, sel));
+    EXPECT_EQ(r.bad_rows, 0) << "lens[0] " << lens[0] << ", lens[1] " << lens[1] << ": "
+                             << r.first_bad;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+void graph_replay_follows_new_lengths_and_tables() {
   const int reqs = 8, Q = 2;
   const int32_t bound = 1 << 17;
   std::mt19937 rng(23);
@@ -240,6 +351,14 @@ TEST(GpuDecode, GraphReplayFollowsNewLengthsAndTables) {
 // ---- Bad device values -------------------------------------------------------------------------
 TEST(GpuDecode, BadDeviceValuesAreClampedAndFlagged) {
   SKIP_WITHOUT_GPU();
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    SCOPED_TRACE(path_name(path));
+    bad_device_values_are_clamped_and_flagged();
+  }
+}
+
+void bad_device_values_are_clamped_and_flagged() {
   DecodeData d = random_decode(900, 4, 1, {5000, 700, 3000}, 4096);
   d.seq_lens = {5000, -7, 3000};  // above the bound, negative
   d.block_table[1] = 1 << 30;     // request 0, block 1: outside the cache

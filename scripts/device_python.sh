@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# scripts/device_python.sh: on the GPU machine, pip-install the package (CUDA build, offline: the
+# image carries nanobind and scikit-build-core) into a scratch folder and run the whole pytest
+# suite there, GPU tests included. With 2+ GPUs also the torchrun example. Logs under $OUT.
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+site=/tmp/cpidx_site
+CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  python3 -m pip install -q --no-build-isolation --no-deps --no-cache-dir --target "$site" . \
+  >"$OUT/pip_install.log" 2>&1 || { tail -40 "$OUT/pip_install.log"; exit 1; }
+# Run from outside the source tree so `import cpidx` is the installed package.
+cd /tmp && PYTHONPATH="$site:$OLDPWD/python/tests" python3 -m pytest -q -p no:cacheprovider \
+  "$OLDPWD/python/tests" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+rc=${PIPESTATUS[0]}
+cd "$OLDPWD"
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [ "$ngpu" -ge 2 ]; then
+  echo "== torchrun --nproc_per_node=2 examples/indexer_layer.py"
+  PYTHONPATH="$site" timeout 180 torchrun --nproc_per_node=2 examples/indexer_layer.py \
+    ${EXAMPLE_ARGS:-} 2>&1 | tee "$OUT/torchrun_example.log" | tail -20
+  rc2=${PIPESTATUS[0]}
+  [ $rc -eq 0 ] && rc=$rc2
+fi
+exit $rc
