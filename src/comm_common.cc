@@ -1,6 +1,5 @@
 // Communicator::check_agree, shared by every host-memory communicator: one all_gather of a
 // long long, then a comparison on each rank (so every rank reaches the same verdict).
-#include <sstream>
 #include <vector>
 
 #include "cpidx/comm.h"
@@ -19,7 +18,7 @@ Status Communicator::check_agree(long long value, const char* what) {
   bool same = true;
   for (long long v : values) same = same && v == values[0];
   if (same) return Status::ok();
-  std::ostringstream os;
+  ::cpidx::detail::Message os;
   os << "ranks disagree on " << name << ": values by rank [";
   for (int i = 0; i < world; ++i) os << (i ? ", " : "") << values[static_cast<size_t>(i)];
   os << "]";

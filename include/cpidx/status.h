@@ -2,7 +2,11 @@
 // never exit); the Python layer turns a bad one into an exception carrying the message.
 #pragma once
 
+#include <charconv>
+#include <cstdint>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace cpidx {
@@ -44,6 +48,51 @@ inline Status unsupported(std::string msg) {
   return Status(StatusCode::kUnsupported, std::move(msg));
 }
 
+namespace detail {
+
+// Error-message text built by appending. Not an ostringstream: numbers are written with
+// std::to_chars, so no locale or iostream facet is touched. (A Python extension built with the
+// GPU machine's toolchain crashed inside ostream's integer insertion while formatting an error.)
+class Message {
+ public:
+  Message& operator<<(std::string_view s) { text_.append(s); return *this; }
+  Message& operator<<(const std::string& s) { text_.append(s); return *this; }
+  Message& operator<<(const char* s) { text_.append(s ? s : "(null)"); return *this; }
+  Message& operator<<(char c) { text_.push_back(c); return *this; }
+  Message& operator<<(bool b) { text_.append(b ? "true" : "false"); return *this; }
+  template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool> &&
+                                             !std::is_same_v<T, char>,
+                                         int> = 0>
+  Message& operator<<(T v) {
+    char buf[24];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+    text_.append(buf, r.ptr);
+    return *this;
+  }
+  template <typename T, std::enable_if_t<std::is_floating_point_v<T>, int> = 0>
+  Message& operator<<(T v) {
+    char buf[40];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), static_cast<double>(v));
+    text_.append(buf, r.ptr);
+    return *this;
+  }
+  template <typename T, std::enable_if_t<std::is_enum_v<T>, int> = 0>
+  Message& operator<<(T v) {
+    return *this << static_cast<std::underlying_type_t<T>>(v);
+  }
+  Message& operator<<(const void* p) {
+    char buf[24];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), reinterpret_cast<uintptr_t>(p), 16);
+    text_.append("0x").append(buf, r.ptr);
+    return *this;
+  }
+  const std::string& str() const { return text_; }
+
+ private:
+  std::string text_;
+};
+
+}  // namespace detail
 }  // namespace cpidx
 
 // Return the Status of `expr` from the enclosing function if it is not ok.
@@ -55,12 +104,11 @@ inline Status unsupported(std::string msg) {
 
 // Check a host precondition; on failure return kInvalidArgument with a streamed message.
 // Usage: CPIDX_CHECK(k >= 1, "topk must be >= 1, got " << k);
-#include <sstream>
 #define CPIDX_CHECK(cond, msg_stream)                                    \
   do {                                                                   \
     if (!(cond)) {                                                       \
-      std::ostringstream cpidx_os_;                                      \
-      cpidx_os_ << msg_stream;                                           \
-      return ::cpidx::invalid_argument(cpidx_os_.str());                 \
+      ::cpidx::detail::Message cpidx_msg_;                               \
+      cpidx_msg_ << msg_stream;                                          \
+      return ::cpidx::invalid_argument(cpidx_msg_.str());                \
     }                                                                    \
   } while (0)

@@ -5,7 +5,6 @@
 
 #include <climits>
 #include <cmath>
-#include <sstream>
 #include <string>
 
 #include "cpidx/contract.h"
@@ -20,7 +19,7 @@ constexpr int kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
 
 template <typename... Args>
 std::string cat(const Args&... args) {
-  std::ostringstream os;
+  ::cpidx::detail::Message os;
   (os << ... << args);
   return os.str();
 }
@@ -55,7 +54,7 @@ std::string dtype_name(dl::dtype t) {
 
 template <typename A>
 std::string shape_str(const A& a) {
-  std::ostringstream os;
+  ::cpidx::detail::Message os;
   os << '[';
   for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
   os << ']';
@@ -312,7 +311,7 @@ Key* key_buffer(const nb::ndarray<>& keys, const char* name, std::initializer_li
     expect_stride *= d;
   }
   if (!ok) {
-    std::ostringstream want;
+    ::cpidx::detail::Message want;
     want << '[';
     for (size_t i = 0; i < dims.size(); ++i) want << (i ? ", " : "") << *(dims.begin() + i);
     want << ']';

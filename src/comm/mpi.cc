@@ -7,7 +7,6 @@
 #include <climits>
 #include <cstdint>
 #include <cstdio>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -31,7 +30,7 @@ Status mpi_check(int rc, const char* call, int rank, int world) {
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) {
     std::snprintf(text, sizeof(text), "MPI error code %d", rc);
   }
-  std::ostringstream os;
+  ::cpidx::detail::Message os;
   os << call << " failed";
   if (rank >= 0) os << " on rank " << rank << " of " << world;
   os << ": " << text;
@@ -90,7 +89,7 @@ class MpiCommunicator final : public Communicator {
       return Status::ok();
     }
     // Every rank saw the same values, so every rank returns the same message.
-    std::ostringstream os;
+    ::cpidx::detail::Message os;
     os << "ranks disagree on " << (what ? what : "a value") << ":";
     constexpr int kShown = 16;
     for (int r = 0; r < world_ && r < kShown; ++r) {

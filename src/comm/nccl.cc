@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,7 +38,7 @@ std::string version_string(int code) {
 
 Status nccl_check(ncclResult_t r, const char* call, ncclComm_t comm, int rank, int world) {
   if (r == ncclSuccess) return Status::ok();
-  std::ostringstream os;
+  ::cpidx::detail::Message os;
   os << call << " failed";
   if (rank >= 0) os << " on rank " << rank << " of " << world;
   os << ": " << ncclGetErrorString(r);
@@ -50,7 +49,7 @@ Status nccl_check(ncclResult_t r, const char* call, ncclComm_t comm, int rank, i
 
 Status cuda_check(cudaError_t e, const char* call) {
   if (e == cudaSuccess) return Status::ok();
-  std::ostringstream os;
+  ::cpidx::detail::Message os;
   os << call << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
   return Status(StatusCode::kCudaError, os.str());
 }

@@ -4,7 +4,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <sstream>
 #include <string>
 
 #include "cpidx/indexer.h"
@@ -18,7 +17,7 @@ namespace {
 
 Status cuda_status(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::ok();
-  std::ostringstream os;
+  ::cpidx::detail::Message os;
   os << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
   return Status(StatusCode::kCudaError, os.str());
 }

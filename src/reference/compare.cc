@@ -3,13 +3,53 @@
 // scores are computed only once a row differs, so identical outputs cost one pass over the ids.
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 #include <vector>
 
 #include "cpidx/reference.h"
+#include "reference/internal.h"
 
 namespace cpidx {
 namespace ref {
+
+namespace detail {
+
+bool ids_row_acceptable(const int32_t* got, const int32_t* want, int k, int64_t visible,
+                        const std::function<float(int32_t)>& forced) {
+  const int64_t count = std::min<int64_t>(k, visible);
+  bool ok = true;
+  std::vector<bool> seen(static_cast<size_t>(std::max<int64_t>(visible, 1)), false);
+  for (int i = 0; i < k && ok; ++i) {
+    if (i >= count) {
+      ok = got[i] == -1 && want[i] == -1;
+    } else if (got[i] < 0 || got[i] >= visible || want[i] < 0 || want[i] >= visible ||
+               seen[static_cast<size_t>(got[i])]) {
+      ok = false;
+    } else {
+      seen[static_cast<size_t>(got[i])] = true;
+    }
+  }
+  if (ok && count > 0) {
+    const float kth = forced(want[count - 1]);
+    const float tol = 1e-3f * std::max(1.0f, std::fabs(kth));
+    for (int i = 0; i < count && ok; ++i) {
+      if (got[i] != want[i]) ok = std::fabs(forced(got[i]) - forced(want[i])) <= tol;
+    }
+  }
+  return ok;
+}
+
+void describe_bad_row(int head, int64_t row, const int32_t* got, const int32_t* want, int k,
+                      IdsComparison* res) {
+  if (res->bad_rows++ != 0) return;
+  ::cpidx::detail::Message os;  // (not string operator+: GCC 12 warns falsely, -Wrestrict)
+  os << "head " << head << ", row " << row << ": got";
+  for (int i = 0; i < k; ++i) os << ' ' << got[i];
+  os << " | want";
+  for (int i = 0; i < k; ++i) os << ' ' << want[i];
+  res->first_bad = os.str();
+}
+
+}  // namespace detail
 
 IdsComparison compare_ids(const DecodeInputs& in, const Selection& sel, const TopkOutput& got,
                           const TopkOutput& want) {
@@ -39,35 +79,11 @@ IdsComparison compare_ids(const DecodeInputs& in, const Selection& sel, const To
         return forced_score(scores[static_cast<size_t>((h * n + row) * W + b)], b, V,
                             sel.init_blocks, sel.local_blocks);
       };
-      const int64_t count = std::min<int64_t>(K, V);
-      bool ok = true;
-      std::vector<bool> seen(static_cast<size_t>(std::max<int64_t>(V, 1)), false);
-      for (int i = 0; i < K && ok; ++i) {
-        if (i >= count) {
-          ok = g[i] == -1 && c[i] == -1;
-        } else if (g[i] < 0 || g[i] >= V || c[i] < 0 || c[i] >= V ||
-                   seen[static_cast<size_t>(g[i])]) {
-          ok = false;
-        } else {
-          seen[static_cast<size_t>(g[i])] = true;
-        }
-      }
-      if (ok && count > 0) {
-        const float kth = forced(c[count - 1]);
-        const float tol = 1e-3f * std::max(1.0f, std::fabs(kth));
-        for (int i = 0; i < count && ok; ++i) {
-          if (g[i] != c[i]) ok = std::fabs(forced(g[i]) - forced(c[i])) <= tol;
-        }
-      }
+      const bool ok = detail::ids_row_acceptable(g, c, K, V, forced);
       if (ok) {
         ++res.near_tie_rows;
-      } else if (res.bad_rows++ == 0) {
-        std::ostringstream os;  // (not string operator+: GCC 12 warns falsely, -Wrestrict)
-        os << "head " << h << ", row " << row << ": got";
-        for (int i = 0; i < K; ++i) os << ' ' << g[i];
-        os << " | want";
-        for (int i = 0; i < K; ++i) os << ' ' << c[i];
-        res.first_bad = os.str();
+      } else {
+        detail::describe_bad_row(h, row, g, c, K, &res);
       }
     }
   }
