@@ -16,7 +16,7 @@ targets=(cpidx_tool cpidx_gpu_tests)
 cmake --build build-device -j"$(nproc)" --target "${targets[@]}" >"$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  ./build-device/tests/cpidx_gpu_tests --gtest_output=json:"$OUT/gpu_tests.json" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|error" | head -80
+  ./build-device/tests/cpidx_gpu_tests ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} --gtest_output=json:"$OUT/gpu_tests.json" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|error" | head -80
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -1,26 +1,62 @@
 #!/usr/bin/env bash
-# scripts/device_multi.sh: one call on the 2-GPU machine: build, single-GPU tests, multi-GPU tests
-# (threads and MPI), the whole-step benchmark on both GPUs and a single-GPU bench subset.
-# Logs and JSON under $OUT. Each stage is time-boxed so the call fits the device budget.
+# scripts/device_multi.sh: one call on the 2-GPU machine: build, the multi-GPU tests (one process
+# with a thread per GPU, then mpirun -np 2: NCCL and the peer communicator), the whole-step
+# benchmark with both exchanges, and the 2-GPU soak with each exchange (issue #7). Every stage is
+# time-boxed against one deadline (DEADLINE seconds, default 500) so the call fits the device
+# budget; at most 9 files land under $OUT. WITH_SINGLE=1 also runs the single-GPU suite first.
+# Knobs: STEP_REQS, STEP_CTX (bench shapes), SOAK_STEPS (default 100000 per exchange).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-EXTRA_TARGETS="cpidx_multigpu_tests cpidx_multigpu_mpi_tests" timeout 300 scripts/device.sh tests
-rc=$?
-echo "== multi-GPU tests (one process, a thread per GPU)"
-timeout 240 build-device/tests/cpidx_multigpu_tests --gtest_output=json:"$OUT/multigpu_tests.json" \
-  > "$OUT/multigpu_tests.log" 2>&1; m=$?
-grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure" "$OUT/multigpu_tests.log" | head -40; echo "multigpu rc=$m"
-echo "== multi-GPU tests under MPI"
-timeout 120 mpirun -np 2 --oversubscribe -x NCCL_NVLS_ENABLE=0 build-device/tests/cpidx_multigpu_mpi_tests \
-  > "$OUT/multigpu_mpi.log" 2>&1; mm=$?
-tail -5 "$OUT/multigpu_mpi.log"; echo "mpi rc=$mm"
-echo "== whole step on 2 GPUs"
-timeout 150 build-device/cpidx bench --modes step2 --reqs ${STEP_REQS:-1,8,64} --contexts ${STEP_CTX:-8K,1M} \
-  --qlens 1 --json "$OUT/step2.json" 2>&1 | tee "$OUT/step2.log"
-echo "== single-GPU subset"
-timeout 120 build-device/cpidx bench --modes plain4,plain1,cp4 --reqs 1,8 --contexts 8K,64K,256K,1M \
-  --qlens 1,4 --pool-mb 2048 --json "$OUT/bench_subset.json" 2>&1 | tee "$OUT/bench_subset.log"
-[ $rc -eq 0 ] && [ $m -eq 0 ] && [ $mm -eq 0 ]
+DEADLINE=${DEADLINE:-500}
+# Seconds left for a stage: its own cap, or what remains before the deadline (at least 10).
+box() { local left=$((DEADLINE - SECONDS)); [ "$left" -lt "$1" ] && echo $((left > 10 ? left : 10)) || echo "$1"; }
+
+{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv; nvidia-smi topo -m; } \
+  > "$OUT/machine.txt" 2>&1
+gtest_src=()
+[ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
+targets=(cpidx_tool cpidx_multigpu_tests cpidx_multigpu_mpi_tests)
+[ "${WITH_SINGLE:-0}" = 1 ] && targets+=(cpidx_gpu_tests)
+echo "== build (${targets[*]})"
+{ cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" &&
+  timeout "$(box 300)" cmake --build build-device -j"$(nproc)" --target "${targets[@]}"; } \
+  > "$OUT/build.log" 2>&1 || { grep -E "error|Error" -A3 "$OUT/build.log" | head -60; exit 1; }
+echo "build done at ${SECONDS}s"
+
+rc=0
+if [ "${WITH_SINGLE:-0}" = 1 ]; then
+  echo "== single-GPU tests"
+  timeout "$(box 240)" build-device/tests/cpidx_gpu_tests > "$OUT/gpu_tests.log" 2>&1 || rc=1
+  grep -E "^\[  (FAILED|PASSED|SKIPPED)|Failure" "$OUT/gpu_tests.log" | head -30
+fi
+
+echo "== multi-GPU tests (one process, a thread per GPU; NCCL and peer)"
+timeout "$(box 200)" build-device/tests/cpidx_multigpu_tests > "$OUT/multigpu_tests.log" 2>&1; m=$?
+grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure" "$OUT/multigpu_tests.log" | head -60; echo "multigpu rc=$m (${SECONDS}s)"
+
+echo "== multi-GPU tests under MPI (one process per GPU; NCCL and peer over CUDA IPC)"
+timeout "$(box 150)" mpirun -np 2 --oversubscribe -x NCCL_NVLS_ENABLE=0 \
+  build-device/tests/cpidx_multigpu_mpi_tests > "$OUT/multigpu_mpi.log" 2>&1; mm=$?
+grep -E "^\[  (FAILED|PASSED)|OK \]|Failure|rank [0-9]\]" "$OUT/multigpu_mpi.log" | head -40
+tail -2 "$OUT/multigpu_mpi.log"; echo "mpi rc=$mm (${SECONDS}s)"
+
+echo "== whole step on 2 GPUs, NCCL and peer exchanges"
+timeout "$(box 150)" build-device/cpidx bench --modes step2 --exchange both \
+  --reqs "${STEP_REQS:-1,8,64}" --contexts "${STEP_CTX:-8K,128K}" --qlens 1 \
+  --json "$OUT/step2.json" > "$OUT/step2.log" 2>&1; b=$?
+cat "$OUT/step2.log"; echo "step2 rc=$b (${SECONDS}s)"
+
+echo "== soak: ${SOAK_STEPS:-100000} steps per exchange (T=4, Q 1..2, up to 8 x 16K)"
+s=0
+for ex in peer nccl; do
+  timeout "$(box 150)" build-device/cpidx soak --exchange $ex --steps "${SOAK_STEPS:-100000}" \
+    --json "$OUT/soak_$ex.json" >> "$OUT/soak.log" 2>&1; r=$?
+  [ $r -eq 124 ] && echo "soak $ex: killed by the time box (see soak.log)" >> "$OUT/soak.log"
+  echo "soak $ex rc=$r (${SECONDS}s)"; [ $r -ne 0 ] && s=1
+done
+grep -E '"status"' "$OUT/soak.log" | cut -c1-400
+
+[ $rc -eq 0 ] && [ $m -eq 0 ] && [ $mm -eq 0 ] && [ $b -eq 0 ] && [ $s -eq 0 ]

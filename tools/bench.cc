@@ -27,6 +27,9 @@ namespace cpidx::tools {
 
 #if !defined(CPIDX_WITH_CUDA)
 int run_bench(int argc, char** argv) {
+  for (int i = 2; i < argc; ++i) {  // the prefill benchmark has its own flags
+    if (std::string(argv[i]) == "--prefill") return run_prefill_bench(argc, argv);
+  }
   Flags flags("cpidx bench [flags]", "GPU decode benchmark; needs a CUDA build.");
   if (flags.parse(argc, argv, 2) == Flags::Parse::kHelp) return kExitOk;
   std::fprintf(stderr, "cpidx bench: this build has no CUDA; `cpidx demo` runs on the CPU.\n");
@@ -311,18 +314,23 @@ std::vector<int64_t> parse_list(const std::string& text) {
 }  // namespace
 
 int run_bench(int argc, char** argv) {
+  for (int i = 2; i < argc; ++i) {  // the prefill benchmark has its own flags
+    if (std::string(argv[i]) == "--prefill") return run_prefill_bench(argc, argv);
+  }
   std::string modes = "plain1,plain4,cp2,cp4", reqs = "1,8,64", contexts = "8K,64K,256K,1M",
-              qlens = "1,4", json, dtype = "bf16";
+              qlens = "1,4", json, dtype = "bf16", exchange = "both";
   int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit;
   bool pdl = true;
   Flags flags("cpidx bench [flags]",
               "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
               "cpP = context-parallel rank work at P ranks (all 4 heads on a 1/P shard + merge);\n"
-              "stepP = the whole context-parallel step on P real GPUs (NCCL inside one CUDA graph\n"
-              "per GPU, both exchanges included; one thread per GPU), with the two exchanges alone\n"
-              "(xchg_us) and the shard floor (cache bytes / P / 4.5 TB/s) beside it.\n"
+              "stepP = the whole context-parallel step on P real GPUs (one CUDA graph per GPU, both\n"
+              "exchanges included; one thread per GPU), with the two exchanges alone (xchg_us) and\n"
+              "the shard floor (cache bytes / P / 4.5 TB/s) beside it; --exchange picks NCCL, the\n"
+              "peer communicator (one-shot LL stores over peer access) or both (one row each).\n"
               "Each shape: calls over input sets rotated past the L2, captured in one CUDA graph;\n"
-              "median replay / calls. GB/s counts index-cache bytes read by the rank.");
+              "median replay / calls. GB/s counts index-cache bytes read by the rank.\n"
+              "`cpidx bench --prefill --help`: the prefill benchmark.");
   flags.add("modes", &modes, "comma list of plainH / cpP / stepP")
       .add("reqs", &reqs, "comma list of batch sizes (requests)")
       .add("contexts", &contexts, "comma list of context lengths (K/M suffixes)")
@@ -331,6 +339,7 @@ int run_bench(int argc, char** argv) {
       .add("replays", &replays, "timed graph replays per shape")
       .add("pool-mb", &pool_mb, "MiB of random key pages to draw from")
       .add("pdl", &pdl, "launch with programmatic dependent launch")
+      .add("exchange", &exchange, "stepP exchanges: NCCL, peer stores, or both", {"nccl", "peer", "both"})
       .add("split-pages", &split_pages,
            "steps with at most this many pages per rank take the split path (-1: automatic, "
            "0: fused path only)")
@@ -364,28 +373,32 @@ int run_bench(int argc, char** argv) {
       for (int64_t b : parse_list(reqs)) {
         for (int64_t c : parse_list(contexts)) {
           if (m.rfind("step", 0) == 0) {
-            StepShape ss;
-            ss.world = std::stoi(m.substr(4));
-            ss.reqs = static_cast<int>(b);
-            ss.context = c;
-            ss.qlen = static_cast<int>(q);
-            if (!step_bench) {
-              step_bench = std::make_unique<StepBench>(pool_mb, dtype, pdl);
-              std::printf("# %s: whole step on %d GPUs (us) vs the shard floor; xchg_us = the two "
-                          "all-gathers alone\n# %s\n",
-                          m.c_str(), ss.world, StepBench::environment().c_str());
-              std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s %9s %9s  %s\n", "mode",
-                          "ranks", "reqs", "context", "Q", "calls", "cache_MB", "us", "floor_us",
-                          "floor+10", "xchg_us", "GB/s", "check");
+            for (const char* ex : {"nccl", "peer"}) {
+              if (exchange != "both" && exchange != ex) continue;
+              StepShape ss;
+              ss.world = std::stoi(m.substr(4));
+              ss.reqs = static_cast<int>(b);
+              ss.context = c;
+              ss.qlen = static_cast<int>(q);
+              ss.exchange = ex;
+              if (!step_bench) {
+                step_bench = std::make_unique<StepBench>(pool_mb, dtype, pdl);
+                std::printf("# %s: whole step on %d GPUs (us) vs the shard floor; xchg_us = the two "
+                            "all-gathers alone; exch = NCCL or peer stores\n# %s\n",
+                            m.c_str(), ss.world, StepBench::environment().c_str());
+                std::printf("%-7s %5s %4s %4s %8s %3s %6s %10s %9s %9s %9s %9s %9s  %s\n", "mode",
+                            "exch", "ranks", "reqs", "context", "Q", "calls", "cache_MB", "us",
+                            "floor_us", "floor+10", "xchg_us", "GB/s", "check");
+              }
+              StepResult r = step_bench->run(ss, static_cast<int>(replays));
+              all_ok = all_ok && r.check == "ok";
+              std::printf("%-7s %5s %4d %4d %8lld %3d %6d %10.1f %9.1f %9.1f %9.1f %9.2f %9.0f  %s\n",
+                          m.c_str(), ex, ss.world, ss.reqs, static_cast<long long>(ss.context),
+                          ss.qlen, r.calls, r.cache_mb, r.us, r.floor_us, r.floor_us + 10,
+                          r.exchange_us, r.gbps, r.check.c_str());
+              std::fflush(stdout);
+              step_results.emplace_back(ss, r);
             }
-            StepResult r = step_bench->run(ss, static_cast<int>(replays));
-            all_ok = all_ok && r.check == "ok";
-            std::printf("%-7s %5d %4d %8lld %3d %6d %10.1f %9.1f %9.1f %9.1f %9.2f %9.0f  %s\n",
-                        m.c_str(), ss.world, ss.reqs, static_cast<long long>(ss.context), ss.qlen,
-                        r.calls, r.cache_mb, r.us, r.floor_us, r.floor_us + 10, r.exchange_us,
-                        r.gbps, r.check.c_str());
-            std::fflush(stdout);
-            step_results.emplace_back(ss, r);
             continue;
           }
           if (!bench) {
@@ -435,11 +448,11 @@ int run_bench(int argc, char** argv) {
     for (size_t i = 0; i < step_results.size(); ++i) {
       const auto& [ss, r] = step_results[i];
       std::fprintf(f,
-                   "  {\"mode\": \"step\", \"world\": %d, \"reqs\": %d, \"context\": %lld, "
+                   "  {\"mode\": \"step\", \"exchange\": \"%s\", \"world\": %d, \"reqs\": %d, \"context\": %lld, "
                    "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, "
                    "\"us\": %.3f, \"floor_us\": %.3f, \"exchange_us\": %.3f, \"gbps\": %.1f, "
                    "\"q_bytes\": %lld, \"k_bytes\": %lld, \"check\": \"%s\"}%s\n",
-                   ss.world, ss.reqs, static_cast<long long>(ss.context), ss.qlen, r.sets,
+                   ss.exchange.c_str(), ss.world, ss.reqs, static_cast<long long>(ss.context), ss.qlen, r.sets,
                    r.calls, r.cache_mb, r.us, r.floor_us, r.exchange_us, r.gbps,
                    static_cast<long long>(r.q_bytes), static_cast<long long>(r.k_bytes),
                    r.check.c_str(), i + 1 < step_results.size() ? "," : "");

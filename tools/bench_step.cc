@@ -2,7 +2,9 @@
 // shape, each GPU's thread captures S back-to-back cp_decode calls (input sets rotated past the
 // L2) in one CUDA graph; all graphs are launched together and timed with events on GPU 0 that
 // wait for the other GPUs (EXCHANGE_H200x2.md's method); median replay / S. The same for the two
-// all-gathers alone. Set 0 is checked bitwise against the plain decode on GPU 0.
+// all-gathers alone. Set 0 is checked bitwise against the plain decode on GPU 0. The exchanges
+// run through NCCL (make_nccl_communicators_single_process) or the peer communicator
+// (make_peer_communicator over thread communicators, sized for the shape's larger gather).
 #include "bench_step.h"
 
 #include <cstdlib>
@@ -21,6 +23,9 @@
 #include "cpidx/comm_nccl.h"
 #include "cpidx/indexer.h"
 #include "random_bits.h"
+#if defined(CPIDX_WITH_PEER)
+#include "cpidx/comm_peer.h"
+#endif
 #endif
 
 namespace cpidx::tools {
@@ -121,9 +126,15 @@ struct StepBench::Impl {
   int64_t page_bytes = 0, pool_pages = 0;
   std::vector<uint16_t> h_pool;  // the same random pages on every GPU
   std::vector<void*> pools;      // [device], uploaded by that device's thread on first use
-  std::map<int, std::vector<std::unique_ptr<Communicator>>> comms;  // by world size
+  std::map<int, std::vector<std::unique_ptr<Communicator>>> comms;  // NCCL, by world size
+  // Peer communicators by world size, over thread communicators (their bootstrap, kept alive
+  // longer), and the payload bound they were made for.
+  std::map<int, std::vector<std::unique_ptr<Communicator>>> peer_boot, peers;
+  std::map<int, size_t> peer_max;
 
   ~Impl() {
+    peers.clear();
+    peer_boot.clear();
     comms.clear();
     for (size_t d = 0; d < pools.size(); ++d) {
       if (pools[d] == nullptr) continue;
@@ -411,17 +422,57 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
     fill_random_bf16(h.query, rng());
   }
 
-  auto& comms = im.comms[P];
-  if (comms.empty()) {
+  auto& nccl = im.comms[P];
+  if (nccl.empty() && sh.exchange != "peer") {
     std::vector<int> devices;
     for (int r = 0; r < P; ++r) devices.push_back(r);
     Status st;
-    comms = make_nccl_communicators_single_process(devices, &st);
+    nccl = make_nccl_communicators_single_process(devices, &st);
     if (!st.is_ok()) {
       res.check = "NCCL: " + st.message();
       return res;
     }
   }
+  std::vector<std::unique_ptr<Communicator>>* comms_of_shape = &nccl;
+  if (sh.exchange == "peer") {
+#if defined(CPIDX_WITH_PEER)
+    Geometry g;
+    if (Status st = make_geometry(kHeads, P, 0, &g); !st.is_ok()) {
+      res.check = st.message();
+      return res;
+    }
+    const size_t need = std::max<size_t>(static_cast<size_t>(n) * g.local_heads * kHeadDim * 2,
+                                         static_cast<size_t>(kHeads) * n * kTopk * sizeof(Key));
+    auto& peers = im.peers[P];
+    if (peers.empty() || im.peer_max[P] < need) {
+      peers.clear();  // every rank's old one goes before the new ones are made
+      auto& boot = im.peer_boot[P];
+      if (boot.empty()) boot = make_thread_communicators(P);
+      peers.resize(static_cast<size_t>(P));
+      std::vector<Status> st(static_cast<size_t>(P));
+      const size_t bound = std::max<size_t>(need, 64 << 10);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < P; ++r) {
+        threads.emplace_back([&, r] {
+          peers[static_cast<size_t>(r)] =
+              make_peer_communicator(*boot[static_cast<size_t>(r)], r, bound, &st[static_cast<size_t>(r)]);
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      if (!st[0].is_ok()) {
+        peers.clear();
+        res.check = "peer: " + st[0].message();
+        return res;
+      }
+      im.peer_max[P] = bound;
+    }
+    comms_of_shape = &peers;
+#else
+    res.check = "this build has no peer communicator";
+    return res;
+#endif
+  }
+  auto& comms = *comms_of_shape;
 
   std::vector<RankState> ranks(static_cast<size_t>(P));
   {

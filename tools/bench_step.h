@@ -1,6 +1,7 @@
 // tools/bench_step.h: `cpidx bench --modes stepP`: the whole context-parallel step on P real GPUs
-// (one host thread per GPU, NCCL inside one CUDA graph per GPU, both exchanges included), and the
-// exchange alone (two all-gathers of the step's payload sizes), timed across all the GPUs.
+// (one host thread per GPU, inside one CUDA graph per GPU, both exchanges included), and the
+// exchange alone (two all-gathers of the step's payload sizes), timed across all the GPUs. The
+// exchanges go through NCCL or the peer communicator (cpidx/comm_peer.h).
 #pragma once
 
 #include <cstdint>
@@ -14,6 +15,7 @@ struct StepShape {
   int reqs = 1;
   int64_t context = 8192;
   int qlen = 1;
+  std::string exchange = "nccl";  // "nccl" or "peer"
 };
 
 struct StepResult {

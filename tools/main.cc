@@ -17,6 +17,8 @@ constexpr Subcommand kSubcommands[] = {
     {"demo", "one synthetic decode step: context-parallel vs plain selection, per-rank report",
      cpidx::tools::run_demo},
     {"bench", "GPU benchmark sweep (needs a CUDA build and a GPU)", cpidx::tools::run_bench},
+    {"soak", "2-GPU soak: the context-parallel step replayed in CUDA graphs, checked as it runs",
+     cpidx::tools::run_soak},
 };
 
 void print_usage(std::FILE* out) {

@@ -7,6 +7,8 @@ namespace cpidx::tools {
 
 int run_demo(int argc, char** argv);   // demo.cc
 int run_bench(int argc, char** argv);  // bench.cc
+int run_prefill_bench(int argc, char** argv);  // bench_prefill.cc: `cpidx bench --prefill`
+int run_soak(int argc, char** argv);   // soak.cc
 
 // HOOK(GPU path): true when this build has the CUDA kernels and a usable GPU (gpu.cc).
 bool gpu_available();

@@ -89,6 +89,11 @@ struct IdsComparison {
 };
 IdsComparison compare_ids(const DecodeInputs& in, const Selection& sel, const TopkOutput& got,
                           const TopkOutput& want);
+// The same rule for prefill ids ([num_heads][num_tokens][K]), positions clamped as
+// prefill_topk clamps them. Differing rows are re-scored one at a time; after 16 bad rows the
+// rest are counted without scoring (a systematic error would otherwise cost a full reference).
+IdsComparison compare_ids(const PrefillInputs& in, const Selection& sel, const TopkOutput& got,
+                          const TopkOutput& want);
 
 }  // namespace ref
 }  // namespace cpidx

@@ -8,6 +8,7 @@
 
 #include "cpidx/contract.h"
 #include "cpidx/params.h"
+#include "cpidx/reference.h"
 #include "cpidx/status.h"
 
 namespace cpidx {
@@ -55,6 +56,15 @@ Status check_selection(const Selection& sel);
 // before any output is written. Includes validate(table, 1) and requires it enabled.
 Status check_table_args(const SparseTableOutput& table, int num_reqs, int query_len,
                         int32_t max_seq_len, int topk);
+
+// compare_ids' acceptance rule for one row (CONTRACT.md section 4): ids exact, or distinct and
+// visible with -1 after min(K, V), every differing position within 1e-3 relative of the K-th
+// forced score; forced(b) gives block b's forced score. describe_bad_row counts a failing row
+// and records the first one in res->first_bad.
+bool ids_row_acceptable(const int32_t* got, const int32_t* want, int k, int64_t visible,
+                        const std::function<float(int32_t)>& forced);
+void describe_bad_row(int head, int64_t row, const int32_t* got, const int32_t* want, int k,
+                      IdsComparison* res);
 
 }  // namespace detail
 }  // namespace ref

@@ -2,7 +2,10 @@
 // NCCL unique id is broadcast with MPI and the MPI communicator is the host channel. Each rank
 // checks its owned heads against the plain decode on its own GPU, bitwise: random batches,
 // replicated heads, golden cases, a CUDA graph replayed 1000 times with changing inputs, and a
-// disagreeing batch size (kCommError on every rank, no hang). Skips with fewer GPUs than ranks.
+// disagreeing batch size (kCommError on every rank, no hang). The same through the peer
+// communicator (cpidx/comm_peer.h, IPC-mapped buffers, MPI as bootstrap): its gathers equal
+// NCCL's bytes, 1000 back-to-back gathers in one graph, mixed sizes, cp_decode eager and in 1000
+// graph replays. Skips with fewer GPUs than ranks.
 //
 // Rule: no ASSERT or early return before a collective (see multigpu_util.h).
 #include <gtest/gtest.h>
@@ -14,6 +17,8 @@
 
 #include "cpidx/comm_mpi.h"
 #include "cpidx/comm_nccl.h"
+#include "cpidx/comm_peer.h"
+#include "gather_util.h"
 #include "json_lite.h"
 #include "multigpu_util.h"
 
@@ -29,7 +34,11 @@ struct World {
   Status status;
   std::unique_ptr<Communicator> mpi;   // host channel
   std::unique_ptr<Communicator> nccl;  // device communicator
+  Status peer_status;
+  std::unique_ptr<Communicator> peer;  // peer communicator, bootstrapped over `mpi`
 };
+
+constexpr size_t kPeerMaxBytes = 256 << 10;
 
 World& world() {
   static World w;
@@ -57,9 +66,11 @@ void set_up_world() {
   if (!id_status.is_ok()) {
     w.status = id_status;
     w.mpi->check_agree(-1, "NCCL communicator world size (-1: a rank refused its arguments)");
-    return;
+  } else {
+    w.nccl = cpidx::make_nccl_communicator(id, w.size, w.rank, w.device, &w.status, w.mpi.get());
   }
-  w.nccl = cpidx::make_nccl_communicator(id, w.size, w.rank, w.device, &w.status, w.mpi.get());
+  // Collective over MPI; every rank with an MPI communicator gets here.
+  w.peer = cpidx::make_peer_communicator(*w.mpi, w.device, kPeerMaxBytes, &w.peer_status);
 }
 
 class MpiNccl : public ::testing::Test {
@@ -168,6 +179,105 @@ TEST_F(MpiNccl, DisagreeingBatchSizeFailsBeforeAnyCollective) {
   expect_cp_equals_plain(d, sel, "after the refused step");
 }
 
+class MpiPeer : public MpiNccl {
+ protected:
+  void SetUp() override {
+    MpiNccl::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    ASSERT_TRUE(world().peer_status.is_ok()) << world().peer_status.to_string();
+    ASSERT_TRUE(world().peer != nullptr);
+  }
+  static Communicator& peer() { return *world().peer; }
+  static void expect_error_word_clear(const std::string& what) {
+    int32_t word = -1;
+    DeviceScope scope(device());
+    ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(peer()), 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(word, 0) << what << ": peer error word";
+  }
+};
+
+TEST_F(MpiPeer, GatherEqualsNccl) {
+  EXPECT_EQ(peer().rank(), world().rank);
+  EXPECT_EQ(peer().memory_space(), cpidx::MemorySpace::kDevice);
+  EXPECT_TRUE(peer().check_agree(5, "five").is_ok());  // forwarded to MPI
+  DeviceScope scope(device());
+  for (size_t bytes : {size_t{1}, size_t{7}, size_t{8}, size_t{1001}, size_t{2048}, size_t{16391},
+                       size_t{65536}, size_t{65544}, size_t{131079}, size_t{262144}}) {
+    const uint64_t seed = 8000 + bytes;
+    const std::vector<uint8_t> mine = rank_payload(seed, world().rank, bytes);
+    const GatherOut nccl = gather_once(comm(), mine, false);
+    const GatherOut out = gather_once(peer(), mine, false);
+    const GatherOut in_place = gather_once(peer(), mine, true);
+    const GatherOut odd = gather_once(peer(), mine, false, 5, 1);
+    std::vector<uint8_t> want;
+    for (int q = 0; q < world().size; ++q) {
+      const std::vector<uint8_t> p = rank_payload(seed, q, bytes);
+      want.insert(want.end(), p.begin(), p.end());
+    }
+    const std::string what = std::to_string(bytes) + " B";
+    EXPECT_TRUE(nccl.status.is_ok()) << what << ": " << nccl.status.to_string();
+    EXPECT_EQ(first_difference(nccl.got, want, bytes), "") << what << " (NCCL)";
+    for (const GatherOut* g : {&out, &in_place, &odd}) {
+      EXPECT_TRUE(g->status.is_ok()) << what << ": " << g->status.to_string();
+      EXPECT_EQ(first_difference(g->got, nccl.got, bytes), "") << what << ": peer != NCCL";
+      EXPECT_TRUE(g->guards_ok) << what << ": wrote outside recv";
+    }
+  }
+  expect_error_word_clear("sizes");
+}
+
+TEST_F(MpiPeer, Graph1000BackToBackGathersAndMixedSizes) {
+  DeviceScope scope(device());
+  for (size_t bytes : {size_t{1001}, size_t{24} << 10}) {
+    EXPECT_EQ(chain_of_gathers(peer(), bytes, 1000, 2, 9100 + bytes), "") << bytes << " B";
+  }
+  EXPECT_EQ(mixed_gathers(peer(), {512, 40968, 100003, 4096, 7}, 600, 1, 4242), "");
+  expect_error_word_clear("graphs");
+}
+
+TEST_F(MpiPeer, CpDecodeEqualsPlainBitwise) {
+  std::mt19937 rng(71);
+  int seed = 2500;
+  for (int Q : {1, 4}) {
+    std::vector<int32_t> s = lengths(rng, 6, 100000, true);
+    s[0] = 1;
+    DecodeData d = random_decode(seed++, 4, Q, s, 100000);
+    const Selection sel = sel_of(16);
+    const RankResult res = cp_rank(peer(), device(), d, sel);
+    expect_rank_matches(res, plain_decode_on(device(), d, sel), d.rows(), sel.topk,
+                        "Q=" + std::to_string(Q));
+  }
+  expect_error_word_clear("cp_decode");
+}
+
+TEST_F(MpiPeer, CpDecodeGraphReplay1000WithChangingInputs) {
+  const int reqs = 8, replays = 1000, check_every = 100, Q = 2;
+  const int32_t bound = 1 << 16;
+  std::mt19937 rng(62);
+  DecodeData d = random_decode(2600, 4, Q, lengths(rng, reqs, bound, false), bound);
+  const Selection sel = sel_of(16);
+  GraphRank rank(peer(), device(), d, sel);
+  Status st = rank.warm_up();
+  if (st.is_ok()) st = rank.capture();
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  const Status ready = world().mpi->check_agree(st.is_ok() ? 1 : 0, "graph captured");
+  ASSERT_TRUE(ready.is_ok()) << ready.to_string();
+  for (int step = 0; step < replays; ++step) {
+    next_replay_inputs(rng, step, bound, &d);
+    const bool check = step % check_every == 0 || step == replays - 1;
+    rank.set_inputs(d);
+    if (check) rank.poison_ids();
+    rank.launch();
+    if (!check) continue;
+    rank.sync();
+    expect_owned_heads_equal(rank.geometry(), rank.ids(), plain_decode_on(device(), d, sel),
+                             d.rows(), sel.topk, "replay " + std::to_string(step));
+  }
+  rank.sync();
+  expect_error_word_clear("cp_decode graph");
+}
+
 // Non-zero ranks print only failures, prefixed with their rank.
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  public:
@@ -203,7 +313,9 @@ int main(int argc, char** argv) {
                 any_failed ? "FAILED on at least one rank" : "PASSED on every rank");
     std::fflush(stdout);
   }
-  // Communicators go before MPI_Finalize (the NCCL one first: it uses the MPI one).
+  // Communicators go before MPI_Finalize (the peer and NCCL ones first: they use the MPI one;
+  // the peer one's destructor is collective across processes).
+  world().peer.reset();
   world().nccl.reset();
   world().mpi.reset();
   MPI_Finalize();

@@ -1,0 +1,72 @@
+// cpidx/comm_peer.h: a low-latency device Communicator for ranks on one host whose GPUs reach each
+// other by peer access (NVLink / PCIe P2P). all_gather is one kernel of one-shot LL-style stores
+// straight into every peer's receive buffer (about 2-3 µs per tiny gather in a CUDA graph, against
+// 6-9 µs for NCCL; docs/design/exchange.md). Built as the optional target cpidx_comm_peer
+// (cpidx::comm_peer) when CUDA is on; no CUDA header is included here.
+//
+// Selection rule: use the peer communicator when all ranks are on one host with P2P access and
+// every payload fits max_bytes_per_rank; NCCL otherwise. make_peer_communicator fails cleanly
+// (a Status naming the reason, on every rank) in the other cases, so callers can fall back.
+// It never uses NVLink multicast (NVLS, cuMulticastCreate).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "cpidx/comm.h"
+#include "cpidx/status.h"
+
+namespace cpidx {
+
+// The most ranks the peer communicator serves (one NVLink / P2P clique).
+constexpr int kPeerMaxRanks = 8;
+// The largest max_bytes_per_rank accepted (the receive buffers are about 4 x P x this).
+constexpr size_t kPeerMaxBytesPerRank = size_t{16} << 20;
+// Bit of the device error word raised when a rank waited longer than the timeout for a peer.
+constexpr int32_t kPeerErrorTimeout = 1;
+
+// Collective: every rank of `bootstrap` calls it at the same time (each from its own thread or
+// process), with the same max_bytes_per_rank. `bootstrap` is any communicator of the same ranks
+// (threads, MPI, or NCCL: host or device memory); it is used at creation to exchange buffer
+// handles, and afterwards by check_agree() and barrier(), so it must outlive the result.
+//  - Ranks of one process (threads, ncclCommInitAll) exchange raw device pointers and enable
+//    peer access (cudaDeviceEnablePeerAccess); ranks of different processes exchange CUDA IPC
+//    handles (cudaIpcGetMemHandle / cudaIpcOpenMemHandle).
+//  - Fails on every rank with kUnsupported (world > kPeerMaxRanks, a pair of GPUs without peer
+//    access, ranks on different hosts, IPC refused) or kInvalidArgument (bad device, sizes that
+//    differ between ranks), naming the rank and the reason: fall back to NCCL then.
+// Allocates, once, peer-mapped receive buffers (2 parities x P ranks x the payload in 16-byte
+// lines of 8 payload bytes: about 4 x P x max_bytes_per_rank) and a few device words. A waiting
+// rank gives up after `timeout_seconds` and raises kPeerErrorTimeout in its error word (below)
+// instead of hanging. The caller's current device is restored. On failure returns nullptr and
+// sets *status; *status is ok otherwise.
+std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, int device,
+                                                     size_t max_bytes_per_rank, Status* status,
+                                                     double timeout_seconds = 5.0);
+
+// The device int32 error word of a peer communicator (OR of kPeerError* bits since the last
+// clear; the library never reads it back), or nullptr when `comm` is not one. Once a rank timed
+// out, its later gathers no longer wait (their results are undefined): read the word after a
+// step or a batch of graph replays, and recreate every rank's communicator if it is set.
+int32_t* peer_error_flag(Communicator& comm);
+// Stream-ordered clear of that word (kInvalidArgument when `comm` is not a peer communicator).
+Status clear_peer_error_flag(Communicator& comm, cudaStream_t stream);
+
+// Semantics of the peer communicator:
+//  - memory_space() is kDevice. all_gather(send, recv, bytes, stream) enqueues one kernel on
+//    `stream` (a stream of the communicator's device) and returns at once: no host
+//    synchronisation, no allocation, so it can be captured in a CUDA graph and replayed any
+//    number of times (the per-call epochs live on the device). bytes_per_rank must be at most
+//    max_bytes_per_rank (kInvalidArgument otherwise); any size works, 8-byte multiples on
+//    8-byte aligned buffers take the fast path. In place when send == recv + rank * bytes.
+//  - Ordering: every rank must issue the same sequence of gathers (same sizes), each rank's
+//    gathers in one stream order (one stream, or streams joined by events), as with NCCL.
+//    A rank may run at most one gather ahead of a peer: the kernel enforces it by waiting.
+//  - check_agree() and barrier() forward to the bootstrap communicator.
+//  - Destruction: make sure no gather is in flight (synchronise the streams). When any peer is
+//    in another process, the destructor is collective: it closes the IPC mappings, then waits in
+//    bootstrap.barrier() before freeing its buffers, so every rank must destroy its communicator
+//    (each from its own thread or process) while the bootstrap is still alive.
+
+}  // namespace cpidx

@@ -1,0 +1,627 @@
+// src/comm/peer.cu: the peer Communicator. all_gather is one kernel of one-shot LL-style stores:
+// each rank writes its payload, 8 bytes per 16-byte line {data, epoch, data, epoch}, straight
+// into every peer's receive buffer, and polls its own buffer until every line carries the
+// current epoch. No fence and no separate flag: about 2-3 µs per tiny gather in a CUDA graph.
+// Creation exchanges buffer pointers (one process) or CUDA IPC handles (several) through a
+// bootstrap communicator; docs/design/exchange.md has the protocol and its ordering argument.
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cpidx/comm_peer.h"
+
+namespace cpidx {
+namespace {
+
+// ---- Layout ----------------------------------------------------------------------------------
+// A payload of `bytes` is `lines` = ceil(bytes / 8) lines. CTA c of every rank handles lines
+// [c * chunk, (c + 1) * chunk) of every rank's payload, chunk = kThreads * lines per thread, with
+// at most kMaxCtas CTAs. Each rank's receive buffer is [region c][parity][source rank][cap lines]
+// of 16 bytes: CTA c only ever touches region c, so its own call counter (counters[c]) orders
+// every use of that region, whatever sizes other calls had. cap is the largest chunk any
+// allowed size gives.
+constexpr int kThreads = 256;
+constexpr int kMaxCtas = 32;
+// Every 512 calls of a CTA (two consecutive calls, one per parity) it also writes the current
+// epoch into the lines of its region it does not use, so no line keeps an epoch older than
+// ~512 calls and a 32-bit epoch can never match a stale line after it wraps (NCCL's LL cleaning).
+constexpr uint32_t kCleanMask = 255;
+
+struct PeerGatherParams {
+  const unsigned char* send;                // [bytes]
+  unsigned char* recv;                      // [world, bytes]
+  unsigned long long* bufs[kPeerMaxRanks];  // rank q's receive buffer as mapped here:
+                                            // [regions, 2, world, cap, 2] u64
+  uint32_t* counters;                       // [kMaxCtas]: calls made so far by CTA c
+  int32_t* error;                           // the error word (kPeerErrorTimeout)
+  unsigned long long bytes;                 // per rank
+  unsigned long long timeout_ns;
+  int lines;  // ceil(bytes / 8)
+  int chunk;  // lines per CTA
+  int cap;    // lines per (region, parity, source)
+  int rank, world;
+};
+
+// NOTE: one 16-byte store of two 8-byte elements, each {payload 4 B, epoch 4 B} (little endian).
+// Each 64-bit element of a vector access is single-copy atomic, so a reader that sees the
+// epoch in an element also sees that element's payload: the line needs no fence and no flag.
+// .relaxed.sys makes the store and the polling load morally strong at system scope (they are
+// the same location seen from two GPUs), so the reader eventually observes it.
+__device__ __forceinline__ void store_line(unsigned long long* p, unsigned long long lo,
+                                           unsigned long long hi) {
+  asm volatile("st.relaxed.sys.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi)
+               : "memory");
+}
+
+__device__ __forceinline__ void load_line(const unsigned long long* p, unsigned long long& lo,
+                                          unsigned long long& hi) {
+  asm volatile("ld.relaxed.sys.global.v2.b64 {%0, %1}, [%2];"
+               : "=l"(lo), "=l"(hi)
+               : "l"(p)
+               : "memory");
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int32_t read_error(const int32_t* error) {
+  return *reinterpret_cast<const volatile int32_t*>(error);
+}
+
+// Payload line `line` of a buffer of `bytes` bytes, zero-padded past the end.
+template <bool kAligned>
+__device__ __forceinline__ unsigned long long load_payload(const unsigned char* src,
+                                                           unsigned long long bytes, int line) {
+  const unsigned long long off = static_cast<unsigned long long>(line) * 8;
+  if (kAligned) return *reinterpret_cast<const unsigned long long*>(src + off);
+  unsigned long long v = 0;
+  const int n = static_cast<int>(bytes - off < 8 ? bytes - off : 8);
+  for (int b = 0; b < n; ++b) v |= static_cast<unsigned long long>(src[off + b]) << (8 * b);
+  return v;
+}
+
+template <bool kAligned>
+__device__ __forceinline__ void store_payload(unsigned char* dst, unsigned long long bytes,
+                                              int line, unsigned long long v) {
+  const unsigned long long off = static_cast<unsigned long long>(line) * 8;
+  if (kAligned) {
+    *reinterpret_cast<unsigned long long*>(dst + off) = v;
+    return;
+  }
+  const int n = static_cast<int>(bytes - off < 8 ? bytes - off : 8);
+  for (int b = 0; b < n; ++b) dst[off + b] = static_cast<unsigned char>(v >> (8 * b));
+}
+
+// One all-gather. Grid: ceil(lines / chunk) CTAs of kThreads; CTA c handles chunk c.
+//
+// Ordering argument (why one parity bit is enough back-pressure). Call k of CTA c (k = its
+// counter) uses parity k & 1 of region c. A rank A can only start call k + 2 of CTA c after its
+// call k + 1 of CTA c received every peer B's lines of call k + 1; B wrote those in a kernel that
+// started after B's kernel of call k had completed (the gathers of a rank are stream-ordered and
+// this kernel is never launched early by programmatic dependent launch), so B had finished
+// reading parity k & 1 before A can overwrite it with call k + 2. A rank is thus at most one call
+// ahead of a peer, and the slot it writes is never the one the peer is still reading. The
+// receiver copies the lines out to `recv` inside this kernel, so consumers of `recv` (later
+// kernels in the stream) need nothing else; only the receive buffer is shared.
+template <bool kAligned>
+__global__ void __launch_bounds__(kThreads) peer_all_gather_kernel(const PeerGatherParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Kernels after this one launched with programmatic dependent launch may start their
+  // prologue now; their griddepcontrol.wait still waits for this grid to complete and flush.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  __shared__ uint32_t s_count;
+  __shared__ int s_abort;
+  const int c = blockIdx.x, tid = threadIdx.x;
+  if (tid == 0) {
+    s_count = p.counters[c];  // written by this CTA's previous call, an earlier kernel
+    s_abort = (read_error(p.error) & kPeerErrorTimeout) != 0;
+  }
+  __syncthreads();
+  const uint32_t count = s_count;
+  bool give_up = s_abort != 0;       // a rank already timed out: stop waiting (results undefined)
+  const uint32_t epoch = count + 1;  // 0 only after 2^32 calls, when no line holds 0 any more
+  const unsigned long long flag = static_cast<unsigned long long>(epoch) << 32;
+  const int parity = static_cast<int>(count & 1);
+  const bool clean = ((count >> 1) & kCleanMask) == kCleanMask;
+  const int lo = c * p.chunk;
+  const int n = max(0, min(p.lines - lo, p.chunk));
+  // u64 offset of (region c, parity, source) in any rank's buffer.
+  auto slot = [&](int src) {
+    return ((static_cast<size_t>(c) * 2 + parity) * p.world + src) * static_cast<size_t>(p.cap) * 2;
+  };
+
+  // 1. Push this rank's lines to every peer (and to its own slice of recv unless in place).
+  unsigned char* own = p.recv + static_cast<size_t>(p.rank) * p.bytes;
+  const bool copy_own = p.send != own;
+  const size_t out_slot = slot(p.rank);
+  for (int j = tid; j < n; j += kThreads) {
+    const unsigned long long v = load_payload<kAligned>(p.send, p.bytes, lo + j);
+    const unsigned long long a = (v & 0xffffffffull) | flag, b = (v >> 32) | flag;
+    for (int q = 0; q < p.world; ++q) {
+      if (q != p.rank) store_line(p.bufs[q] + out_slot + 2 * static_cast<size_t>(j), a, b);
+    }
+    if (copy_own) store_payload<kAligned>(own, p.bytes, lo + j, v);
+  }
+  if (clean) {
+    for (int j = n + tid; j < p.cap; j += kThreads) {
+      for (int q = 0; q < p.world; ++q) {
+        if (q != p.rank) store_line(p.bufs[q] + out_slot + 2 * static_cast<size_t>(j), flag, flag);
+      }
+    }
+  }
+
+  // 2. Wait for every peer's lines of this call in this rank's own buffer, then unpack them.
+  // Bounded: after timeout_ns (globaltimer) raise the error word and stop waiting; also stop
+  // when another CTA or thread raised it.
+  unsigned long long start = 0;
+  unsigned int polls = 0;
+  const unsigned long long* in = p.bufs[p.rank];
+  for (int src = 0; src < p.world && !give_up; ++src) {
+    if (src == p.rank) continue;
+    const unsigned long long* lines = in + slot(src);
+    unsigned char* out = p.recv + static_cast<size_t>(src) * p.bytes;
+    for (int j = tid; j < n; j += kThreads) {
+      unsigned long long a, b;
+      for (;;) {
+        load_line(lines + 2 * static_cast<size_t>(j), a, b);
+        if (static_cast<uint32_t>(a >> 32) == epoch && static_cast<uint32_t>(b >> 32) == epoch) {
+          break;
+        }
+        if ((++polls & 1023u) == 0) {
+          const unsigned long long now = global_ns();
+          if (start == 0) {
+            start = now;
+          } else if (now - start > p.timeout_ns) {
+            atomicOr(p.error, kPeerErrorTimeout);
+            give_up = true;
+            break;
+          }
+          if (read_error(p.error) & kPeerErrorTimeout) {
+            give_up = true;
+            break;
+          }
+        }
+      }
+      if (give_up) break;
+      store_payload<kAligned>(out, p.bytes, lo + j, (a & 0xffffffffull) | (b << 32));
+    }
+  }
+
+  // 3. This CTA's call is done on this rank (its lines were read: the region may be reused).
+  __syncthreads();
+  if (tid == 0) p.counters[c] = count + 1;
+}
+
+// ---- Host side -------------------------------------------------------------------------------
+
+Status cuda_check(cudaError_t e, const char* call) {
+  if (e == cudaSuccess) return Status::ok();
+  ::cpidx::detail::Message os;
+  os << call << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
+  return Status(StatusCode::kCudaError, os.str());
+}
+#define PEER_CUDA(expr) CPIDX_RETURN_IF_ERROR(cuda_check((expr), #expr))
+
+size_t cdiv(size_t a, size_t b) { return (a + b - 1) / b; }
+
+// How a gather of `lines` lines is split: lines per CTA and CTAs.
+struct Split {
+  int chunk = 0, ctas = 0;
+};
+Split split_of(size_t lines) {
+  const size_t per_thread = cdiv(lines, size_t{kThreads} * kMaxCtas);
+  Split s;
+  s.chunk = static_cast<int>(kThreads * per_thread);
+  s.ctas = static_cast<int>(cdiv(lines, static_cast<size_t>(s.chunk)));
+  return s;
+}
+
+// Buffer geometry for max_bytes: regions = the most CTAs any size <= max_bytes uses, cap = the
+// largest chunk.
+struct BufferShape {
+  int regions = 0, cap = 0;
+  size_t bytes(int world) const {
+    return static_cast<size_t>(regions) * 2 * world * static_cast<size_t>(cap) * 16;
+  }
+};
+BufferShape buffer_shape(size_t max_bytes) {
+  const size_t max_lines = cdiv(max_bytes, 8);
+  BufferShape b;
+  b.regions = static_cast<int>(std::min<size_t>(kMaxCtas, cdiv(max_lines, kThreads)));
+  b.cap = split_of(max_lines).chunk;
+  return b;
+}
+
+// A random id drawn once per process: ranks with the same id share an address space (process
+// ids alone are ambiguous across hosts and PID namespaces).
+uint64_t process_nonce() {
+  static const uint64_t nonce = [] {
+    std::random_device rd;
+    uint64_t x = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    x ^= static_cast<uint64_t>(getpid()) * 0x9E3779B97F4A7C15ull;
+    return x == 0 ? 1 : x;
+  }();
+  return nonce;
+}
+
+template <size_t N>
+void copy_text(char (&dst)[N], const std::string& src) {
+  std::snprintf(dst, N, "%s", src.c_str());
+}
+
+// What each rank tells the others at creation (the same binary on every rank: same layout).
+constexpr uint64_t kInfoMagic = 0x6370696470656572ull;  // "cpidpeer"
+struct PeerInfo {
+  uint64_t magic;
+  uint64_t nonce;  // process_nonce()
+  uint64_t max_bytes;
+  uint64_t buffer;  // receive buffer address in the owner's process
+  int32_t code;     // StatusCode of the local set-up (0: ok)
+  int32_t device;
+  int32_t ipc_ok;  // cudaIpcGetMemHandle succeeded
+  int32_t reserved;
+  char bus_id[32];   // cudaDeviceGetPCIBusId
+  char host[64];     // gethostname
+  char boot_id[48];  // /proc/sys/kernel/random/boot_id: one per running kernel
+  cudaIpcMemHandle_t handle;
+  char message[256];  // the local set-up's error
+};
+
+// The verdict of each rank after mapping its peers.
+struct Verdict {
+  int32_t code;  // StatusCode (0: every peer mapped)
+  int32_t reserved;
+  char message[504];
+};
+
+// all_gather of host `mine` (bytes) into host `all` ([world, bytes]) through the bootstrap,
+// staged through device memory of `device` when the bootstrap gathers device memory.
+Status bootstrap_gather(Communicator& boot, int device, const void* mine, void* all, size_t bytes) {
+  if (boot.memory_space() == MemorySpace::kHost) return boot.all_gather(mine, all, bytes, nullptr);
+  const size_t world = static_cast<size_t>(boot.world_size());
+  void *d_send = nullptr, *d_recv = nullptr;
+  cudaStream_t stream = nullptr;
+  Status st = [&]() -> Status {
+    PEER_CUDA(cudaSetDevice(device));
+    PEER_CUDA(cudaMalloc(&d_send, bytes));
+    PEER_CUDA(cudaMalloc(&d_recv, bytes * world));
+    PEER_CUDA(cudaMemcpy(d_send, mine, bytes, cudaMemcpyHostToDevice));
+    // A pageable copy may return before its DMA lands; the gather runs on another stream.
+    PEER_CUDA(cudaDeviceSynchronize());
+    PEER_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CPIDX_RETURN_IF_ERROR(boot.all_gather(d_send, d_recv, bytes, stream));
+    PEER_CUDA(cudaStreamSynchronize(stream));
+    PEER_CUDA(cudaMemcpy(all, d_recv, bytes * world, cudaMemcpyDeviceToHost));
+    return Status::ok();
+  }();
+  if (stream != nullptr) cudaStreamDestroy(stream);
+  if (d_send != nullptr) cudaFree(d_send);
+  if (d_recv != nullptr) cudaFree(d_recv);
+  return st;
+}
+
+std::string boot_id() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(f, id);
+  return id;
+}
+
+class PeerCommunicator final : public Communicator {
+ public:
+  struct Parts {
+    int rank = 0, world = 0, device = 0;
+    size_t max_bytes = 0;
+    BufferShape shape;
+    unsigned long long timeout_ns = 0;
+    void* buffer = nullptr;     // own receive buffer
+    void* words = nullptr;      // counters [kMaxCtas] then the error word
+    std::vector<void*> peers;   // [world]: each rank's buffer as mapped here
+    std::vector<void*> opened;  // IPC mappings to close
+    // Some rank lives in another process. The same on every rank: with two processes or more,
+    // every rank has a peer in another process.
+    bool cross_process = false;
+  };
+
+  PeerCommunicator(Communicator& bootstrap, Parts parts)
+      : bootstrap_(bootstrap), parts_(std::move(parts)) {
+    auto* words = static_cast<uint32_t*>(parts_.words);
+    base_.counters = words;
+    base_.error = reinterpret_cast<int32_t*>(words + kMaxCtas);
+    for (int q = 0; q < parts_.world; ++q) {
+      base_.bufs[q] = static_cast<unsigned long long*>(parts_.peers[static_cast<size_t>(q)]);
+    }
+    base_.cap = parts_.shape.cap;
+    base_.rank = parts_.rank;
+    base_.world = parts_.world;
+    base_.timeout_ns = parts_.timeout_ns;
+  }
+
+  ~PeerCommunicator() override { release(bootstrap_, parts_); }
+
+  // Frees what `parts` holds: IPC mappings closed first, then (when other processes may have
+  // mapped this rank's buffer) a bootstrap barrier, then this rank's own memory.
+  // Every rank calls it (the barrier is collective when cross_process, which all ranks agree on).
+  static void release(Communicator& bootstrap, Parts& parts) {
+    int prev = 0;
+    const bool on_device =
+        cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(parts.device) == cudaSuccess;
+    if (on_device) {
+      cudaDeviceSynchronize();  // no gather of this rank may still be writing to its peers
+      for (void* p : parts.opened) cudaIpcCloseMemHandle(p);
+    } else {
+      cudaGetLastError();
+    }
+    parts.opened.clear();
+    if (parts.cross_process) bootstrap.barrier();  // every importer closed before owners free
+    if (on_device) {
+      if (parts.buffer != nullptr) cudaFree(parts.buffer);
+      if (parts.words != nullptr) cudaFree(parts.words);
+      cudaSetDevice(prev);
+    }
+    parts.buffer = parts.words = nullptr;
+  }
+
+  int rank() const override { return parts_.rank; }
+  int world_size() const override { return parts_.world; }
+  MemorySpace memory_space() const override { return MemorySpace::kDevice; }
+
+  Status all_gather(const void* send, void* recv, size_t bytes_per_rank,
+                    cudaStream_t stream) override {
+    if (bytes_per_rank == 0) return Status::ok();
+    CPIDX_CHECK(send != nullptr && recv != nullptr,
+                "all_gather: send and recv must be non-null device pointers");
+    CPIDX_CHECK(bytes_per_rank <= parts_.max_bytes,
+                "all_gather: " << bytes_per_rank << " bytes per rank exceed the peer "
+                               << "communicator's max_bytes_per_rank (" << parts_.max_bytes
+                               << "); create it with a larger bound, or use NCCL");
+    PeerGatherParams p = base_;
+    p.send = static_cast<const unsigned char*>(send);
+    p.recv = static_cast<unsigned char*>(recv);
+    p.bytes = bytes_per_rank;
+    const size_t lines = cdiv(bytes_per_rank, 8);
+    const Split s = split_of(lines);
+    p.lines = static_cast<int>(lines);
+    p.chunk = s.chunk;
+    const bool aligned = bytes_per_rank % 8 == 0 && reinterpret_cast<uintptr_t>(send) % 8 == 0 &&
+                         reinterpret_cast<uintptr_t>(recv) % 8 == 0;
+    // Launches go to the current device: switch only when the caller is elsewhere.
+    int prev = 0;
+    PEER_CUDA(cudaGetDevice(&prev));
+    if (prev != parts_.device) PEER_CUDA(cudaSetDevice(parts_.device));
+    if (aligned) {
+      peer_all_gather_kernel<true><<<s.ctas, kThreads, 0, stream>>>(p);
+    } else {
+      peer_all_gather_kernel<false><<<s.ctas, kThreads, 0, stream>>>(p);
+    }
+    const cudaError_t launched = cudaGetLastError();
+    if (prev != parts_.device) cudaSetDevice(prev);
+    return cuda_check(launched, "peer all_gather kernel launch");
+  }
+
+  Status check_agree(long long value, const char* what) override {
+    return bootstrap_.check_agree(value, what);
+  }
+  Status barrier() override { return bootstrap_.barrier(); }
+
+  int32_t* error_word() const { return base_.error; }
+
+ private:
+  Communicator& bootstrap_;
+  Parts parts_;
+  PeerGatherParams base_{};
+};
+
+// This rank's part of the set-up before anything is exchanged: device, sizes, buffers.
+Status set_up_local(int device, size_t max_bytes, double timeout_seconds, PeerInfo* info,
+                    PeerCommunicator::Parts* parts) {
+  CPIDX_CHECK(max_bytes >= 1 && max_bytes <= kPeerMaxBytesPerRank,
+              "make_peer_communicator: max_bytes_per_rank must be in [1, "
+                  << kPeerMaxBytesPerRank << "], got " << max_bytes);
+  CPIDX_CHECK(
+      timeout_seconds > 0 && timeout_seconds < 1e6,
+      "make_peer_communicator: timeout_seconds must be in (0, 1e6), got " << timeout_seconds);
+  int count = 0;
+  PEER_CUDA(cudaGetDeviceCount(&count));
+  CPIDX_CHECK(device >= 0 && device < count,
+              "make_peer_communicator: device must be in [0, " << count << "), got " << device);
+  PEER_CUDA(cudaSetDevice(device));
+  PEER_CUDA(cudaDeviceGetPCIBusId(info->bus_id, sizeof(info->bus_id), device));
+  parts->shape = buffer_shape(max_bytes);
+  const size_t buffer_bytes = parts->shape.bytes(parts->world);
+  const size_t word_bytes = (kMaxCtas + 1) * sizeof(uint32_t);
+  PEER_CUDA(cudaMalloc(&parts->buffer, buffer_bytes));
+  PEER_CUDA(cudaMalloc(&parts->words, word_bytes));
+  PEER_CUDA(cudaMemset(parts->buffer, 0, buffer_bytes));
+  PEER_CUDA(cudaMemset(parts->words, 0, word_bytes));
+  // The zeros must land before any peer can write here (after the exchange below).
+  PEER_CUDA(cudaDeviceSynchronize());
+  info->buffer = reinterpret_cast<uint64_t>(parts->buffer);
+  // Needed only when a peer lives in another process; a failure matters only then.
+  info->ipc_ok = cudaIpcGetMemHandle(&info->handle, parts->buffer) == cudaSuccess;
+  if (!info->ipc_ok) cudaGetLastError();
+  return Status::ok();
+}
+
+// Maps rank q's buffer into this process: a raw pointer (same process, with peer access
+// enabled) or a CUDA IPC mapping (another process of the same host).
+Status map_peer(const PeerInfo& me, const PeerInfo& other, int rank, int q,
+                PeerCommunicator::Parts* parts) {
+  if (other.max_bytes != me.max_bytes) {
+    return invalid_argument("ranks disagree on max_bytes_per_rank: rank " + std::to_string(rank) +
+                            " has " + std::to_string(me.max_bytes) + ", rank " + std::to_string(q) +
+                            " has " + std::to_string(other.max_bytes));
+  }
+  if (std::strcmp(other.host, me.host) != 0 || std::strcmp(other.boot_id, me.boot_id) != 0) {
+    return unsupported("rank " + std::to_string(q) + " runs on host '" + other.host +
+                       "' and rank " + std::to_string(rank) + " on '" + me.host +
+                       "': the peer communicator needs every rank on one host; use NCCL");
+  }
+  const std::string pair = "GPU " + std::string(me.bus_id) + " (rank " + std::to_string(rank) +
+                           ") and GPU " + other.bus_id + " (rank " + std::to_string(q) + ")";
+  auto check_peer_access = [&](int peer_device) -> Status {
+    int can = 0;
+    PEER_CUDA(cudaDeviceCanAccessPeer(&can, me.device, peer_device));
+    if (!can) {
+      return unsupported("no peer access between " + pair + " (cudaDeviceCanAccessPeer); use NCCL");
+    }
+    return Status::ok();
+  };
+  if (other.nonce == me.nonce) {  // one process: device ordinals and addresses are shared
+    if (other.device != me.device) {
+      CPIDX_RETURN_IF_ERROR(check_peer_access(other.device));
+      const cudaError_t e = cudaDeviceEnablePeerAccess(other.device, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // enabled earlier (by NCCL, or another communicator): fine
+      } else {
+        PEER_CUDA(e);
+      }
+    }
+    parts->peers[static_cast<size_t>(q)] = reinterpret_cast<void*>(other.buffer);
+    return Status::ok();
+  }
+  // Another process. When its GPU is visible here, ask for peer access first (a clear message);
+  // otherwise the IPC mapping below decides.
+  int local = -1;
+  if (cudaDeviceGetByPCIBusId(&local, other.bus_id) == cudaSuccess) {
+    if (local != me.device) CPIDX_RETURN_IF_ERROR(check_peer_access(local));
+  } else {
+    cudaGetLastError();
+  }
+  if (!other.ipc_ok) {
+    return unsupported("rank " + std::to_string(q) +
+                       " could not export its buffer (cudaIpcGetMemHandle); use NCCL");
+  }
+  void* mapped = nullptr;
+  const cudaError_t e = cudaIpcOpenMemHandle(&mapped, other.handle, cudaIpcMemLazyEnablePeerAccess);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return unsupported(std::string("cudaIpcOpenMemHandle of rank ") + std::to_string(q) +
+                       "'s buffer failed on rank " + std::to_string(rank) + ": " +
+                       cudaGetErrorName(e) + " (" + pair + "); use NCCL");
+  }
+  parts->opened.push_back(mapped);
+  parts->peers[static_cast<size_t>(q)] = mapped;
+  return Status::ok();
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, int device,
+                                                     size_t max_bytes_per_rank, Status* status,
+                                                     double timeout_seconds) {
+  Status ignored;
+  Status& result = status != nullptr ? *status : ignored;
+  result = Status::ok();
+  const int world = bootstrap.world_size(), rank = bootstrap.rank();
+  // The same on every rank, so every rank returns here without a collective.
+  if (world < 1 || world > kPeerMaxRanks) {
+    result = unsupported("the peer communicator serves 1.." + std::to_string(kPeerMaxRanks) +
+                         " ranks, got " + std::to_string(world) + "; use NCCL");
+    return nullptr;
+  }
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+
+  PeerCommunicator::Parts parts;
+  parts.rank = rank;
+  parts.world = world;
+  parts.device = device;
+  parts.max_bytes = max_bytes_per_rank;
+  parts.timeout_ns = static_cast<unsigned long long>(timeout_seconds * 1e9);
+  parts.peers.assign(static_cast<size_t>(world), nullptr);
+
+  // 1. Local set-up; its failure is exchanged rather than returned, so no rank is left waiting.
+  PeerInfo mine;
+  std::memset(&mine, 0, sizeof(mine));
+  mine.magic = kInfoMagic;
+  mine.nonce = process_nonce();
+  mine.max_bytes = max_bytes_per_rank;
+  mine.device = device;
+  gethostname(mine.host, sizeof(mine.host) - 1);
+  copy_text(mine.boot_id, boot_id());
+  const Status local = set_up_local(device, max_bytes_per_rank, timeout_seconds, &mine, &parts);
+  if (!local.is_ok()) {
+    mine.code = static_cast<int32_t>(local.code());
+    copy_text(mine.message, local.message());
+  }
+  if (parts.buffer != nullptr) parts.peers[static_cast<size_t>(rank)] = parts.buffer;
+
+  // 2. Exchange; map every peer's buffer unless some rank failed already.
+  std::vector<PeerInfo> infos(static_cast<size_t>(world));
+  Status mapped = bootstrap_gather(bootstrap, device, &mine, infos.data(), sizeof(PeerInfo));
+  for (int q = 0; q < world && mapped.is_ok(); ++q) {
+    if (infos[static_cast<size_t>(q)].magic != kInfoMagic) {
+      mapped = Status(StatusCode::kCommError,
+                      "rank " + std::to_string(q) + " sent no peer-communicator set-up message");
+    }
+  }
+  if (mapped.is_ok()) {
+    for (const PeerInfo& o : infos)
+      parts.cross_process = parts.cross_process || o.nonce != mine.nonce;
+  }
+  for (int q = 0; q < world && mapped.is_ok(); ++q) {
+    const PeerInfo& o = infos[static_cast<size_t>(q)];
+    if (o.code != 0) {
+      mapped = Status(static_cast<StatusCode>(o.code),
+                      "rank " + std::to_string(q) + ": " + std::string(o.message));
+    }
+  }
+  for (int q = 0; q < world && mapped.is_ok(); ++q) {
+    if (q != rank) mapped = map_peer(mine, infos[static_cast<size_t>(q)], rank, q, &parts);
+  }
+
+  // 3. Agree: every rank returns the first failing rank's reason. (A bootstrap that failed in
+  // step 2 fails here too, on every rank, as its all_gather did.)
+  Verdict verdict;
+  std::memset(&verdict, 0, sizeof(verdict));
+  verdict.code = static_cast<int32_t>(mapped.code());
+  copy_text(verdict.message, mapped.message());
+  std::vector<Verdict> verdicts(static_cast<size_t>(world));
+  Status agreed = bootstrap_gather(bootstrap, device, &verdict, verdicts.data(), sizeof(Verdict));
+  if (agreed.is_ok()) {
+    for (int q = 0; q < world; ++q) {
+      const Verdict& v = verdicts[static_cast<size_t>(q)];
+      if (v.code == 0) continue;
+      agreed =
+          Status(static_cast<StatusCode>(v.code), "peer communicator unavailable (seen by rank " +
+                                                      std::to_string(q) + "): " + v.message);
+      break;
+    }
+  }
+  if (!agreed.is_ok()) {
+    PeerCommunicator::release(bootstrap, parts);
+    if (prev >= 0) cudaSetDevice(prev);
+    result = agreed;
+    return nullptr;
+  }
+  if (prev >= 0) cudaSetDevice(prev);
+  return std::make_unique<PeerCommunicator>(bootstrap, std::move(parts));
+}
+
+int32_t* peer_error_flag(Communicator& comm) {
+  auto* peer = dynamic_cast<PeerCommunicator*>(&comm);
+  return peer != nullptr ? peer->error_word() : nullptr;
+}
+
+Status clear_peer_error_flag(Communicator& comm, cudaStream_t stream) {
+  int32_t* word = peer_error_flag(comm);
+  CPIDX_CHECK(word != nullptr, "clear_peer_error_flag: not a peer communicator");
+  return cuda_check(cudaMemsetAsync(word, 0, sizeof(int32_t), stream),
+                    "cudaMemsetAsync (peer error word)");
+}
+
+}  // namespace cpidx

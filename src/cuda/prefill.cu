@@ -1,0 +1,412 @@
+// src/cuda/prefill.cu: the prefill indexer (CONTRACT.md section 7) as plan + score + merge.
+// The score kernel is the matrix work: a CTA holds a tile of 256 (token, head) query rows in
+// registers (8 warps x 32 rows) and streams the key pages of its split once, through a ring of
+// shared-memory stages filled by cp.async in a swizzled layout; each warp multiplies its 32 rows
+// by every 128-key page on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulate), reduces the
+// page to a causal block max per row, forces it and offers it to the row's running top-K.
+// Cost: 2 * rows * visible keys * 128 FLOP of tensor work (full pages; masked keys are computed
+// and discarded), plus one read per split of the split's pages from L2, plus S * K keys per row
+// written and merged. No [tokens, heads, blocks] score tensor exists at any point.
+#include "prefill_device.cuh"
+#include "prefill_kernels.h"
+
+namespace cpidx {
+namespace cuda {
+namespace {
+
+constexpr int kPlanThreads = 1024;
+constexpr int kMergeLanes = kPrefillMaxSplits;  // one lane per split list of a row
+constexpr int kRowBytes16 = kHeadDim * 2;       // a bf16 key row in a compute stage
+constexpr int kStage16Bytes = kBlockSize * kRowBytes16;
+
+template <DType kDType>
+struct PageBytes {
+  static constexpr int kRow = kHeadDim * (kDType == DType::kBF16 ? 2 : 1);
+  static constexpr int kPage = kBlockSize * kRow;
+  static constexpr int kChunks = kPage / 16;  // 16-byte copies per page
+};
+
+// Shared memory of the score kernel, computed identically on host (sizing) and device (carving):
+// the stage ring (raw pages), a bf16 compute page (fp8 only: pages are widened into it), and the
+// rows' top-K lists [K][kPrefillRows].
+struct ScoreSmem {
+  size_t stages_off, convert_off, lists_off, total;
+  __host__ __device__ ScoreSmem(int stages, int topk, DType dtype) {
+    const size_t page = static_cast<size_t>(kBlockSize) * kHeadDim * dtype_bytes(dtype);
+    stages_off = 0;
+    convert_off = stages * page;
+    lists_off = convert_off + (dtype == DType::kBF16 ? 0 : kStage16Bytes);
+    total = lists_off + static_cast<size_t>(topk) * kPrefillRows * sizeof(Key);
+  }
+};
+
+// ---- Plan ------------------------------------------------------------------------------------
+// Clamps cu_seqlens_q into a non-decreasing sequence in [0, num_tokens] (start_i = min(max(0,
+// cu_0..cu_i), num_tokens), the reference's sequential clamp in closed form), clamps and flags
+// context_lens / seq_lens, and lists each request's tiles. Requests go 1023 at a time.
+__global__ void __launch_bounds__(kPlanThreads) prefill_plan_kernel(const PrefillParams p) {
+  __shared__ int32_t scan_buf[32];
+  __shared__ int32_t starts[kPlanThreads];
+  const int tid = threadIdx.x, per_pass = kPlanThreads - 1, R = p.num_reqs;
+  const int32_t N = static_cast<int32_t>(p.num_tokens);
+  const int tpt = prefill_tokens_per_tile(p.num_heads);
+  auto max_op = [](int32_t a, int32_t b) { return a > b ? a : b; };
+  auto sum_op = [](int32_t a, int32_t b) { return a + b; };
+  int32_t err = 0, carry_max = 0, carry_tiles = 0, total = 0;
+  for (int base = 0; base < R; base += per_pass) {
+    const int i = base + tid;  // index into cu_seqlens_q, [0, R]
+    const int32_t cu = i <= R ? p.cu_seqlens_q[i] : INT32_MIN;
+    const int32_t m = max_op(block_scan_1024(cu, max_op, scan_buf, &total), carry_max);
+    carry_max = max_op(total, carry_max);
+    const int32_t start = m < N ? m : N;
+    starts[tid] = start;
+    if (i <= R && (tid < per_pass || i == R) && start != cu) err |= kErrSeqLenOutOfRange;
+    if (i == 0) p.header->covered_begin = start;
+    if (i == R) p.header->covered_end = start;
+    __syncthreads();
+    const int r = base + tid;
+    int32_t len = 0, ctx = 0, ntiles = 0;
+    if (tid < per_pass && r < R) {
+      len = starts[tid + 1] - starts[tid];
+      ctx = clamp_seq_len(p.context_lens[r], p.max_seq_len, &err);
+      clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);  // reported, not used (as the reference)
+      ntiles = (len + tpt - 1) / tpt;
+    }
+    const int32_t first = carry_tiles + block_scan_1024(ntiles, sum_op, scan_buf, &total) - ntiles;
+    carry_tiles += total;
+    for (int32_t k = 0; k < ntiles; ++k) {
+      if (first + k >= p.tiles_capacity) break;
+      const int64_t pos0 = int64_t{ctx} + int64_t{k} * tpt;
+      p.tiles[first + k] = PrefillTile{r, starts[tid] + k * tpt, min(tpt, len - k * tpt),
+                                       static_cast<int32_t>(pos0 < p.max_seq_len ? pos0
+                                                                                 : p.max_seq_len)};
+    }
+    __syncthreads();  // starts[] is rewritten by the next pass
+  }
+  if (tid == 0) {
+    p.header->num_tiles =
+        carry_tiles < p.tiles_capacity ? carry_tiles : static_cast<int32_t>(p.tiles_capacity);
+  }
+  if (err) atomicOr(p.error_flag, err);
+}
+
+// ---- Score -----------------------------------------------------------------------------------
+// Position of tile row `row` (token-major), -1 for a padding row. Positions at or past
+// max_seq_len are clamped to its last token and flagged (as the reference does).
+__device__ __forceinline__ int64_t row_position(const PrefillParams& p, const PrefillTile& tile,
+                                                int row, int32_t* err) {
+  const int t = row / p.num_heads;
+  if (t >= tile.ntok) return -1;
+  const int64_t pos = int64_t{tile.pos0} + t;
+  if (pos < p.max_seq_len) return pos;
+  *err |= kErrSeqLenOutOfRange;
+  return p.max_seq_len - 1;
+}
+
+// The A fragments of this thread's quad rows for all 128 dims: qa[mt][rh][j] holds dims
+// [32 j + 8 c4, +8) of row warp*32 + 16 mt + 8 rh + g. Dims are permuted identically in A and B
+// (k-slot 2c4 <-> dims +0..1, k-slot 2c4+8 <-> dims +2..3 of each half-uint4), so one 16-byte
+// load feeds two k-steps. Padding rows are zero.
+__device__ __forceinline__ void load_queries(const PrefillParams& p, const PrefillTile& tile,
+                                             int warp, int g, int c4, uint4 (&qa)[2][2][4]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int row = warp * 32 + mt * 16 + rh * 8 + g;
+      const int t = row / p.num_heads, h = row % p.num_heads;
+      const uint4* q = reinterpret_cast<const uint4*>(
+          p.query + int64_t{tile.tok0 + t} * p.q_row_stride + h * p.q_head_stride + c4 * 8);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) qa[mt][rh][j] = t < tile.ntok ? __ldg(q + 4 * j) : uint4{};
+    }
+  }
+}
+
+// Raw page -> compute-stage layout: key row r, 16-byte chunk c (dims [8c, 8c+8)) lands at chunk
+// c ^ ((r & 1) << 2). A warp's B loads (8 lanes per phase = two adjacent keys x the same 4
+// chunks) then hit all 32 banks once.
+__device__ __forceinline__ int swizzled(int r, int c) { return r * kRowBytes16 + ((c ^ ((r & 1) << 2)) << 4); }
+
+template <DType kDType>
+__device__ __forceinline__ void issue_page(const PrefillParams& p, const int32_t* bt_row,
+                                           int64_t block, uint8_t* stage, int32_t* err) {
+  using PB = PageBytes<kDType>;
+  const int64_t page = clamp_page(bt_row[block], p.num_pages, err);
+  const uint8_t* src = static_cast<const uint8_t*>(p.cache) + page * PB::kPage;
+  for (int q = threadIdx.x; q < PB::kChunks; q += kPrefillThreads) {
+    // bf16 goes straight to the compute layout; fp8 lands raw and is widened later.
+    constexpr int kPerRow = PB::kRow / 16;
+    uint8_t* dst = kDType == DType::kBF16 ? stage + swizzled(q / kPerRow, q % kPerRow) : stage + q * 16;
+    cp_async16(dst, src + q * 16);
+  }
+}
+
+// fp8 page (raw) -> bf16 compute page (swizzled); each 16-byte fp8 chunk is two bf16 chunks.
+__device__ __forceinline__ void widen_page(const uint8_t* raw, uint8_t* out) {
+  for (int q = threadIdx.x; q < PageBytes<DType::kFP8E4M3>::kChunks; q += kPrefillThreads) {
+    const int r = q >> 3, c = q & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(raw + q * 16);
+    *reinterpret_cast<uint4*>(out + swizzled(r, 2 * c)) = fp8x8_to_bf16x8(make_uint2(v.x, v.y));
+    *reinterpret_cast<uint4*>(out + swizzled(r, 2 * c + 1)) = fp8x8_to_bf16x8(make_uint2(v.z, v.w));
+  }
+}
+
+// Max over one 128-key page of this thread's 4 quad rows, in two halves of 64 keys (64
+// accumulators each). kMasked: key kk of the page counts only when kk <= lim[mt][rh] (the row's
+// position relative to the page start). NaN dots never win (max_num), as in the reference.
+template <bool kMasked>
+__device__ __forceinline__ void page_max(const uint8_t* page, const uint4 (&qa)[2][2][4], int g,
+                                         int c4, const int (&lim)[2][2], float (&rm)[2][2]) {
+  const uint8_t* base = page + g * kRowBytes16 + c4 * 16;
+  const int gb = g & 1;  // key rows half*64 + nt*8 + g: the swizzle bit is g's
+  // NOTE: not unrolled: the compiler would overlap the two halves and keep 128 accumulators
+  // live next to the 64 query registers (spilling past 255 registers).
+#pragma unroll 1
+  for (int half = 0; half < 2; ++half) {
+    float acc[2][8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int joff = (j ^ gb) << 6;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const uint4 b =
+            *reinterpret_cast<const uint4*>(base + (half * 64 + nt * 8) * kRowBytes16 + joff);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const uint4& lo = qa[mt][0][j];
+          const uint4& hi = qa[mt][1][j];
+          mma_bf16_16816(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+          mma_bf16_16816(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+        }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kk = half * 64 + nt * 8 + 2 * c4 + e;
+            if (!kMasked || kk <= lim[mt][rh]) rm[mt][rh] = max_num(rm[mt][rh], acc[mt][nt][rh * 2 + e]);
+          }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T pick(int c4, const T (&v)[2][2]) {
+  return c4 == 0 ? v[0][0] : c4 == 1 ? v[0][1] : c4 == 2 ? v[1][0] : v[1][1];
+}
+
+template <DType kDType>
+__global__ void __launch_bounds__(kPrefillThreads, 1)
+    prefill_score_kernel(const PrefillParams p, const int stages) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int S = p.splits, num_tiles = p.header->num_tiles;
+  const int tile_rank = static_cast<int>(blockIdx.x) / S, split = static_cast<int>(blockIdx.x) % S;
+  if (tile_rank >= num_tiles) return;
+  // The last tiles of a request see the most keys: run them first (tiles are listed in order).
+  const PrefillTile tile = p.tiles[num_tiles - 1 - tile_rank];
+  const ScoreSmem lay(stages, p.topk, kDType);
+  const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, c4 = tid & 3;
+  const int K = p.topk;
+  int32_t err = 0, ignored = 0;
+
+  // This thread's quad rows warp*32 + 16 mt + 8 rh + g; it owns the list of row (mt, rh) = c4.
+  int64_t pos[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh)
+      pos[mt][rh] = row_position(p, tile, warp * 32 + mt * 16 + rh * 8 + g,
+                                 split == 0 && c4 == mt * 2 + rh ? &err : &ignored);
+  const int own_row = warp * 32 + (c4 >> 1) * 16 + (c4 & 1) * 8 + g;
+  const int64_t own_pos = pick(c4, pos), own_visible = visible_blocks(own_pos);
+
+  const int64_t last = int64_t{tile.pos0} + tile.ntok - 1;
+  const int64_t first_pos = tile.pos0 < p.max_seq_len ? tile.pos0 : p.max_seq_len - 1;
+  const int64_t V = visible_blocks(last < p.max_seq_len ? last : p.max_seq_len - 1);
+  const int64_t s_eff = min(int64_t{S}, cdiv(V, kPrefillMinPagesPerSplit));
+  const int64_t b0 = split < s_eff ? split * V / s_eff : 0;
+  const int64_t b1 = split < s_eff ? (split + 1) * V / s_eff : 0;
+
+  Key* list = reinterpret_cast<Key*>(smem + lay.lists_off) + tid;
+  for (int i = 0; i < K; ++i) list[i * kPrefillThreads] = kPadKey;
+  Key tau = kPadKey;
+
+  if (b1 > b0) {
+    uint4 qa[2][2][4];
+    load_queries(p, tile, warp, g, c4, qa);
+    const int32_t* bt_row = p.block_table + int64_t{tile.req} * p.bt_row_stride;
+    uint8_t* ring = smem + lay.stages_off;
+    constexpr int kPage = PageBytes<kDType>::kPage;
+    for (int s = 0; s < stages - 1; ++s) {
+      if (b0 + s < b1) issue_page<kDType>(p, bt_row, b0 + s, ring + s * kPage, &err);
+      cp_async_commit();
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      const int i = static_cast<int>(b - b0);
+      cp_async_wait(stages - 2);  // this thread's copies of page b have landed
+      __syncthreads();            // everyone's have, and everyone is done with page b - 1
+      if (b + stages - 1 < b1) {
+        issue_page<kDType>(p, bt_row, b + stages - 1, ring + ((i + stages - 1) % stages) * kPage, &err);
+      }
+      cp_async_commit();
+      const uint8_t* page = ring + (i % stages) * kPage;
+      if constexpr (kDType == DType::kFP8E4M3) {
+        widen_page(page, smem + lay.convert_off);
+        __syncthreads();
+        page = smem + lay.convert_off;
+      }
+      float rm[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+      const int64_t kbase = b * kBlockSize;
+      if (kbase + kBlockSize - 1 <= first_pos) {  // every row sees the whole page
+        const int lim[2][2] = {};
+        page_max<false>(page, qa, g, c4, lim, rm);
+      } else {
+        int lim[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int rh = 0; rh < 2; ++rh) {
+            const int64_t d = pos[mt][rh] - kbase;
+            lim[mt][rh] = d < -1 ? -1 : d > kBlockSize ? kBlockSize : static_cast<int>(d);
+          }
+        page_max<true>(page, qa, g, c4, lim, rm);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          rm[mt][rh] = max_num(rm[mt][rh], __shfl_xor_sync(0xffffffffu, rm[mt][rh], 1));
+          rm[mt][rh] = max_num(rm[mt][rh], __shfl_xor_sync(0xffffffffu, rm[mt][rh], 2));
+        }
+      if (b < own_visible) {
+        const float score =
+            forced_score(p.scale * pick(c4, rm), b, own_visible, p.init_blocks, p.local_blocks);
+        list_insert(list, kPrefillThreads, K, make_key(score, b), tau);
+      }
+    }
+    cp_async_wait(0);  // nothing may land in shared memory after the CTA exits
+  }
+  if (own_pos >= 0) {
+    const int t = own_row / p.num_heads, h = own_row % p.num_heads;
+    Key* dst = p.partial +
+               ((int64_t{split} * p.num_tokens + tile.tok0 + t) * p.num_heads + h) * K;
+    for (int i = 0; i < K; ++i) dst[i] = list[i * kPrefillThreads];
+  }
+  if (err) atomicOr(p.error_flag, err);
+}
+
+// ---- Merge -----------------------------------------------------------------------------------
+// kMergeLanes lanes per (token, head) row: lane l holds the head of split l's ordered list; K
+// rounds of a lane max pick the next key. Exact: the lists are disjoint (a block belongs to one
+// split) and each holds its split's K best, so the global K best are their K best heads in turn.
+__global__ void __launch_bounds__(256) prefill_merge_kernel(const PrefillParams p) {
+  const int64_t row = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / kMergeLanes;
+  const int lane = threadIdx.x % kMergeLanes, H = p.num_heads, K = p.topk;
+  const bool live = row < p.num_tokens * H;
+  const int64_t token = live ? row / H : 0;
+  const int h = live ? static_cast<int>(row % H) : 0;
+  const bool covered =
+      live && token >= p.header->covered_begin && token < p.header->covered_end;
+  const Key* list = p.partial + ((int64_t{lane} * p.num_tokens + token) * H + h) * K;
+  int cursor = 0;
+  Key head = covered && lane < p.splits ? list[0] : kPadKey;
+  int32_t* out = p.ids + h * p.ids_head_stride + token * p.ids_row_stride;
+  for (int i = 0; i < K; ++i) {
+    Key best = head;
+#pragma unroll
+    for (int off = kMergeLanes / 2; off > 0; off >>= 1) {
+      const Key o = __shfl_xor_sync(0xffffffffu, best, off, kMergeLanes);
+      best = o > best ? o : best;
+    }
+    if (best != kPadKey && head == best) head = ++cursor < K ? list[cursor] : kPadKey;
+    if (live && i % kMergeLanes == lane) out[i] = best == kPadKey ? -1 : key_block(best);
+  }
+}
+
+template <DType kDType>
+cudaError_t raise_smem_cap(int smem_optin) {
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaFuncGetAttributes(&attr, prefill_score_kernel<kDType>);
+  if (e != cudaSuccess) return e;
+  // NOTE: the cap is per function and process-wide; always the device maximum, so a later
+  // Prefiller with a smaller layout cannot lower it under an earlier one's launches.
+  return cudaFuncSetAttribute(prefill_score_kernel<kDType>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              smem_optin - static_cast<int>(attr.sharedSizeBytes));
+}
+
+}  // namespace
+
+cudaError_t plan_prefill(int topk, DType dtype, int device, PrefillLaunch* launch) {
+  int sms = 0, smem_optin = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return e;
+  e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return e;
+  if ((e = raise_smem_cap<DType::kBF16>(smem_optin)) != cudaSuccess) return e;
+  if ((e = raise_smem_cap<DType::kFP8E4M3>(smem_optin)) != cudaSuccess) return e;
+  // NOTE: one CTA per SM (the query fragments and accumulators take ~170 registers per thread);
+  // 3-4 pages in flight cover the L2 latency of a page that takes ~3000 cycles to score.
+  for (int stages = 4; stages >= 2; --stages) {
+    const ScoreSmem lay(stages, topk, dtype);
+    if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
+    launch->sms = sms;
+    launch->stages = stages;
+    launch->smem_bytes = lay.total;
+    launch->topk = topk;
+    launch->dtype = dtype;
+    return cudaSuccess;
+  }
+  return cudaErrorInvalidConfiguration;
+}
+
+int prefill_splits(int64_t num_tokens, int heads, int sms, int max_splits) {
+  const int64_t tiles = cdiv(num_tokens, prefill_tokens_per_tile(heads));
+  const int limit = max_splits < kPrefillMaxSplits ? max_splits : kPrefillMaxSplits;
+  // Equal splits of equal tiles take equal time: choose the split count whose CTAs fill their
+  // waves best; among near-equal fills, the fewest splits (less query reloading and merging).
+  int best = 1;
+  double best_fill = 0;
+  for (int s = 1; s <= limit; ++s) {
+    const int64_t items = tiles * s, waves = cdiv(items, sms);
+    const double fill = static_cast<double>(items) / static_cast<double>(waves * sms);
+    if (fill > best_fill + 0.01) {
+      best = s;
+      best_fill = fill;
+    }
+  }
+  return best;
+}
+
+cudaError_t launch_prefill(const PrefillParams& p, const PrefillLaunch& l, cudaStream_t stream) {
+  if (p.splits < 1 || p.splits > kPrefillMaxSplits || p.topk != l.topk) return cudaErrorInvalidValue;
+  prefill_plan_kernel<<<1, kPlanThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  const int64_t grid = prefill_max_tiles(p.num_tokens, p.num_reqs, p.num_heads) * p.splits;
+  if (l.dtype == DType::kBF16) {
+    prefill_score_kernel<DType::kBF16>
+        <<<static_cast<unsigned>(grid), kPrefillThreads, l.smem_bytes, stream>>>(p, l.stages);
+  } else {
+    prefill_score_kernel<DType::kFP8E4M3>
+        <<<static_cast<unsigned>(grid), kPrefillThreads, l.smem_bytes, stream>>>(p, l.stages);
+  }
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  const int64_t merge_threads = p.num_tokens * p.num_heads * kMergeLanes;
+  prefill_merge_kernel<<<static_cast<unsigned>(cdiv(merge_threads, 256)), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace cpidx

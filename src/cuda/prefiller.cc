@@ -1,0 +1,230 @@
+// src/cuda/prefiller.cc: the Prefiller object (host validation before any kernel runs, the one-time
+// plan and workspace, the prefill call as three launches on the caller's stream) and mixed_topk,
+// an engine's decode + prefill rows into one output. Nothing allocates, synchronises or queries
+// the device after create().
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "cpidx/prefill.h"
+#include "cpidx/reference.h"
+#include "prefill_kernels.h"
+#include "reference/internal.h"
+
+namespace cpidx {
+namespace {
+
+Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::ok();
+  detail::Message msg;
+  msg << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
+  return Status(StatusCode::kCudaError, msg.str());
+}
+
+#define CPIDX_CUDA_TRY(expr) CPIDX_RETURN_IF_ERROR(cuda_status((expr), #expr))
+
+// The split lists are the only large buffer: max_tokens x H x K keys per split. Above this many
+// bytes the workspace holds fewer splits at max_tokens (calls with fewer tokens still get more).
+constexpr size_t kPartialBudgetBytes = size_t{512} << 20;
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Sizes and carves the workspace from one routine (offsets from the base).
+struct PrefillWorkspaceLayout {
+  size_t header = 0, tiles = 0, partial = 0, error_flag = 0, total = 0;
+  int64_t tiles_capacity = 0, partial_keys = 0;
+  int max_splits = 0;
+};
+
+PrefillWorkspaceLayout workspace_layout(const PrefillConfig& c) {
+  PrefillWorkspaceLayout w;
+  // Tiles are cut per request; with more heads a tile holds fewer tokens, so size for the most.
+  w.tiles_capacity = cuda::prefill_max_tiles(c.max_tokens, c.max_tokens, kMaxHeads);
+  const int64_t per_split = int64_t{c.max_tokens} * c.num_heads * c.sel.topk;
+  const int64_t fit = static_cast<int64_t>(kPartialBudgetBytes / sizeof(Key)) / per_split;
+  w.max_splits = static_cast<int>(std::clamp<int64_t>(fit, 1, cuda::kPrefillMaxSplits));
+  w.partial_keys = per_split * w.max_splits;
+  size_t o = 0;
+  auto take = [&](size_t bytes) {
+    o = align_up(o, 256);
+    const size_t at = o;
+    o += bytes;
+    return at;
+  };
+  w.header = take(sizeof(cuda::PrefillPlanHeader));
+  w.tiles = take(static_cast<size_t>(w.tiles_capacity) * sizeof(cuda::PrefillTile));
+  w.partial = take(static_cast<size_t>(w.partial_keys) * sizeof(Key));
+  w.error_flag = take(sizeof(int32_t));
+  w.total = align_up(o, 256);
+  return w;
+}
+
+}  // namespace
+
+struct Prefiller::Impl {
+  PrefillConfig cfg;
+  PrefillPlan plan;
+  cuda::PrefillLaunch launch;
+  PrefillWorkspaceLayout layout;
+  uint8_t* workspace = nullptr;
+
+  template <typename T>
+  T* at(size_t offset) const { return reinterpret_cast<T*>(workspace + offset); }
+
+  cuda::PrefillParams params(const PrefillInputs& in, const TopkOutput& out) const {
+    cuda::PrefillParams p;
+    p.query = in.query;
+    p.q_row_stride = in.q_row_stride;
+    p.q_head_stride = in.q_head_stride;
+    p.num_heads = in.num_heads;
+    p.cache = in.cache.data;
+    p.num_pages = in.cache.num_pages;
+    p.block_table = in.block_table;
+    p.bt_row_stride = in.bt_row_stride;
+    p.cu_seqlens_q = in.cu_seqlens_q;
+    p.context_lens = in.context_lens;
+    p.seq_lens = in.seq_lens;
+    p.num_reqs = in.num_reqs;
+    p.num_tokens = in.num_tokens;
+    p.max_seq_len = in.max_seq_len;
+    p.scale = in.scale;
+    p.topk = cfg.sel.topk;
+    p.init_blocks = cfg.sel.init_blocks;
+    p.local_blocks = cfg.sel.local_blocks;
+    p.ids = out.ids;
+    p.ids_head_stride = out.head_stride;
+    p.ids_row_stride = out.row_stride;
+    p.header = at<cuda::PrefillPlanHeader>(layout.header);
+    p.tiles = at<cuda::PrefillTile>(layout.tiles);
+    p.tiles_capacity = layout.tiles_capacity;
+    p.partial = at<Key>(layout.partial);
+    p.error_flag = at<int32_t>(layout.error_flag);
+    // As many splits as the workspace holds for this call's rows, up to what fills the device.
+    const int64_t per_split = in.num_tokens * in.num_heads * cfg.sel.topk;
+    const int fit = static_cast<int>(
+        std::min<int64_t>(layout.partial_keys / per_split, cuda::kPrefillMaxSplits));
+    p.splits = cuda::prefill_splits(in.num_tokens, in.num_heads, launch.sms, fit);
+    return p;
+  }
+};
+
+Prefiller::Prefiller(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Prefiller::~Prefiller() {
+  if (impl_ && impl_->workspace) cudaFree(impl_->workspace);
+}
+
+Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Prefiller>* out) {
+  CPIDX_CHECK(out != nullptr, "out must not be null");
+  if (c.cache_dtype != DType::kBF16 && c.cache_dtype != DType::kFP8E4M3) {
+    return unsupported("cache_dtype must be bf16 or fp8_e4m3, got dtype code " +
+                       std::to_string(static_cast<int>(c.cache_dtype)));
+  }
+  CPIDX_RETURN_IF_ERROR(ref::detail::check_selection(c.sel));
+  CPIDX_CHECK(c.num_heads >= 1 && c.num_heads <= kMaxHeads,
+              "num_heads must be in [1, " << kMaxHeads << "], got " << c.num_heads);
+  CPIDX_CHECK(c.max_tokens >= 1, "max_tokens must be >= 1, got " << c.max_tokens);
+  CPIDX_CHECK(c.max_seq_len >= 1, "max_seq_len must be >= 1, got " << c.max_seq_len);
+  int count = 0;
+  CPIDX_CUDA_TRY(cudaGetDeviceCount(&count));
+  CPIDX_CHECK(device >= 0 && device < count,
+              "device must be in [0, " << count << "), got " << device);
+  auto impl = std::make_unique<Impl>();
+  impl->cfg = c;
+  impl->layout = workspace_layout(c);
+  int prev = 0;
+  CPIDX_CUDA_TRY(cudaGetDevice(&prev));
+  CPIDX_CUDA_TRY(cudaSetDevice(device));
+  Status st = [&]() -> Status {
+    CPIDX_CUDA_TRY(cuda::plan_prefill(c.sel.topk, c.cache_dtype, device, &impl->launch));
+    CPIDX_CUDA_TRY(cudaMalloc(&impl->workspace, impl->layout.total));
+    CPIDX_CUDA_TRY(cudaMemset(impl->workspace, 0, impl->layout.total));
+    CPIDX_CUDA_TRY(cudaDeviceSynchronize());
+    return Status::ok();
+  }();
+  cudaSetDevice(prev);
+  if (!st.is_ok()) {
+    if (impl->workspace) cudaFree(impl->workspace);
+    return st;
+  }
+  impl->plan.stages = impl->launch.stages;
+  impl->plan.smem_bytes = impl->launch.smem_bytes;
+  impl->plan.max_splits = impl->layout.max_splits;
+  impl->plan.workspace_bytes = impl->layout.total;
+  out->reset(new Prefiller(std::move(impl)));
+  return Status::ok();
+}
+
+const PrefillConfig& Prefiller::config() const { return impl_->cfg; }
+const PrefillPlan& Prefiller::plan() const { return impl_->plan; }
+int32_t* Prefiller::error_flag() const { return impl_->at<int32_t>(impl_->layout.error_flag); }
+
+Status Prefiller::clear_error_flag(cudaStream_t stream) {
+  CPIDX_CUDA_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
+  return Status::ok();
+}
+
+Status Prefiller::validate(const PrefillInputs& in, const TopkOutput& out) const {
+  const PrefillConfig& c = impl_->cfg;
+  CPIDX_RETURN_IF_ERROR(ref::validate(in, c.sel));
+  CPIDX_CHECK(in.num_heads <= c.num_heads, "query heads (num_heads) must be in [1, "
+                                               << c.num_heads << "], got " << in.num_heads);
+  CPIDX_CHECK(in.num_tokens <= c.max_tokens, "num_tokens (" << in.num_tokens
+                                                             << ") exceeds max_tokens ("
+                                                             << c.max_tokens << ")");
+  CPIDX_CHECK(in.max_seq_len == c.max_seq_len,
+              "max_seq_len must equal the Prefiller's bound " << c.max_seq_len << ", got "
+                                                              << in.max_seq_len);
+  CPIDX_CHECK(in.cache.dtype == c.cache_dtype,
+              "index_cache dtype must be " << to_string(c.cache_dtype) << ", got "
+                                           << to_string(in.cache.dtype));
+  CPIDX_CHECK(reinterpret_cast<uintptr_t>(in.query) % 16 == 0 && in.q_row_stride % 8 == 0 &&
+                  in.q_head_stride % 8 == 0,
+              "index_query must be 16-byte aligned with row and head strides that are "
+              "multiples of 8 elements (got row stride "
+                  << in.q_row_stride << ", head stride " << in.q_head_stride << ")");
+  CPIDX_CHECK(reinterpret_cast<uintptr_t>(in.cache.data) % 16 == 0,
+              "index_cache must be 16-byte aligned");
+  return ref::detail::check_ids(out, in.num_heads, in.num_tokens, c.sel.topk);
+}
+
+Status Prefiller::prefill(const PrefillInputs& in, const TopkOutput& out, cudaStream_t stream) {
+  CPIDX_RETURN_IF_ERROR(validate(in, out));
+  CPIDX_CUDA_TRY(cuda::launch_prefill(impl_->params(in, out), impl_->launch, stream));
+  return Status::ok();
+}
+
+Status mixed_topk(Decoder& dec, Communicator* comm, const DecodeInputs& decode_rows,
+                  Prefiller& pre, const PrefillInputs& prefill_rows, int32_t* out,
+                  int64_t head_stride, int64_t row_stride, cudaStream_t stream) {
+  const bool has_decode = decode_rows.num_reqs > 0;
+  const bool has_prefill = prefill_rows.num_reqs > 0;
+  const int64_t nd = has_decode ? decode_rows.num_rows() : 0;
+  const int64_t np = has_prefill ? prefill_rows.num_tokens : 0;
+  const int k = dec.config().sel.topk;
+  CPIDX_CHECK(pre.config().sel.topk == k, "the Decoder's topk (" << k
+                                              << ") and the Prefiller's ("
+                                              << pre.config().sel.topk << ") must be equal");
+  // Heads written by each part: the owned heads for a context-parallel decode.
+  const int decode_heads = comm != nullptr ? dec.geometry().local_heads : decode_rows.num_heads;
+  const int heads = has_decode ? decode_heads : prefill_rows.num_heads;
+  CPIDX_CHECK(!has_decode || !has_prefill || prefill_rows.num_heads == decode_heads,
+              "prefill heads (num_heads " << prefill_rows.num_heads
+                                          << ") must equal the decode output heads ("
+                                          << decode_heads << ")");
+  if (!has_decode && !has_prefill) return Status::ok();
+  const TopkOutput all{out, head_stride, row_stride};
+  CPIDX_RETURN_IF_ERROR(ref::detail::check_ids(all, heads, nd + np, k));
+  const TopkOutput prefill_out{out + nd * row_stride, head_stride, row_stride};
+  // The decode calls validate before their first launch; the prefill part is checked here first,
+  // so a bad prefill argument fails before the decode part runs.
+  if (has_prefill) CPIDX_RETURN_IF_ERROR(pre.validate(prefill_rows, prefill_out));
+  if (has_decode) {
+    CPIDX_RETURN_IF_ERROR(comm != nullptr ? dec.cp_decode(*comm, decode_rows, all, nullptr, stream)
+                                          : dec.decode(decode_rows, all, nullptr, stream));
+  }
+  if (has_prefill) CPIDX_RETURN_IF_ERROR(pre.prefill(prefill_rows, prefill_out, stream));
+  return Status::ok();
+}
+
+}  // namespace cpidx

@@ -1,0 +1,521 @@
+// GPU prefill indexer against the CPU reference: random packed batches (query lengths 1..4K,
+// prefixes 0..1M not multiples of 128, 1..8 heads, K in {1, 6, 16, 64}, forced blocks), golden
+// cases and tie-heavy inputs exactly, fp8 caches, rows past the batch untouched, rows outside
+// every request at -1, bad device values clamped and flagged, repeat runs and CUDA-graph replays
+// bitwise equal to eager runs, the mixed decode + prefill batch, and host errors before any
+// kernel. Every test skips cleanly without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "cpidx/prefill.h"
+#include "gpu_util.h"
+#include "json_lite.h"
+
+namespace {
+
+using namespace cpidx_gpu_test;
+using cpidx::DType;
+using cpidx::Selection;
+using cpidx_test::Values;
+using cpidx_test::kBS;
+using cpidx_test::kD;
+
+Selection sel_of(int k, int init = 0, int local = 1) {
+  Selection s;
+  s.topk = k;
+  s.init_blocks = init;
+  s.local_blocks = local;
+  return s;
+}
+
+// ---- Inputs ------------------------------------------------------------------------------------
+// Fast random values (a 1M-token cache is 134M of them): SplitMix64 bits, four draws per call.
+class FastRandom {
+ public:
+  explicit FastRandom(uint64_t seed) : s_(seed) {}
+  uint16_t next16() {
+    if (left_ == 0) {
+      uint64_t z = (s_ += 0x9E3779B97F4A7C15ull);
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      bits_ = z ^ (z >> 31);
+      left_ = 4;
+    }
+    --left_;
+    const uint16_t r = static_cast<uint16_t>(bits_);
+    bits_ >>= 16;
+    return r;
+  }
+  // bf16 in +-[2^-6, 1): never zero, never NaN, a wide spread of magnitudes (few ties).
+  uint16_t bf16() {
+    const uint16_t r = next16();
+    return static_cast<uint16_t>((r & 0x8000) | ((121 + (r >> 7) % 6) << 7) | (r & 0x7F));
+  }
+  uint16_t small_int(int lo, int hi) {  // bf16 of an integer in [lo, hi]
+    return cpidx_test::bf16_of(static_cast<float>(lo + next16() % (hi - lo + 1)));
+  }
+
+ private:
+  uint64_t s_, bits_ = 0;
+  int left_ = 0;
+};
+
+// A packed prefill batch: queries [tokens][heads][D] (or head-major), a shuffled paged cache with
+// exactly the pages the requests use (+3 spare), block-table columns past each request holding
+// garbage outside the cache (reading one would trip the page flag).
+struct PrefillCase {
+  int heads = 0;
+  int32_t max_seq_len = 0;
+  DType dtype = DType::kBF16;
+  float scale = 0.0883883f;
+  std::vector<int32_t> cu, context_lens, seq_lens;
+  int64_t tokens = 0;
+  std::vector<uint16_t> query;
+  int64_t q_row_stride = 0, q_head_stride = 0;
+  std::vector<uint16_t> cache16;
+  std::vector<uint8_t> cache8;
+  int64_t num_pages = 0;
+  std::vector<int32_t> block_table;
+  int64_t bt_row_stride = 0;
+
+  int num_reqs() const { return static_cast<int>(context_lens.size()); }
+  cpidx::PrefillInputs host() const {
+    cpidx::PrefillInputs in;
+    in.query = query.data();
+    in.q_row_stride = q_row_stride;
+    in.q_head_stride = q_head_stride;
+    in.num_heads = heads;
+    in.cache.data = dtype == DType::kBF16 ? static_cast<const void*>(cache16.data())
+                                          : static_cast<const void*>(cache8.data());
+    in.cache.dtype = dtype;
+    in.cache.num_pages = num_pages;
+    in.block_table = block_table.data();
+    in.bt_row_stride = bt_row_stride;
+    in.cu_seqlens_q = cu.data();
+    in.context_lens = context_lens.data();
+    in.seq_lens = seq_lens.data();
+    in.num_reqs = num_reqs();
+    in.num_tokens = tokens;
+    in.max_seq_len = max_seq_len;
+    in.scale = scale;
+    return in;
+  }
+};
+
+PrefillCase make_case(uint64_t seed, int heads, const std::vector<int32_t>& q_lens,
+                      const std::vector<int32_t>& context_lens, DType dtype = DType::kBF16,
+                      Values values = Values::kRandom, bool head_major = false) {
+  PrefillCase c;
+  FastRandom rnd(seed);
+  c.heads = heads;
+  c.dtype = dtype;
+  c.context_lens = context_lens;
+  c.cu.push_back(0);
+  for (size_t r = 0; r < q_lens.size(); ++r) {
+    c.seq_lens.push_back(context_lens[r] + q_lens[r]);
+    c.cu.push_back(c.cu.back() + q_lens[r]);
+  }
+  c.tokens = c.cu.back();
+  const int32_t longest = *std::max_element(c.seq_lens.begin(), c.seq_lens.end());
+  c.max_seq_len = longest + 77;  // not a multiple of 128
+  c.query.resize(static_cast<size_t>(c.tokens * heads * kD));
+  for (auto& q : c.query) q = values == Values::kTies ? rnd.small_int(-2, 2) : rnd.bf16();
+  c.q_row_stride = head_major ? kD : heads * kD;
+  c.q_head_stride = head_major ? c.tokens * kD : kD;
+
+  int64_t used = 0;
+  for (int32_t s : c.seq_lens) used += cpidx::cdiv(s, kBS);
+  c.num_pages = used + 3;
+  const size_t elems = static_cast<size_t>(c.num_pages) * kBS * kD;
+  if (dtype == DType::kBF16) {
+    c.cache16.resize(elems);
+    for (auto& k : c.cache16) k = values == Values::kTies ? rnd.small_int(-1, 1) : rnd.bf16();
+  } else {
+    c.cache8.resize(elems);
+    const uint8_t ties[3] = {0xB8, 0x00, 0x38};  // -1, 0, +1 in e4m3
+    for (auto& k : c.cache8) {
+      do k = values == Values::kTies ? ties[rnd.next16() % 3] : static_cast<uint8_t>(rnd.next16());
+      while ((k & 0x7F) == 0x7F);  // no NaN codes
+    }
+  }
+  std::vector<int32_t> pages(static_cast<size_t>(c.num_pages));
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), std::mt19937_64(seed));
+  c.bt_row_stride = cpidx::cdiv(c.max_seq_len, kBS) + 2;
+  c.block_table.assign(static_cast<size_t>(c.num_reqs() * c.bt_row_stride), 0);
+  size_t next = 0;
+  for (int r = 0; r < c.num_reqs(); ++r) {
+    const int64_t blocks = cpidx::cdiv(c.seq_lens[r], kBS);
+    for (int64_t b = 0; b < c.bt_row_stride; ++b) {
+      c.block_table[static_cast<size_t>(r * c.bt_row_stride + b)] =
+          b < blocks ? pages[next++] : (b % 2 ? -1000003 : 1 << 30);
+    }
+  }
+  return c;
+}
+
+// ---- Runs --------------------------------------------------------------------------------------
+struct DevicePrefill {
+  explicit DevicePrefill(const PrefillCase& c)
+      : query(c.query), cu(c.cu), ctx(c.context_lens), seq(c.seq_lens), table(c.block_table) {
+    if (c.dtype == DType::kBF16) cache16 = std::make_unique<DeviceVec<uint16_t>>(c.cache16);
+    else cache8 = std::make_unique<DeviceVec<uint8_t>>(c.cache8);
+  }
+  cpidx::PrefillInputs inputs(const PrefillCase& c) const {
+    cpidx::PrefillInputs in = c.host();
+    in.query = query.ptr;
+    in.cache.data = cache16 ? static_cast<const void*>(cache16->ptr)
+                            : static_cast<const void*>(cache8->ptr);
+    in.cu_seqlens_q = cu.ptr;
+    in.context_lens = ctx.ptr;
+    in.seq_lens = seq.ptr;
+    in.block_table = table.ptr;
+    return in;
+  }
+  DeviceVec<uint16_t> query;
+  DeviceVec<int32_t> cu, ctx, seq, table;
+  std::unique_ptr<DeviceVec<uint16_t>> cache16;
+  std::unique_ptr<DeviceVec<uint8_t>> cache8;
+};
+
+cpidx::PrefillConfig config_of(const PrefillCase& c, const Selection& sel, int extra_tokens = 3) {
+  cpidx::PrefillConfig cfg;
+  cfg.num_heads = c.heads;
+  cfg.max_tokens = static_cast<int>(c.tokens) + extra_tokens;
+  cfg.max_seq_len = c.max_seq_len;
+  cfg.sel = sel;
+  cfg.cache_dtype = c.dtype;
+  return cfg;
+}
+
+constexpr int kExtraRows = 5;  // output rows past the batch: must stay poisoned
+
+// GPU ids [heads][tokens][K] (compacted) through an output with kExtraRows more rows per head.
+std::vector<int32_t> gpu_prefill(const PrefillCase& c, const Selection& sel,
+                                 int32_t* flag = nullptr) {
+  DevicePrefill d(c);
+  std::unique_ptr<cpidx::Prefiller> pre;
+  cpidx::Status st = cpidx::Prefiller::create(config_of(c, sel), 0, &pre);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  if (!st.is_ok()) return {};
+  const int64_t rows = c.tokens + kExtraRows, K = sel.topk;
+  DeviceVec<int32_t> ids(static_cast<size_t>(c.heads * rows * K));
+  ids.poison();
+  st = pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, rows * K, K}, nullptr);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (flag) cudaMemcpy(flag, pre->error_flag(), 4, cudaMemcpyDeviceToHost);
+  const std::vector<int32_t> all = ids.download();
+  std::vector<int32_t> out;
+  for (int h = 0; h < c.heads; ++h) {
+    const auto head = all.begin() + h * rows * K;
+    out.insert(out.end(), head, head + c.tokens * K);
+    EXPECT_TRUE(std::all_of(head + c.tokens * K, head + rows * K,
+                            [](int32_t v) { return v == cpidx_test::kPoison; }))
+        << "head " << h << ": a row past the batch was written";
+  }
+  return out;
+}
+
+std::vector<int32_t> cpu_prefill(const PrefillCase& c, const Selection& sel, int32_t* err) {
+  cpidx_test::IdsBuffer ids(c.heads, c.tokens, sel.topk);
+  const cpidx::Status st = cpidx::ref::prefill_topk(c.host(), sel, ids.out(), err);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  return ids.ids;
+}
+
+void expect_matches_reference(const PrefillCase& c, const Selection& sel, const std::string& what) {
+  int32_t flag = -1, err = 0;
+  const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
+  const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
+  ASSERT_EQ(gpu.size(), cpu.size()) << what;
+  EXPECT_EQ(flag, 0) << what;
+  EXPECT_EQ(err, 0) << what;
+  for (int32_t v : gpu) ASSERT_NE(v, cpidx_test::kPoison) << what << ": unwritten output";
+  const int64_t K = sel.topk;
+  const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(
+      c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(gpu.data()), c.tokens * K, K},
+      cpidx::TopkOutput{const_cast<int32_t*>(cpu.data()), c.tokens * K, K});
+  EXPECT_EQ(r.bad_rows, 0) << what << ": " << r.first_bad;
+  // Near ties are rare on random data; a systematic error would show up as many of them.
+  EXPECT_LE(r.near_tie_rows, std::max<int64_t>(2, (r.exact_rows + r.near_tie_rows) / 50)) << what;
+}
+
+// ---- Tests -------------------------------------------------------------------------------------
+TEST(GpuPrefill, RandomBatchesMatchReference) {
+  SKIP_WITHOUT_GPU();
+  struct Shape {
+    int heads, k, init, local;
+    std::vector<int32_t> q_lens, contexts;
+    bool head_major;
+  };
+  const std::vector<Shape> shapes = {
+      {1, 1, 0, 1, {1, 200, 37}, {0, 129, 5000}, false},
+      {2, 6, 1, 2, {4096}, {3001}, false},  // a 4K-token chunk after a cached prefix
+      {3, 16, 0, 1, {300, 1, 65}, {700, 131071, 0}, true},
+      {4, 16, 1, 2, {3, 2}, {1000033, 77}, false},  // a 1M-token prefix
+      {5, 64, 0, 1, {500}, {9000}, false},
+      {6, 6, 1, 2, {64, 64, 64}, {128, 255, 256}, true},
+      {7, 16, 0, 1, {37, 1000}, {10, 2000}, false},
+      {8, 64, 1, 2, {257, 20}, {64 * 128 + 5, 300}, false},
+  };
+  uint64_t seed = 1000;
+  for (const Shape& s : shapes) {
+    const PrefillCase c = make_case(seed++, s.heads, s.q_lens, s.contexts, DType::kBF16,
+                                    Values::kRandom, s.head_major);
+    expect_matches_reference(c, sel_of(s.k, s.init, s.local),
+                             "H=" + std::to_string(s.heads) + " K=" + std::to_string(s.k) +
+                                 " tokens=" + std::to_string(c.tokens));
+  }
+}
+
+TEST(GpuPrefill, Fp8CacheMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const PrefillCase c = make_case(1100, 4, {200, 33}, {4000, 129}, DType::kFP8E4M3);
+  expect_matches_reference(c, sel_of(16), "fp8");
+}
+
+TEST(GpuPrefill, TieHeavyInputsMatchExactly) {
+  SKIP_WITHOUT_GPU();
+  // Small integers: every dot is exact in fp32, so ids must match in order, ties included.
+  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+    for (int k : {1, 6, 16, 64}) {
+      const PrefillCase c =
+          make_case(1200 + k, 4, {150, 7, 70}, {1000, 0, 8300}, dtype, Values::kTies);
+      const Selection sel = sel_of(k, 1, 2);
+      int32_t err = 0;
+      EXPECT_EQ(gpu_prefill(c, sel), cpu_prefill(c, sel, &err))
+          << "K=" << k << " dtype " << cpidx::to_string(dtype);
+    }
+  }
+}
+
+const json_lite::Value& golden() {
+  static const json_lite::Value cases =
+      json_lite::parse_file(std::string(CPIDX_TEST_DATA_DIR) + "/golden_cases.json")["cases"];
+  return cases;
+}
+
+// The golden generator's prefill layout (tests/test_golden.cc): queries [tokens][T][D] then the
+// cache from one stream, block_table[req][b] = b * reqs + req.
+PrefillCase golden_case(const json_lite::Value& c) {
+  PrefillCase p;
+  p.heads = c["T"].as_int();
+  p.context_lens = c["context_lens"].ints();
+  p.seq_lens = c["seq_lens"].ints();
+  p.scale = static_cast<float>(c["scale"].number);
+  p.cu.push_back(0);
+  for (int32_t q : c["q_lens"].ints()) p.cu.push_back(p.cu.back() + q);
+  p.tokens = p.cu.back();
+  cpidx_test::GoldenStream stream(static_cast<uint64_t>(c["seed"].number));
+  p.query.resize(static_cast<size_t>(p.tokens * p.heads * kD));
+  for (auto& q : p.query) q = cpidx_test::bf16_of(static_cast<float>(stream.next()));
+  p.q_row_stride = p.heads * kD;
+  p.q_head_stride = kD;
+  const int reqs = p.num_reqs();
+  const int64_t blocks = std::max<int64_t>(
+      1, cpidx::cdiv(*std::max_element(p.seq_lens.begin(), p.seq_lens.end()), kBS));
+  p.num_pages = reqs * blocks;
+  p.cache16.resize(static_cast<size_t>(p.num_pages * kBS * kD));
+  for (auto& k : p.cache16) k = cpidx_test::bf16_of(static_cast<float>(stream.next()));
+  p.bt_row_stride = blocks;
+  p.block_table.resize(static_cast<size_t>(reqs * blocks));
+  for (int r = 0; r < reqs; ++r)
+    for (int64_t b = 0; b < blocks; ++b)
+      p.block_table[static_cast<size_t>(r * blocks + b)] = static_cast<int32_t>(b * reqs + r);
+  p.max_seq_len = static_cast<int32_t>(blocks * kBS);
+  return p;
+}
+
+TEST(GpuPrefill, GoldenCasesExactly) {
+  SKIP_WITHOUT_GPU();
+  int checked = 0;
+  for (const auto& c : golden().array) {
+    if (c["kind"].string != "prefill") continue;
+    const PrefillCase p = golden_case(c);
+    const Selection sel = sel_of(c["K"].as_int(), c["init"].as_int(), c["local"].as_int());
+    std::vector<int32_t> want;
+    for (const auto& head : c["ids"].array)
+      for (const auto& row : head.array)
+        for (int32_t v : row.ints()) want.push_back(v);
+    EXPECT_EQ(gpu_prefill(p, sel), want) << "golden prefill seed " << c["seed"].number;
+    ++checked;
+  }
+  EXPECT_GE(checked, 2);
+}
+
+TEST(GpuPrefill, RepeatRunsAreBitwiseEqual) {
+  SKIP_WITHOUT_GPU();
+  const PrefillCase c = make_case(1300, 4, {900, 5}, {20000, 3}, DType::kBF16);
+  EXPECT_EQ(gpu_prefill(c, sel_of(16)), gpu_prefill(c, sel_of(16)));
+}
+
+TEST(GpuPrefill, RowsOutsideEveryRequestAreMinusOne) {
+  SKIP_WITHOUT_GPU();
+  PrefillCase c = make_case(1400, 2, {10, 6}, {0, 50}, DType::kBF16);
+  c.cu = {0, 10};  // one request: the last 6 rows are covered by none
+  c.context_lens.resize(1);
+  c.seq_lens.resize(1);
+  const Selection sel = sel_of(4);
+  int32_t flag = -1, err = 0;
+  const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
+  EXPECT_EQ(gpu, cpu_prefill(c, sel, &err));
+  EXPECT_EQ(flag, err);
+  for (int h = 0; h < 2; ++h)
+    for (int64_t row = 10; row < c.tokens; ++row)
+      for (int s = 0; s < 4; ++s) EXPECT_EQ(gpu[static_cast<size_t>((h * c.tokens + row) * 4 + s)], -1);
+}
+
+TEST(GpuPrefill, BadDeviceValuesAreClampedAndFlagged) {
+  SKIP_WITHOUT_GPU();
+  {  // cu_seqlens_q out of order and past num_tokens, contexts and seq_lens out of range
+    PrefillCase c = make_case(1500, 4, {50, 30, 20}, {300, 1000, 2000}, DType::kBF16);
+    // Request 2 runs past max_seq_len: its positions clamp to the last token, and it reads
+    // block-table columns past its pages (garbage outside the cache: clamped too).
+    c.cu = {0, 60, 55, 130};
+    c.context_lens = {-5, c.max_seq_len + 1000, c.max_seq_len - 10};
+    c.seq_lens = {355, 1030, -1};
+    const Selection sel = sel_of(16, 1, 2);
+    int32_t flag = 0, err = 0;
+    const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
+    const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
+    EXPECT_EQ(flag, cpidx::kErrSeqLenOutOfRange | cpidx::kErrPageOutOfRange);
+    EXPECT_EQ(flag, err);
+    const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(
+        c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(gpu.data()), c.tokens * 16, 16},
+        cpidx::TopkOutput{const_cast<int32_t*>(cpu.data()), c.tokens * 16, 16});
+    EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
+  }
+  {  // block-table entries outside the cache, in the blocks the requests read
+    PrefillCase c = make_case(1501, 2, {40, 40}, {1000, 500}, DType::kBF16);
+    c.block_table[1] = 1 << 30;
+    c.block_table[static_cast<size_t>(c.bt_row_stride + 2)] = -7;
+    const Selection sel = sel_of(6);
+    int32_t flag = 0, err = 0;
+    const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
+    const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
+    EXPECT_EQ(flag, cpidx::kErrPageOutOfRange);
+    EXPECT_EQ(flag, err);
+    const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(
+        c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(gpu.data()), c.tokens * 6, 6},
+        cpidx::TopkOutput{const_cast<int32_t*>(cpu.data()), c.tokens * 6, 6});
+    EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
+  }
+}
+
+TEST(GpuPrefill, GraphReplayFollowsNewContextsAndTables) {
+  SKIP_WITHOUT_GPU();
+  PrefillCase c = make_case(1600, 4, {300, 100}, {30000, 3000}, DType::kBF16);
+  const Selection sel = sel_of(16);
+  DevicePrefill d(c);
+  std::unique_ptr<cpidx::Prefiller> pre;
+  ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel), 0, &pre).is_ok());
+  const int64_t K = sel.topk;
+  DeviceVec<int32_t> ids(static_cast<size_t>(4 * c.tokens * K));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  ASSERT_TRUE(pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, c.tokens * K, K}, stream).is_ok());
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  std::mt19937 rng(5);
+  for (int step = 0; step < 3; ++step) {
+    // Shorter contexts (the table and cache stay valid) and a re-split of the same tokens.
+    c.context_lens = {static_cast<int32_t>(rng() % 29600), static_cast<int32_t>(rng() % 2700)};
+    const int32_t first = static_cast<int32_t>(1 + rng() % (c.tokens - 1));
+    c.cu = {0, first, static_cast<int32_t>(c.tokens)};
+    c.seq_lens = {c.context_lens[0] + first, c.context_lens[1] + static_cast<int32_t>(c.tokens) - first};
+    d.ctx.upload(c.context_lens);
+    d.cu.upload(c.cu);
+    d.seq.upload(c.seq_lens);
+    ids.poison();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<int32_t> replayed = ids.download();
+    std::vector<int32_t> eager = gpu_prefill(c, sel);
+    EXPECT_EQ(replayed, eager) << "graph replay != eager at step " << step;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(GpuPrefill, MixedBatchEqualsSeparateCalls) {
+  SKIP_WITHOUT_GPU();
+  const int heads = 4;
+  const Selection sel = sel_of(16, 1, 2);
+  const cpidx_test::DecodeData dd = cpidx_test::random_decode(1700, heads, 2, {5000, 129, 70000}, 70000);
+  const PrefillCase pc = make_case(1701, heads, {300, 41}, {2000, 6000}, DType::kBF16);
+  DeviceBatch db(dd);
+  DevicePrefill dp(pc);
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(dd, sel), 0, &dec).is_ok());
+  std::unique_ptr<cpidx::Prefiller> pre;
+  ASSERT_TRUE(cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok());
+  const int64_t nd = dd.rows(), np = pc.tokens, max_rows = nd + np + 9, K = sel.topk;
+  DeviceVec<int32_t> out(static_cast<size_t>(heads * max_rows * K));
+  out.poison();
+  const cpidx::Status st = cpidx::mixed_topk(*dec, nullptr, db.all_heads(), *pre, dp.inputs(pc),
+                                             out.ptr, max_rows * K, K, nullptr);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t> all = out.download();
+  const std::vector<int32_t> decode = gpu_decode(dd, sel);
+  const std::vector<int32_t> prefill = gpu_prefill(pc, sel);
+  for (int h = 0; h < heads; ++h) {
+    const auto head = all.begin() + h * max_rows * K;
+    EXPECT_TRUE(std::equal(head, head + nd * K, decode.begin() + h * nd * K)) << "decode head " << h;
+    EXPECT_TRUE(std::equal(head + nd * K, head + (nd + np) * K, prefill.begin() + h * np * K))
+        << "prefill head " << h;
+    EXPECT_TRUE(std::all_of(head + (nd + np) * K, head + max_rows * K,
+                            [](int32_t v) { return v == cpidx_test::kPoison; }))
+        << "rows past the mixed batch were written, head " << h;
+  }
+}
+
+TEST(GpuPrefill, HostErrorsBeforeAnyKernel) {
+  SKIP_WITHOUT_GPU();
+  const PrefillCase c = make_case(1800, 4, {20}, {100}, DType::kBF16);
+  const Selection sel = sel_of(16);
+  std::unique_ptr<cpidx::Prefiller> pre;
+  cpidx::PrefillConfig bad = config_of(c, sel);
+  bad.num_heads = 9;
+  cpidx::Status st = cpidx::Prefiller::create(bad, 0, &pre);
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("num_heads"), std::string::npos) << st.message();
+  bad = config_of(c, sel);
+  bad.sel.topk = 65;
+  EXPECT_EQ(cpidx::Prefiller::create(bad, 0, &pre).code(), cpidx::StatusCode::kUnsupported);
+
+  ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel, -10), 0, &pre).is_ok());  // 10 tokens
+  DevicePrefill d(c);
+  DeviceVec<int32_t> ids(static_cast<size_t>(4 * c.tokens * 16));
+  ids.poison();
+  const cpidx::TopkOutput out{ids.ptr, c.tokens * 16, 16};
+  st = pre->prefill(d.inputs(c), out, nullptr);
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("max_tokens"), std::string::npos) << st.message();
+
+  ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel), 0, &pre).is_ok());
+  cpidx::PrefillInputs in = d.inputs(c);
+  in.cache.dtype = DType::kFP8E4M3;
+  st = pre->prefill(in, out, nullptr);
+  EXPECT_NE(st.message().find("dtype"), std::string::npos) << st.message();
+  in = d.inputs(c);
+  in.q_row_stride += 4;  // not a multiple of 8 elements
+  st = pre->prefill(in, out, nullptr);
+  EXPECT_NE(st.message().find("index_query"), std::string::npos) << st.message();
+  st = pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, 16, 16}, nullptr);  // heads overlap
+  EXPECT_NE(st.message().find("ids strides"), std::string::npos) << st.message();
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t> h = ids.download();
+  EXPECT_TRUE(std::all_of(h.begin(), h.end(), [](int32_t v) { return v == cpidx_test::kPoison; }))
+      << "a rejected call wrote output";
+}
+
+}  // namespace

@@ -1,0 +1,389 @@
+// The peer communicator (cpidx/comm_peer.h) on real GPUs, one process, one host thread per GPU:
+// its all_gather returns NCCL's bytes for 1 B .. 256 KiB (in place, out of place, misaligned),
+// 1000 back-to-back gathers in one CUDA graph with payloads that change on every call (the
+// device epochs and parities), mixed sizes in one graph, cp_decode through it equal to the plain
+// decode bitwise (eager and 1000 graph replays), an NCCL bootstrap, and the failure paths: a
+// peer that never arrives raises the error word instead of hanging, refused sizes and worlds.
+// Every test skips cleanly with fewer than 2 GPUs.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "cpidx/comm_nccl.h"
+#include "cpidx/comm_peer.h"
+#include "gather_util.h"
+#include "multigpu_util.h"
+
+namespace {
+
+using namespace cpidx_multigpu_test;
+using cpidx::StatusCode;
+using cpidx_test::random_decode;
+
+constexpr int kWorld = 2;
+constexpr size_t kMaxBytes = 256 << 10;
+
+using Comms = std::vector<std::unique_ptr<Communicator>>;
+
+// fn(rank) on one thread per rank, with the rank's GPU current; returns when all end.
+void on_threads(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&fn, r] {
+      cudaSetDevice(r);
+      fn(r);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Peer communicators over `boot` (collective: one thread per rank).
+Comms make_peers(Comms& boot, size_t max_bytes, std::vector<Status>* status,
+                 double timeout_seconds = 5.0) {
+  Comms peers(boot.size());
+  status->assign(boot.size(), Status::ok());
+  on_threads(static_cast<int>(boot.size()), [&](int r) {
+    peers[static_cast<size_t>(r)] =
+        cpidx::make_peer_communicator(*boot[static_cast<size_t>(r)], r, max_bytes,
+                                      &(*status)[static_cast<size_t>(r)], timeout_seconds);
+  });
+  return peers;
+}
+
+bool gpus_are_peers() {
+  int can01 = 0, can10 = 0;
+  cudaDeviceCanAccessPeer(&can01, 0, 1);
+  cudaDeviceCanAccessPeer(&can10, 1, 0);
+  return can01 && can10;
+}
+
+class PeerExchange : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (device_count() < kWorld) return;
+    hosts_ = cpidx::make_thread_communicators(kWorld);
+    nccl_ = cpidx::make_nccl_communicators_single_process({0, 1}, &nccl_status_);
+    std::vector<Status> st;
+    peers_ = make_peers(hosts_, kMaxBytes, &st);
+    peer_status_ = st[0].is_ok() ? st[1] : st[0];
+  }
+  static void TearDownTestSuite() {
+    peers_.clear();  // before their bootstrap
+    hosts_.clear();
+    nccl_.clear();
+  }
+
+  void SetUp() override {
+    if (device_count() < kWorld) {
+      GTEST_SKIP() << "needs " << kWorld << " GPUs, found " << device_count();
+    }
+    if (!gpus_are_peers()) {
+      // The communicator must refuse, naming the reason; callers fall back to NCCL.
+      EXPECT_EQ(peer_status_.code(), StatusCode::kUnsupported) << peer_status_.to_string();
+      EXPECT_NE(peer_status_.message().find("peer access"), std::string::npos)
+          << peer_status_.message();
+      GTEST_SKIP() << "GPUs 0 and 1 have no peer access: " << peer_status_.to_string();
+    }
+    ASSERT_TRUE(peer_status_.is_ok()) << peer_status_.to_string();
+    ASSERT_TRUE(nccl_status_.is_ok()) << nccl_status_.to_string();
+    ASSERT_EQ(peers_.size(), static_cast<size_t>(kWorld));
+    ASSERT_TRUE(peers_[0] && peers_[1]);
+  }
+
+  static void expect_error_words_clear(const std::string& what) {
+    for (int r = 0; r < kWorld; ++r) {
+      int32_t word = -1;
+      DeviceScope scope(r);
+      ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(*peers_[static_cast<size_t>(r)]), 4,
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(word, 0) << what << ": rank " << r << "'s peer error word";
+    }
+  }
+
+  static Comms hosts_, nccl_, peers_;
+  static Status nccl_status_, peer_status_;
+};
+
+Comms PeerExchange::hosts_, PeerExchange::nccl_, PeerExchange::peers_;
+Status PeerExchange::nccl_status_, PeerExchange::peer_status_;
+
+TEST_F(PeerExchange, CommunicatorBasics) {
+  std::vector<Status> agree(kWorld), disagree(kWorld), barrier(kWorld), clear(kWorld);
+  on_threads(kWorld, [&](int r) {
+    Communicator& c = *peers_[static_cast<size_t>(r)];
+    EXPECT_EQ(c.rank(), r);
+    EXPECT_EQ(c.world_size(), kWorld);
+    EXPECT_EQ(c.memory_space(), cpidx::MemorySpace::kDevice);
+    EXPECT_NE(cpidx::peer_error_flag(c), nullptr);
+    EXPECT_EQ(cpidx::peer_error_flag(*nccl_[static_cast<size_t>(r)]), nullptr);
+    agree[r] = c.check_agree(42, "the answer");  // forwarded to the thread bootstrap
+    disagree[r] = c.check_agree(r, "the rank");
+    barrier[r] = c.barrier();
+    clear[r] = cpidx::clear_peer_error_flag(c, nullptr);
+    cudaDeviceSynchronize();
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_TRUE(agree[r].is_ok()) << agree[r].to_string();
+    EXPECT_EQ(disagree[r].code(), StatusCode::kCommError) << disagree[r].to_string();
+    EXPECT_NE(disagree[r].message().find("the rank"), std::string::npos);
+    EXPECT_TRUE(barrier[r].is_ok()) << barrier[r].to_string();
+    EXPECT_TRUE(clear[r].is_ok()) << clear[r].to_string();
+  }
+  EXPECT_EQ(cpidx::clear_peer_error_flag(*nccl_[0], nullptr).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(PeerExchange, GatherEqualsNcclFromOneByteTo256KiB) {
+  // Line and grid edges: 8 B per line, 256 lines per CTA, 32 CTAs (64 KiB), then 2-4 lines per
+  // thread; sizes that are not multiples of 8 take the byte path (the last line is padded).
+  const std::vector<size_t> sizes = {
+      1,     2,     3,     7,      8,      9,      15,     16,     17,     100,   255,   256,
+      511,   512,   1000,  1001,   2047,   2048,   2056,   4095,   8192,   16384, 16391, 40960,
+      65528, 65536, 65544, 100003, 131072, 131079, 196608, 262136, 262143, 262144};
+  int checked = 0;
+  for (size_t bytes : sizes) {
+    const uint64_t seed = 7000 + bytes;
+    std::vector<GatherOut> nccl(kWorld), out(kWorld), in_place(kWorld), odd(kWorld);
+    on_threads(kWorld, [&](int r) {
+      const std::vector<uint8_t> mine = rank_payload(seed, r, bytes);
+      nccl[r] = gather_once(*nccl_[static_cast<size_t>(r)], mine, false);
+      Communicator& peer = *peers_[static_cast<size_t>(r)];
+      out[r] = gather_once(peer, mine, false);
+      in_place[r] = gather_once(peer, mine, true);
+      odd[r] = gather_once(peer, mine, false, /*send_offset=*/1, /*recv_offset=*/3);
+    });
+    std::vector<uint8_t> want;
+    for (int q = 0; q < kWorld; ++q) {
+      const std::vector<uint8_t> p = rank_payload(seed, q, bytes);
+      want.insert(want.end(), p.begin(), p.end());
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      const std::string what = std::to_string(bytes) + " B, rank " + std::to_string(r);
+      ASSERT_TRUE(nccl[r].status.is_ok()) << what << ": " << nccl[r].status.to_string();
+      EXPECT_EQ(first_difference(nccl[r].got, want, bytes), "") << what << " (NCCL)";
+      for (const auto& [name, g] :
+           {std::pair<const char*, const GatherOut*>{"out of place", &out[r]},
+            {"in place", &in_place[r]},
+            {"misaligned", &odd[r]}}) {
+        ASSERT_TRUE(g->status.is_ok()) << what << " " << name << ": " << g->status.to_string();
+        EXPECT_EQ(first_difference(g->got, nccl[r].got, bytes), "")
+            << what << " " << name << ": peer != NCCL";
+        EXPECT_TRUE(g->guards_ok) << what << " " << name << ": wrote outside recv";
+      }
+    }
+    ++checked;
+    if (HasFailure()) break;
+  }
+  EXPECT_EQ(checked, static_cast<int>(sizes.size()));
+  expect_error_words_clear("sizes");
+}
+
+TEST_F(PeerExchange, RefusesPayloadsAboveItsBound) {
+  std::vector<Status> st(kWorld);
+  on_threads(kWorld, [&](int r) {
+    DeviceVec<uint8_t> buf(2 * (kMaxBytes + 8));
+    st[r] = peers_[static_cast<size_t>(r)]->all_gather(buf.ptr, buf.ptr + kMaxBytes + 8,
+                                                       kMaxBytes + 8, nullptr);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(st[r].code(), StatusCode::kInvalidArgument) << st[r].to_string();
+    EXPECT_NE(st[r].message().find("max_bytes_per_rank"), std::string::npos) << st[r].message();
+  }
+}
+
+TEST_F(PeerExchange, Graph1000BackToBackGathersWithChangingPayloads) {
+  // 1001 B: one CTA, byte path, misaligned results; 24 KiB: 12 CTAs; 72 KiB: 32 CTAs of 2
+  // lines per thread. 1000 calls pass the 512-call flag refresh of every CTA's region.
+  for (size_t bytes : {size_t{1001}, size_t{24} << 10, size_t{72} << 10}) {
+    std::vector<std::string> err(kWorld);
+    on_threads(kWorld, [&](int r) {
+      err[r] = chain_of_gathers(*peers_[static_cast<size_t>(r)], bytes, 1000, 3, 9000 + bytes);
+    });
+    for (int r = 0; r < kWorld; ++r) {
+      EXPECT_EQ(err[r], "") << bytes << " B, rank " << r;
+    }
+  }
+  expect_error_words_clear("chain");
+}
+
+TEST_F(PeerExchange, GraphOfMixedSizesAndInPlaceGathers) {
+  // One CTA, 20 CTAs, 32 CTAs x 2 lines, and a byte-path size: the per-CTA epochs advance
+  // unevenly, as with the step's query and key gathers.
+  const std::vector<size_t> sizes = {512, 40968, 100003, 4096, 7};
+  std::vector<std::string> err(kWorld);
+  on_threads(kWorld, [&](int r) {
+    err[r] = mixed_gathers(*peers_[static_cast<size_t>(r)], sizes, 600, 2, 31337);
+  });
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(err[r], "") << "rank " << r;
+  expect_error_words_clear("mixed");
+}
+
+TEST_F(PeerExchange, CpDecodeEqualsPlainBitwise) {
+  std::mt19937 rng(77);
+  int seed = 5000;
+  for (int T : {4, 2, 1}) {
+    for (int Q : {1, 4}) {
+      std::vector<int32_t> s = lengths(rng, 6, 50000, true);
+      s[0] = 100;
+      s[2] = 129;
+      DecodeData d = random_decode(seed++, T, Q, s, 50000);
+      const Selection sel = sel_of(16);
+      const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
+      std::vector<RankResult> res(kWorld);
+      on_threads(kWorld,
+                 [&](int r) { res[r] = cp_rank(*peers_[static_cast<size_t>(r)], r, d, sel); });
+      const std::string what = "T=" + std::to_string(T) + " Q=" + std::to_string(Q);
+      for (const RankResult& x : res) expect_rank_matches(x, plain, d.rows(), sel.topk, what);
+    }
+  }
+  DecodeData d = random_decode(seed++, 4, 2, lengths(rng, 5, 20000, true), 20000);
+  const Selection sel = sel_of(33, 1, 2);
+  const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
+  std::vector<RankResult> res(kWorld);
+  on_threads(kWorld, [&](int r) { res[r] = cp_rank(*peers_[static_cast<size_t>(r)], r, d, sel); });
+  for (const RankResult& x : res) expect_rank_matches(x, plain, d.rows(), sel.topk, "K=33");
+  expect_error_words_clear("cp_decode");
+}
+
+TEST_F(PeerExchange, CpDecodeGraphReplay1000WithChangingInputs) {
+  const int reqs = 8, replays = 1000, check_every = 100, Q = 2;
+  const int32_t bound = 1 << 16;
+  std::mt19937 rng(88);
+  DecodeData d = random_decode(5100, 4, Q, lengths(rng, reqs, bound, false), bound);
+  const Selection sel = sel_of(16);
+  std::vector<std::unique_ptr<GraphRank>> ranks;
+  for (int r = 0; r < kWorld; ++r) {
+    ranks.push_back(std::make_unique<GraphRank>(*peers_[static_cast<size_t>(r)], r, d, sel));
+  }
+  std::vector<Status> cap(kWorld);
+  on_threads(kWorld, [&](int r) {
+    cap[r] = ranks[r]->warm_up();
+    if (cap[r].is_ok()) cap[r] = ranks[r]->capture();
+  });
+  bool ready = true;
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_TRUE(cap[r].is_ok()) << "rank " << r << ": " << cap[r].to_string();
+    ready = ready && cap[r].is_ok() && ranks[r]->captured();
+  }
+  ASSERT_TRUE(ready);
+  int checks = 0;
+  for (int step = 0; step < replays; ++step) {
+    next_replay_inputs(rng, step, bound, &d);
+    const bool check = step % check_every == 0 || step == replays - 1;
+    for (auto& rk : ranks) {
+      rk->set_inputs(d);
+      if (check) rk->poison_ids();
+    }
+    for (auto& rk : ranks) rk->launch();
+    if (!check) continue;  // the next replay's copies queue behind this one in each stream
+    for (auto& rk : ranks) rk->sync();
+    const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
+    for (auto& rk : ranks) {
+      expect_owned_heads_equal(rk->geometry(), rk->ids(), plain, d.rows(), sel.topk,
+                               "replay " + std::to_string(step));
+    }
+    ++checks;
+    if (HasFailure()) break;
+  }
+  for (auto& rk : ranks) rk->sync();
+  EXPECT_EQ(checks, replays / check_every + 1);
+  expect_error_words_clear("cp_decode graph");
+}
+
+TEST_F(PeerExchange, NcclCommunicatorAsBootstrap) {
+  std::vector<Status> st;
+  Comms peers = make_peers(nccl_, 4096, &st);  // handles staged through device memory
+  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
+  std::vector<GatherOut> out(kWorld);
+  std::vector<Status> agree(kWorld);
+  on_threads(kWorld, [&](int r) {
+    out[r] = gather_once(*peers[static_cast<size_t>(r)], rank_payload(11, r, 3001), false);
+    agree[r] = peers[static_cast<size_t>(r)]->check_agree(r, "the rank");  // NCCL's host channel
+  });
+  std::vector<uint8_t> want = rank_payload(11, 0, 3001), one = rank_payload(11, 1, 3001);
+  want.insert(want.end(), one.begin(), one.end());
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_TRUE(out[r].status.is_ok()) << out[r].status.to_string();
+    EXPECT_EQ(first_difference(out[r].got, want, 3001), "") << "rank " << r;
+    EXPECT_EQ(agree[r].code(), StatusCode::kCommError) << agree[r].to_string();
+  }
+  peers.clear();
+}
+
+TEST_F(PeerExchange, MissingPeerRaisesTheErrorWordInsteadOfHanging) {
+  Comms boot = cpidx::make_thread_communicators(kWorld);
+  std::vector<Status> st;
+  Comms peers = make_peers(boot, 4096, &st, /*timeout_seconds=*/0.25);
+  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
+  // Only rank 0 gathers: it must come back with its error word set.
+  DeviceScope scope(0);
+  DeviceVec<uint8_t> buf(2 * 4096);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(peers[0]->all_gather(buf.ptr, buf.ptr, 4096, stream).is_ok());
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  // Once raised, later gathers do not wait again.
+  for (int i = 0; i < 20; ++i)
+    ASSERT_TRUE(peers[0]->all_gather(buf.ptr, buf.ptr, 4096, stream).is_ok());
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int32_t word = 0;
+  ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(*peers[0]), 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(word & cpidx::kPeerErrorTimeout, cpidx::kPeerErrorTimeout);
+  EXPECT_LT(seconds, 5.0) << "21 gathers without a peer should cost about one timeout";
+  ASSERT_TRUE(cpidx::clear_peer_error_flag(*peers[0], stream).is_ok());
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(*peers[0]), 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(word, 0);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  peers.clear();
+}
+
+TEST_F(PeerExchange, RanksThatDisagreeFailTogether) {
+  Comms boot = cpidx::make_thread_communicators(kWorld);
+  std::vector<Status> st(kWorld);
+  Comms peers(kWorld);
+  // Different bounds: every rank fails, naming the bound.
+  on_threads(kWorld, [&](int r) {
+    peers[r] = cpidx::make_peer_communicator(*boot[r], r, r == 0 ? 4096 : 8192, &st[r]);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(peers[r], nullptr);
+    EXPECT_EQ(st[r].code(), StatusCode::kInvalidArgument) << st[r].to_string();
+    EXPECT_NE(st[r].message().find("max_bytes_per_rank"), std::string::npos) << st[r].message();
+  }
+  // A bad device on rank 1: rank 0 fails too, naming rank 1.
+  on_threads(kWorld, [&](int r) {
+    peers[r] = cpidx::make_peer_communicator(*boot[r], r == 1 ? 999 : r, 4096, &st[r]);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(peers[r], nullptr);
+    EXPECT_EQ(st[r].code(), StatusCode::kInvalidArgument) << st[r].to_string();
+    EXPECT_NE(st[r].message().find("rank 1"), std::string::npos) << st[r].message();
+  }
+  // The bootstrap is still in step: a good creation works afterwards.
+  on_threads(kWorld,
+             [&](int r) { peers[r] = cpidx::make_peer_communicator(*boot[r], r, 4096, &st[r]); });
+  for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(st[r].is_ok()) << st[r].to_string();
+  peers.clear();
+}
+
+// No GPU needed: the world bound is checked before anything else (no collective is made).
+TEST(PeerExchangeLimits, MoreThanEightRanksAreRefused) {
+  Comms boot = cpidx::make_thread_communicators(cpidx::kPeerMaxRanks + 1);
+  Status st;
+  auto peer = cpidx::make_peer_communicator(*boot[0], 0, 4096, &st);
+  EXPECT_EQ(peer, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.to_string();
+  EXPECT_NE(st.message().find("use NCCL"), std::string::npos) << st.message();
+}
+
+}  // namespace
