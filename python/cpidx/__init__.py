@@ -53,6 +53,7 @@ __all__ = [
     "IndexerCPDecode",
     "get_shared_cp_decode",
     "Decoder",
+    "Prefiller",
     "Communicator",
     "gpu_available",
     "cuda_built",
@@ -60,6 +61,7 @@ __all__ = [
 ]
 
 Decoder = _C.Decoder
+Prefiller = _C.Prefiller
 Communicator = _C.Communicator
 gpu_available = _C.gpu_available
 cuda_built = _C.cuda_built

@@ -2,6 +2,7 @@
 the bf16 helpers of the host path, and the Registry (the package's one cache)."""
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 from typing import Any, Optional
@@ -84,9 +85,11 @@ class Registry:
     """The package's one cache, explicit and documented (no other hidden global state).
 
     * ``decoder(...)``: one GPU :class:`cpidx.Decoder` per (device, heads, max_tokens,
-      max_seq_len, topk, init_blocks, local_blocks, cache dtype), used by :func:`decode_topk` and
-      :func:`prefill_topk` on CUDA tensors. Creating one allocates its workspace and
-      synchronises, so the first call of a shape must happen before CUDA-graph capture.
+      max_seq_len, topk, init_blocks, local_blocks, cache dtype), used by :func:`decode_topk` on
+      CUDA tensors. Creating one allocates its workspace and synchronises, so the first call of a
+      shape must happen before CUDA-graph capture.
+    * ``prefiller(...)``: one GPU :class:`cpidx.Prefiller` per the same key, used by
+      :func:`prefill_topk` on CUDA tensors.
     * ``cp_decode(**kwargs)``: one :class:`cpidx.IndexerCPDecode` per (rank, geometry, group),
       shared by every layer of a model (see :func:`cpidx.get_shared_cp_decode`).
 
@@ -98,6 +101,7 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._decoders: dict = {}
+        self._prefillers: dict = {}
         self._cp: dict = {}
 
     def decoder(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
@@ -112,6 +116,19 @@ class Registry:
                                  cache_dtype=cache_dtype)
                 self._decoders[key] = dec
             return dec
+
+    def prefiller(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
+                  init_blocks: int, local_blocks: int, cache_dtype: str = "bf16") -> Any:
+        key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
+        with self._lock:
+            pre = self._prefillers.get(key)
+            if pre is None:
+                pre = _C.Prefiller(num_heads=heads, max_tokens=max_tokens,
+                                   max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
+                                   local_blocks=local_blocks, device=device,
+                                   cache_dtype=cache_dtype)
+                self._prefillers[key] = pre
+            return pre
 
     def cp_decode(self, **kwargs: Any) -> Any:
         from ._cp import IndexerCPDecode
@@ -128,13 +145,16 @@ class Registry:
         """Drop every decoder and shared IndexerCPDecode (their device memory goes with them)."""
         with self._lock:
             self._decoders.clear()
+            self._prefillers.clear()
             self._cp.clear()
 
     def __len__(self) -> int:
-        return len(self._decoders) + len(self._cp)
+        return len(self._decoders) + len(self._prefillers) + len(self._cp)
 
 
 registry = Registry()
+# Release device memory (and the native objects) before the interpreter tears modules down.
+atexit.register(registry.clear)
 
 
 # ---- decode / prefill ---------------------------------------------------------------------
@@ -226,9 +246,10 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     (rows ``cu_seqlens_q[req] <= row < cu_seqlens_q[req + 1]``) sits at
     ``context_lens[req] + i``. Writes int32 ``[heads, tokens, topk]`` into ``out``, returns it.
 
-    Host arrays: the C++ reference. torch CUDA tensors: for now the GPU decoder with one decode
-    row per token (same contract, same ids; a dedicated prefill kernel is a later issue). It
-    allocates index tensors, so it is not meant for CUDA-graph capture.
+    Host arrays: the C++ reference. torch CUDA tensors: the GPU prefill kernel
+    (``torch.ops.cpidx.prefill_topk`` on the current stream) through the registry's
+    :class:`cpidx.Prefiller` for this shape (``max_tokens`` fixes its size; default: the next
+    power of two >= tokens). Allocation-free after the first call of a shape.
     """
     if _is_torch(index_query):
         _torch_module().ops.cpidx.prefill_topk(
@@ -253,27 +274,13 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                             init_blocks=init_blocks, local_blocks=local_blocks,
                             max_seq_len=max_seq_len)
         return
-    torch = _torch_module()
     tokens = index_query.shape[0]
-    num_reqs = seq_lens.shape[0]
-    for name, t, n in (("cu_seqlens_q", cu_seqlens_q, num_reqs + 1),
-                       ("context_lens", context_lens, num_reqs)):
-        if not _is_torch(t) or t.dtype != torch.int32:
-            raise TypeError(f"{name}: expected an int32 tensor, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")
-        if t.dim() != 1 or t.shape[0] != n:
-            raise ValueError(f"{name}: expected shape [{n}], got {list(t.shape)}")
     if tokens == 0:
         return
-    # One decode row per token: row `i` of request `req` is a request of its own with
-    # seq_len = context_lens[req] + (i - cu_seqlens_q[req]) + 1 and the request's block-table row.
-    cu = cu_seqlens_q.long()
-    q_lens = cu[1:] - cu[:-1]
-    token_req = torch.repeat_interleave(torch.arange(num_reqs, device=index_query.device),
-                                        q_lens, output_size=tokens)
-    offset = torch.arange(tokens, device=index_query.device) - cu[:-1][token_req]
-    token_seq = (context_lens.long()[token_req] + offset + 1).to(torch.int32)
-    token_bt = block_table.index_select(0, token_req)
-    _decode_now(index_query, index_cache, token_bt, token_seq, 1, out, scale=scale, topk=topk,
-                init_blocks=init_blocks, local_blocks=local_blocks, max_seq_len=max_seq_len,
-                max_tokens=max_tokens, registry=registry)
+    reg = registry if registry is not None else globals()["registry"]
+    pre = reg.prefiller(device=index_query.device.index, heads=index_query.shape[1],
+                        max_tokens=max_tokens or _token_bucket(tokens), max_seq_len=max_seq_len,
+                        topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                        cache_dtype=_cache_dtype_name(index_cache))
+    pre.prefill(index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
+                seq_lens, out, scale=scale, stream=_current_stream(index_query.device))

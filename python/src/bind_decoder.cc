@@ -12,6 +12,7 @@
 
 #include "cpidx/comm.h"
 #include "cpidx/indexer.h"
+#include "cpidx/prefill.h"
 #include "tensor_args.h"
 
 namespace cpidx::py {
@@ -94,7 +95,77 @@ struct PyDecoder {
   }
 };
 
+// The GPU prefill indexer of one (device, heads, maxima): workspace at construction.
+struct PyPrefiller {
+  std::unique_ptr<Prefiller> prefiller;
+  Place place;
+
+  const PrefillConfig& cfg() const { return prefiller->config(); }
+
+  void prefill(const InArray& index_query, const InArray& index_cache, const InArray& block_table,
+               const InArray& cu_seqlens_q, const InArray& context_lens, const InArray& seq_lens,
+               const OutArray& out, double scale, uintptr_t stream) {
+    const PrefillInputs in = prefill_inputs(index_query, index_cache, block_table, cu_seqlens_q,
+                                            context_lens, seq_lens, scale, cfg().max_seq_len,
+                                            place);
+    const TopkOutput o = topk_output(out, in.num_heads, in.num_tokens, cfg().sel.topk, place);
+    check_status(prefiller->prefill(in, o, as_stream(stream)));
+  }
+};
+
 }  // namespace
+
+void bind_prefiller(nb::module_& m) {
+  using namespace nb::literals;
+  nb::class_<PyPrefiller>(m, "Prefiller",
+                          "The GPU prefill indexer of one (device, heads, maxima): workspace "
+                          "sized at construction; prefill() only enqueues work.")
+      .def(
+          "__init__",
+          [](PyPrefiller* self, int num_heads, int max_tokens, int64_t max_seq_len, int topk,
+             int init_blocks, int local_blocks, int device, const std::string& cache_dtype) {
+            PrefillConfig c;
+            c.num_heads = num_heads;
+            c.max_tokens = max_tokens;
+            if (max_seq_len < 1 || max_seq_len > INT32_MAX) {
+              throw nb::value_error(
+                  ("max_seq_len: expected 1 to 2^31-1, got " + std::to_string(max_seq_len)).c_str());
+            }
+            c.max_seq_len = static_cast<int32_t>(max_seq_len);
+            c.sel = selection(topk, init_blocks, local_blocks);
+            c.cache_dtype = cache_dtype_of(cache_dtype);
+            std::unique_ptr<Prefiller> p;
+            check_status(Prefiller::create(c, device, &p));
+            new (self) PyPrefiller{std::move(p), Place{true, device}};
+          },
+          nb::kw_only(), "num_heads"_a, "max_tokens"_a, "max_seq_len"_a, "topk"_a,
+          "init_blocks"_a, "local_blocks"_a, "device"_a, "cache_dtype"_a = "bf16")
+      .def_prop_ro("device", [](const PyPrefiller& p) { return p.place.device; })
+      .def_prop_ro("num_heads", [](const PyPrefiller& p) { return p.cfg().num_heads; })
+      .def_prop_ro("max_tokens", [](const PyPrefiller& p) { return p.cfg().max_tokens; })
+      .def_prop_ro("max_seq_len", [](const PyPrefiller& p) { return p.cfg().max_seq_len; })
+      .def_prop_ro("topk", [](const PyPrefiller& p) { return p.cfg().sel.topk; })
+      .def_prop_ro("workspace_bytes",
+                   [](const PyPrefiller& p) { return p.prefiller->plan().workspace_bytes; })
+      .def("prefill", &PyPrefiller::prefill, "index_query"_a, "index_cache"_a, "block_table"_a,
+           "cu_seqlens_q"_a, "context_lens"_a, "seq_lens"_a, "out"_a, nb::kw_only(), "scale"_a,
+           "stream"_a = 0,
+           "ids [heads, tokens, topk] of packed prefill tokens (CONTRACT.md section 7).")
+      .def(
+          "error_flag",
+          [](PyPrefiller& p) {
+            return nb::ndarray<nb::pytorch, int32_t, nb::shape<1>>(
+                p.prefiller->error_flag(), {1}, nb::find(&p), {}, nb::dtype<int32_t>(),
+                nb::device::cuda::value, p.place.device);
+          },
+          "Device int32 [1]: OR of DeviceError bits since the last clear (a torch tensor view).")
+      .def(
+          "clear_error_flag",
+          [](PyPrefiller& p, uintptr_t stream) {
+            check_status(p.prefiller->clear_error_flag(as_stream(stream)));
+          },
+          "stream"_a = 0);
+}
 
 void bind_decoder(nb::module_& m) {
   using namespace nb::literals;

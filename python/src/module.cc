@@ -7,6 +7,7 @@ namespace cpidx::py {
 void bind_comm(nb::module_& m);
 void bind_reference(nb::module_& m);
 void bind_decoder(nb::module_& m);
+void bind_prefiller(nb::module_& m);
 }  // namespace cpidx::py
 
 NB_MODULE(_C, m) {
@@ -19,4 +20,5 @@ NB_MODULE(_C, m) {
   cpidx::py::bind_comm(m);
   cpidx::py::bind_reference(m);
   cpidx::py::bind_decoder(m);
+  cpidx::py::bind_prefiller(m);
 }

@@ -214,3 +214,91 @@ def test_bad_device_is_named():
         cpidx.decode_topk(q, k, bt, sl.cpu(), 1, out, scale=1.0, topk=4, max_seq_len=512)
     with pytest.raises(TypeError, match="seq_lens: expected int32, got int64"):
         cpidx.decode_topk(q, k, bt, sl.long(), 1, out, scale=1.0, topk=4, max_seq_len=512)
+
+
+def random_prefill(rng, heads, q_lens, context_lens, max_seq_len):
+    """A packed prefill batch of small-integer values (exact dots, many ties) over a shuffled
+    paged cache; returns host arrays and their CUDA copies."""
+    b = random_decode(rng, heads, 1, [c + q for c, q in zip(context_lens, q_lens)],
+                      max_seq_len=max_seq_len)
+    tokens = sum(q_lens)
+    query = cpidx.bf16_bits(rng.integers(-3, 4, size=(tokens, heads, 128)).astype(np.float32))
+    host = dict(index_query=query, index_cache=b.cache, block_table=b.block_table,
+                cu_seqlens_q=np.array([0] + list(np.cumsum(q_lens)), dtype=np.int32),
+                context_lens=np.array(context_lens, dtype=np.int32),
+                seq_lens=b.seq_lens)
+    dev = {k: torch.from_numpy(v.view(np.int16) if v.dtype == np.uint16 else v).to(DEV)
+           for k, v in host.items()}
+    for k in ("index_query", "index_cache"):
+        dev[k] = dev[k].view(torch.bfloat16)
+    return host, dev, tokens
+
+
+def test_prefill_gpu_equals_reference_on_ties():
+    rng = np.random.default_rng(21)
+    # A chunk after a cached prefix that is not a multiple of 128, a first chunk, one token.
+    host, dev, tokens = random_prefill(rng, 4, [300, 129, 1], [1000, 0, 4095], 4224)
+    for K, init, local in ((16, 0, 1), (6, 1, 2), (64, 0, 1)):
+        want = np.full((4, tokens, K), 7, dtype=np.int32)
+        cpidx.prefill_topk(**host, out=want, scale=0.5, topk=K, init_blocks=init,
+                           local_blocks=local, max_seq_len=4224)
+        got = torch.full((4, tokens, K), 9, dtype=torch.int32, device=DEV)
+        cpidx.prefill_topk(**dev, out=got, scale=0.5, topk=K, init_blocks=init,
+                           local_blocks=local, max_seq_len=4224)
+        np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+def test_prefiller_in_a_cuda_graph_follows_new_contexts():
+    rng = np.random.default_rng(22)
+    host, dev, tokens = random_prefill(rng, 2, [64, 64], [500, 2000], 4096)
+    # Every block-table entry valid, so longer contexts below stay inside the cache.
+    pages = host["index_cache"].shape[0]
+    host["block_table"] = rng.permutation(pages)[:2 * 32].reshape(2, 32).astype(np.int32)
+    dev["block_table"] = torch.from_numpy(host["block_table"]).to(DEV)
+    pre = cpidx.Prefiller(num_heads=2, max_tokens=tokens, max_seq_len=4096, topk=16,
+                          init_blocks=0, local_blocks=1, device=0)
+    out = torch.zeros((2, tokens, 16), dtype=torch.int32, device=DEV)
+    args = [dev[k] for k in ("index_query", "index_cache", "block_table", "cu_seqlens_q",
+                             "context_lens", "seq_lens")]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        pre.prefill(*args, out, scale=0.5, stream=side.cuda_stream)  # warm-up outside capture
+        with torch.cuda.graph(graph, stream=side):
+            pre.prefill(*args, out, scale=0.5, stream=side.cuda_stream)
+    torch.cuda.current_stream().wait_stream(side)
+    for ctx in ([0, 0], [3000, 7], [4032, 4032]):
+        host["context_lens"] = np.array(ctx, dtype=np.int32)
+        host["seq_lens"] = host["context_lens"] + 64
+        dev["context_lens"].copy_(torch.from_numpy(host["context_lens"]))
+        dev["seq_lens"].copy_(torch.from_numpy(host["seq_lens"]))
+        out.fill_(-5)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = np.zeros((2, tokens, 16), dtype=np.int32)
+        cpidx.prefill_topk(**host, out=want, scale=0.5, topk=16, max_seq_len=4096)
+        np.testing.assert_array_equal(out.cpu().numpy(), want, err_msg=str(ctx))
+    assert int(pre.error_flag().item()) == 0
+
+
+def test_prefiller_names_bad_arguments():
+    rng = np.random.default_rng(23)
+    host, dev, tokens = random_prefill(rng, 2, [10], [100], 512)
+    pre = cpidx.Prefiller(num_heads=2, max_tokens=16, max_seq_len=512, topk=4, init_blocks=0,
+                          local_blocks=1, device=0)
+    out = torch.zeros((2, tokens, 4), dtype=torch.int32, device=DEV)
+    args = dict(dev)
+    args["cu_seqlens_q"] = dev["cu_seqlens_q"].long()
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        pre.prefill(*args.values(), out, scale=1.0)
+    args = dict(dev)
+    args["context_lens"] = dev["context_lens"].cpu()
+    with pytest.raises(ValueError, match="context_lens"):
+        pre.prefill(*args.values(), out, scale=1.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        big = torch.zeros((2, 64, 4), dtype=torch.int32, device=DEV)
+        q = torch.zeros((64, 2, 128), dtype=torch.bfloat16, device=DEV)
+        cu = torch.tensor([0, 64], dtype=torch.int32, device=DEV)
+        pre.prefill(q, dev["index_cache"], dev["block_table"], cu, dev["context_lens"],
+                    dev["seq_lens"], big, scale=1.0)

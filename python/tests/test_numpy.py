@@ -291,3 +291,14 @@ def test_gpu_decoder_without_gpu_raises_cleanly():
     with pytest.raises((NotImplementedError, RuntimeError)):
         cpidx.Decoder(total_heads=4, world_size=1, rank=0, max_tokens=8, max_seq_len=1024,
                       topk=16, init_blocks=0, local_blocks=1, device=0)
+
+
+def test_gpu_prefiller_without_gpu_raises_cleanly():
+    if cpidx.gpu_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        cpidx.Prefiller(num_heads=4, max_tokens=8, max_seq_len=1024, topk=16, init_blocks=0,
+                        local_blocks=1, device=0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        cpidx.Prefiller(num_heads=4, max_tokens=8, max_seq_len=0, topk=16, init_blocks=0,
+                        local_blocks=1, device=0)
