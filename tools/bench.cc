@@ -97,6 +97,7 @@ class Bench {
   Result run(const Shape& sh, int replays);
   // DecodeConfig::split_max_pages of every Decoder (-1: the library's choice, 0: fused only).
   void set_split_pages(int64_t pages) { split_pages_ = pages; }
+  void set_ctas_per_sm(int ctas) { ctas_per_sm_ = ctas; }
 
  private:
   InputSet make_set(const Shape& sh, int T, int64_t G, std::mt19937_64& rng, int64_t& next_page);
@@ -124,6 +125,7 @@ class Bench {
   std::string dtype_;
   bool pdl_ = true;
   int64_t split_pages_ = DecodeConfig::kAutoSplit;
+  int ctas_per_sm_ = 0;
   void* pool_ = nullptr;
   std::vector<uint16_t> h_pool_;
   int64_t pool_pages_ = 0, page_bytes_ = 0;
@@ -220,6 +222,7 @@ Result Bench::run(const Shape& sh, int replays) {
   cfg.cache_dtype = dtype_ == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
   cfg.programmatic_launch = pdl_;
   cfg.split_max_pages = split_pages_;
+  cfg.scoring_ctas_per_sm = ctas_per_sm_;
   std::vector<std::unique_ptr<Decoder>> decs(static_cast<size_t>(sh.world));
   for (int r = 0; r < sh.world; ++r) {
     cfg.rank = r;
@@ -319,7 +322,7 @@ int run_bench(int argc, char** argv) {
   }
   std::string modes = "plain1,plain4,cp2,cp4", reqs = "1,8,64", contexts = "8K,64K,256K,1M",
               qlens = "1,4", json, dtype = "bf16", exchange = "both";
-  int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit;
+  int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit, ctas_per_sm = 0;
   bool pdl = true;
   Flags flags("cpidx bench [flags]",
               "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
@@ -343,6 +346,7 @@ int run_bench(int argc, char** argv) {
       .add("split-pages", &split_pages,
            "steps with at most this many pages per rank take the split path (-1: automatic, "
            "0: fused path only)")
+      .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1 or 2)")
       .add("json", &json, "write the results as JSON to this file");
   switch (flags.parse(argc, argv, 2)) {
     case Flags::Parse::kHelp: return kExitOk;
@@ -404,6 +408,7 @@ int run_bench(int argc, char** argv) {
           if (!bench) {
             bench = std::make_unique<Bench>(pool_mb, dtype, pdl);
             bench->set_split_pages(split_pages);
+            bench->set_ctas_per_sm(static_cast<int>(ctas_per_sm));
             std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s %9s  %s\n", "mode", "heads",
                         "reqs", "context", "Q", "sets", "cache_MB", "us", "GB/s", "floor_us",
                         "grid/stg", "check");

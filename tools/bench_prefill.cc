@@ -3,8 +3,9 @@
 // chunk x context of the sweep. Each shape's calls are captured in one CUDA graph; the median
 // replay over the call count is the time. TFLOP/s counts the useful work, 2 * heads * 128 *
 // sum over the chunk's tokens of (pos + 1) (the causal part included); GB/s counts the unique
-// bytes (cache pages of the request, queries, ids). The smallest shape is checked against the
-// CPU reference.
+// bytes (cache pages of the request, queries, ids). `--kernel` picks the score kernel (mma.sync,
+// Hopper wgmma, or both: one row per kernel and shape). The smallest shape is checked against
+// the CPU reference, for every kernel.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "args.h"
@@ -78,16 +80,19 @@ struct Shape {
 
 struct Result {
   Shape shape;
+  std::string kernel;
+  int stages = 0;
   double us = 0, tflops = 0, gbps = 0, mem_floor_us = 0, tc_floor_us = 0;
   int calls = 0;
   std::string check = "-";
 };
 
-// Device buffers sized for the largest shape; one Prefiller serves every shape.
+// Device buffers sized for the largest shape; one Prefiller per score kernel serves every shape.
 class PrefillBench {
  public:
-  PrefillBench(int heads, int topk, DType dtype, int64_t max_chunk, int64_t max_context)
-      : heads_(heads), topk_(topk), dtype_(dtype), max_chunk_(max_chunk),
+  PrefillBench(int heads, int topk, DType dtype, int64_t max_chunk, int64_t max_context,
+               std::vector<PrefillKernel> kernels)
+      : kernels_(std::move(kernels)), heads_(heads), topk_(topk), dtype_(dtype), max_chunk_(max_chunk),
         max_seq_len_(static_cast<int32_t>(max_context + max_chunk)) {}
   ~PrefillBench() {
     for (void* p : {static_cast<void*>(cache_), static_cast<void*>(query_),
@@ -98,19 +103,22 @@ class PrefillBench {
   }
 
   bool init();
-  bool run(const Shape& sh, int replays, bool check, Result* r);
-  const PrefillPlan& plan() const { return pre_->plan(); }
+  // Shape `sh` on the Prefiller of kernels()[k].
+  bool run(const Shape& sh, size_t k, int replays, bool check, Result* r);
+  size_t kernels() const { return pres_.size(); }
+  const PrefillPlan& plan(size_t k) const { return pres_[k]->plan(); }
 
  private:
   PrefillInputs inputs(bool host) const;
-  std::string check_against_reference(const Shape& sh);
+  std::string check_against_reference(const Shape& sh, const Prefiller& pre);
 
+  std::vector<PrefillKernel> kernels_;
   int heads_, topk_;
   DType dtype_;
   int64_t max_chunk_;
   int32_t max_seq_len_;
   int64_t num_pages_ = 0, page_bytes_ = 0;
-  std::unique_ptr<Prefiller> pre_;
+  std::vector<std::unique_ptr<Prefiller>> pres_;
   std::vector<uint16_t> h_cache_, h_query_;  // the cache as raw 16-bit words (fp8: 2 per word)
   std::vector<int32_t> h_table_, h_lens_;     // h_lens_: cu_seqlens_q[2], context, seq_len
   void* cache_ = nullptr;
@@ -127,10 +135,15 @@ bool PrefillBench::init() {
   cfg.max_seq_len = max_seq_len_;
   cfg.sel.topk = topk_;
   cfg.cache_dtype = dtype_;
-  const Status st = Prefiller::create(cfg, 0, &pre_);
-  if (!st.is_ok()) {
-    std::fprintf(stderr, "Prefiller::create: %s\n", st.to_string().c_str());
-    return false;
+  for (const PrefillKernel k : kernels_) {
+    cfg.kernel = k;
+    std::unique_ptr<Prefiller> pre;
+    const Status st = Prefiller::create(cfg, 0, &pre);
+    if (!st.is_ok()) {
+      std::fprintf(stderr, "Prefiller::create (kernel %s): %s\n", to_string(k), st.to_string().c_str());
+      return false;
+    }
+    pres_.push_back(std::move(pre));
   }
   page_bytes_ = int64_t{kBlockSize} * kHeadDim * dtype_bytes(dtype_);
   num_pages_ = cdiv(max_seq_len_, kBlockSize);
@@ -181,14 +194,14 @@ PrefillInputs PrefillBench::inputs(bool host) const {
   return in;
 }
 
-std::string PrefillBench::check_against_reference(const Shape& sh) {
+std::string PrefillBench::check_against_reference(const Shape& sh, const Prefiller& pre) {
   const int64_t n = sh.chunk, K = topk_;
   std::vector<int32_t> got(static_cast<size_t>(heads_ * n * K)), want(got.size());
   if (cudaMemcpy(got.data(), ids_, got.size() * 4, cudaMemcpyDeviceToHost) != cudaSuccess) {
     return "copy-error";
   }
   const PrefillInputs in = inputs(true);
-  const Selection sel = pre_->config().sel;
+  const Selection sel = pre.config().sel;
   int32_t err = 0;
   if (!ref::prefill_topk(in, sel, TopkOutput{want.data(), n * K, K}, &err).is_ok()) return "ref-error";
   const ref::IdsComparison cmp =
@@ -203,8 +216,11 @@ std::string PrefillBench::check_against_reference(const Shape& sh) {
   return buf;
 }
 
-bool PrefillBench::run(const Shape& sh, int replays, bool check, Result* r) {
+bool PrefillBench::run(const Shape& sh, size_t k, int replays, bool check, Result* r) {
+  Prefiller& pre = *pres_[k];
   r->shape = sh;
+  r->kernel = to_string(pre.plan().kernel);
+  r->stages = pre.plan().stages;
   h_lens_ = {0, static_cast<int32_t>(sh.chunk), static_cast<int32_t>(sh.context),
              static_cast<int32_t>(sh.context + sh.chunk)};
   PREFILL_CUDA(cudaMemcpy(lens_, h_lens_.data(), 16, cudaMemcpyHostToDevice));
@@ -212,21 +228,21 @@ bool PrefillBench::run(const Shape& sh, int replays, bool check, Result* r) {
   const TopkOutput out{ids_, sh.chunk * topk_, topk_};
   cudaStream_t stream;
   PREFILL_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  Status st = pre_->prefill(in, out, stream);  // eager: the checked run
+  Status st = pre.prefill(in, out, stream);  // eager: the checked run
   PREFILL_CUDA(cudaStreamSynchronize(stream));
   if (!st.is_ok()) {
     r->check = "run: " + st.message();
     cudaStreamDestroy(stream);
     return true;
   }
-  if (check) r->check = check_against_reference(sh);
+  if (check) r->check = check_against_reference(sh, pre);
 
   const double flop = sh.flop() * heads_;
   r->calls = static_cast<int>(std::clamp(std::ceil(2e11 / flop), 1.0, 32.0));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   PREFILL_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int c = 0; c < r->calls && st.is_ok(); ++c) st = pre_->prefill(in, out, stream);
+  for (int c = 0; c < r->calls && st.is_ok(); ++c) st = pre.prefill(in, out, stream);
   PREFILL_CUDA(cudaStreamEndCapture(stream, &graph));
   PREFILL_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   cudaEvent_t e0, e1;
@@ -261,7 +277,7 @@ bool PrefillBench::run(const Shape& sh, int replays, bool check, Result* r) {
 }
 
 bool write_json(const std::string& path, const std::vector<Result>& results, int heads, int topk,
-                const std::string& dtype, const PrefillPlan& plan) {
+                const std::string& dtype, const PrefillPlan& plan) {  // plan: the first kernel's
   std::FILE* f = std::fopen(path.c_str(), "w");
   if (!f) return false;
   cudaDeviceProp prop;
@@ -273,11 +289,11 @@ bool write_json(const std::string& path, const std::vector<Result>& results, int
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     std::fprintf(f,
-                 "  {\"chunk\": %lld, \"context\": %lld, \"calls\": %d, \"us\": %.3f, "
-                 "\"tflops\": %.2f, \"gbps\": %.1f, \"mem_floor_us\": %.3f, "
-                 "\"tc_floor_us\": %.3f, \"check\": \"%s\"}%s\n",
+                 "  {\"chunk\": %lld, \"context\": %lld, \"kernel\": \"%s\", \"stages\": %d, "
+                 "\"calls\": %d, \"us\": %.3f, \"tflops\": %.2f, \"gbps\": %.1f, "
+                 "\"mem_floor_us\": %.3f, \"tc_floor_us\": %.3f, \"check\": \"%s\"}%s\n",
                  static_cast<long long>(r.shape.chunk), static_cast<long long>(r.shape.context),
-                 r.calls, r.us, r.tflops, r.gbps, r.mem_floor_us, r.tc_floor_us, r.check.c_str(),
+                 r.kernel.c_str(), r.stages, r.calls, r.us, r.tflops, r.gbps, r.mem_floor_us, r.tc_floor_us, r.check.c_str(),
                  i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "]}\n");
@@ -289,7 +305,7 @@ bool write_json(const std::string& path, const std::vector<Result>& results, int
 
 int run_prefill_bench(int argc, char** argv) {
   bool prefill = true, check = true;
-  std::string chunks = "1K,4K,16K", contexts = "8K,128K,1M", json, dtype = "bf16";
+  std::string chunks = "1K,4K,16K", contexts = "8K,128K,1M", json, dtype = "bf16", kernel = "both";
   int64_t heads = 4, topk = 16, replays = 10;
   Flags flags("cpidx bench --prefill [flags]",
               "GPU prefill benchmark: one request, `chunk` new tokens after `context` cached\n"
@@ -303,6 +319,8 @@ int run_prefill_bench(int argc, char** argv) {
       .add("heads", &heads, "index heads scored (1..8)")
       .add("topk", &topk, "K (1..64)")
       .add("dtype", &dtype, "index cache dtype", {"bf16", "fp8"})
+      .add("kernel", &kernel, "score kernel: mma (mma.sync), wgmma (Hopper), or both (one row each)",
+           {"mma", "wgmma", "both"})
       .add("replays", &replays, "timed graph replays per shape (at least 10)")
       .add("check", &check, "check the smallest shape against the CPU reference")
       .add("json", &json, "write the results as JSON to this file");
@@ -329,31 +347,42 @@ int run_prefill_bench(int argc, char** argv) {
   });
   const int64_t max_chunk = *std::max_element(chunk_list.begin(), chunk_list.end());
   const int64_t max_context = *std::max_element(context_list.begin(), context_list.end());
+  std::vector<PrefillKernel> kernels;
+  if (kernel != "wgmma") kernels.push_back(PrefillKernel::kMmaSync);
+  if (kernel != "mma") kernels.push_back(PrefillKernel::kWgmma);
   PrefillBench bench(static_cast<int>(heads), static_cast<int>(topk),
-                     dtype == "fp8" ? DType::kFP8E4M3 : DType::kBF16, max_chunk, max_context);
+                     dtype == "fp8" ? DType::kFP8E4M3 : DType::kBF16, max_chunk, max_context,
+                     kernels);
   if (!bench.init()) return kExitFailed;
-  std::printf("# prefill: %lld heads, K=%lld, %s cache, %d stages, up to %d splits\n",
+  std::printf("# prefill: %lld heads, K=%lld, %s cache, up to %d splits;",
               static_cast<long long>(heads), static_cast<long long>(topk), dtype.c_str(),
-              bench.plan().stages, bench.plan().max_splits);
-  std::printf("%7s %8s %6s %10s %9s %9s %12s %11s  %s\n", "chunk", "context", "calls", "us",
-              "TFLOP/s", "GB/s", "mem_floor_us", "tc_floor_us", "check");
+              bench.plan(0).max_splits);
+  for (size_t k = 0; k < bench.kernels(); ++k) {
+    std::printf(" %s: %d stages, %zu B smem%s", to_string(bench.plan(k).kernel),
+                bench.plan(k).stages, bench.plan(k).smem_bytes, k + 1 < bench.kernels() ? "," : "\n");
+  }
+  std::printf("%7s %8s %6s %6s %10s %9s %9s %12s %11s  %s\n", "chunk", "context", "kernel",
+              "calls", "us", "TFLOP/s", "GB/s", "mem_floor_us", "tc_floor_us", "check");
   std::vector<Result> results;
   bool all_ok = true;
   for (const Shape& sh : shapes) {
-    Result r;
-    if (!bench.run(sh, static_cast<int>(std::max<int64_t>(replays, 10)),
-                   check && &sh == &*smallest, &r)) {
-      return kExitFailed;
+    for (size_t k = 0; k < bench.kernels(); ++k) {
+      Result r;
+      if (!bench.run(sh, k, static_cast<int>(std::max<int64_t>(replays, 10)),
+                     check && &sh == &*smallest, &r)) {
+        return kExitFailed;
+      }
+      all_ok = all_ok && (r.check == "-" || r.check.rfind("ok", 0) == 0);
+      std::printf("%7lld %8lld %6s %6d %10.1f %9.1f %9.0f %12.1f %11.1f  %s\n",
+                  static_cast<long long>(sh.chunk), static_cast<long long>(sh.context),
+                  r.kernel.c_str(), r.calls, r.us, r.tflops, r.gbps, r.mem_floor_us,
+                  r.tc_floor_us, r.check.c_str());
+      std::fflush(stdout);
+      results.push_back(r);
     }
-    all_ok = all_ok && (r.check == "-" || r.check.rfind("ok", 0) == 0);
-    std::printf("%7lld %8lld %6d %10.1f %9.1f %9.0f %12.1f %11.1f  %s\n",
-                static_cast<long long>(sh.chunk), static_cast<long long>(sh.context), r.calls,
-                r.us, r.tflops, r.gbps, r.mem_floor_us, r.tc_floor_us, r.check.c_str());
-    std::fflush(stdout);
-    results.push_back(r);
   }
   if (!json.empty() && !write_json(json, results, static_cast<int>(heads), static_cast<int>(topk),
-                                   dtype, bench.plan())) {
+                                   dtype, bench.plan(0))) {
     std::fprintf(stderr, "cannot write %s\n", json.c_str());
     return kExitFailed;
   }

@@ -41,6 +41,9 @@ struct DecodeConfig {
   static constexpr int64_t kAutoSplit = -1;
   static constexpr int64_t kDefaultSplitPages = 16384;  // 2M tokens of context on this rank
   int64_t split_max_pages = kAutoSplit;
+  // Persistent scoring CTAs per SM: 0 lets the library choose (two, each with the deepest page
+  // pipeline that fits both); 1 gives one CTA a deeper pipeline. For tuning and benchmarks.
+  int scoring_ctas_per_sm = 0;
 };
 
 // Launch facts chosen at construction (for reports and benchmarks).

@@ -17,16 +17,27 @@
 
 namespace cpidx {
 
+// The scoring kernel. kMmaSync: warp-level mma.sync (any supported GPU). kWgmma: Hopper
+// warpgroup MMA (needs compute capability 9.0 and a build for sm_90a; create() returns
+// kUnsupported otherwise). kAuto: kWgmma where it is available, else kMmaSync. Both produce the
+// contract's ids; they may differ only where the contract allows (near ties, section 4).
+enum class PrefillKernel { kAuto, kMmaSync, kWgmma };
+inline const char* to_string(PrefillKernel k) {
+  return k == PrefillKernel::kMmaSync ? "mma" : k == PrefillKernel::kWgmma ? "wgmma" : "auto";
+}
+
 struct PrefillConfig {
   int num_heads = 4;             // heads scored per call (the rank's L), 1..kMaxHeads
   int max_tokens = 0;            // bound on prefill tokens per call (PrefillInputs::num_tokens)
   int32_t max_seq_len = 0;       // bound on tokens per request (pass max_model_len)
   Selection sel;                 // K, init, local
   DType cache_dtype = DType::kBF16;
+  PrefillKernel kernel = PrefillKernel::kAuto;
 };
 
 // Launch facts chosen at construction (for reports and benchmarks).
 struct PrefillPlan {
+  PrefillKernel kernel = PrefillKernel::kMmaSync;  // the scoring kernel chosen (never kAuto)
   int stages = 0;             // key pages in flight per CTA
   size_t smem_bytes = 0;      // dynamic shared memory of the scoring kernel
   int max_splits = 0;         // key-range splits the workspace holds at max_tokens

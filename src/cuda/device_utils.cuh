@@ -65,6 +65,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Warms L2 with a line the kernel will read after pdl_wait(). Safe before the wait: a prefetch
+// only moves the line into L2, the point of coherence, so a later write by the previous kernel
+// is still what the real load sees.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Launches `kernel` with programmatic stream serialization, so the launch overlaps the tail of
 // the previous kernel in the stream (also inside CUDA graphs). The kernel calls pdl_wait()
 // before touching memory the previous kernel may write.

@@ -75,8 +75,9 @@ struct ScoreTopkLaunch {
 
 // Chooses the launch (stages, grid, shared memory) for the given maxima and sets the kernel's
 // shared-memory attribute. Called once at construction.
+// ctas_per_sm: 0 chooses (two when a pipeline of >= 2 pages fits both), 1 or 2 forces it.
 cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_reqs, int device,
-                            ScoreTopkLaunch* launch);
+                            int ctas_per_sm, ScoreTopkLaunch* launch);
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream);
 // Sets l->select_grid and the selection kernel's shared-memory cap (needs l->max_reqs).

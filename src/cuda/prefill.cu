@@ -306,6 +306,228 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
   if (err) atomicOr(p.error_flag, err);
 }
 
+// ---- Score, Hopper warpgroup MMA -------------------------------------------------------------
+// The same work as prefill_score_kernel on wgmma (sm_90a): 4 warpgroups x 64 rows = the tile's
+// 256 rows, 512 threads. Each warpgroup multiplies its 64 rows (A fragments in registers, held
+// for the whole split) by every 128-key page with 8 x wgmma.m64n128k16, B read by the tensor
+// cores straight from shared memory through a descriptor. Warp w of the CTA holds rows 16 w + g
+// and 16 w + g + 8 (g = lane / 4); of each quad, lane c4 = 0 owns the first row's list, c4 = 1
+// the second's. Pages land (bf16) or are widened (fp8) into the 128-byte swizzle layout below.
+constexpr int kWgThreads = 512;
+constexpr int kSw128Half = kBlockSize * 128;  // 64 dims of every key of a page: 16 KB
+
+// Compute-page layout of key row r (0..127), 16-byte chunk c (dims [8c, 8c+8), 0..15): two
+// K-major halves of 64 dims, each 128 rows x 128 bytes in 8-row atoms of 1024 bytes, chunk
+// (c & 7) of row r at (c & 7) ^ (r & 7): the address function of the 128-byte swizzle, which
+// the tensor cores apply to the descriptor's addresses (the page is 1024-byte aligned).
+__device__ __forceinline__ int sw128(int r, int c) {
+  return (c >> 3) * kSw128Half + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// Shared memory of the wgmma kernel, from a 1024-byte aligned base (`total` includes the slack
+// to reach it): the stage ring, the bf16 compute page (fp8 only), the lists [K][kPrefillRows].
+struct WgmmaSmem {
+  size_t stages_off, convert_off, lists_off, total;
+  __host__ __device__ WgmmaSmem(int stages, int topk, DType dtype) {
+    const size_t page = static_cast<size_t>(kBlockSize) * kHeadDim * dtype_bytes(dtype);
+    stages_off = 0;
+    convert_off = stages * page;  // a multiple of 16 KB
+    lists_off = convert_off + (dtype == DType::kBF16 ? 0 : kStage16Bytes);
+    total = lists_off + static_cast<size_t>(topk) * kPrefillRows * sizeof(Key) + 1024;
+  }
+};
+
+template <DType kDType>
+__device__ __forceinline__ void issue_page_sw128(const PrefillParams& p, const int32_t* bt_row,
+                                                 int64_t block, uint8_t* stage, int32_t* err) {
+  using PB = PageBytes<kDType>;
+  const int64_t page = clamp_page(bt_row[block], p.num_pages, err);
+  const uint8_t* src = static_cast<const uint8_t*>(p.cache) + page * PB::kPage;
+  for (int q = threadIdx.x; q < PB::kChunks; q += kWgThreads) {
+    // bf16 goes straight to the compute layout (16 chunks per row); fp8 lands raw.
+    uint8_t* dst = kDType == DType::kBF16 ? stage + sw128(q >> 4, q & 15) : stage + q * 16;
+    cp_async16(dst, src + q * 16);
+  }
+}
+
+// fp8 page (raw) -> bf16 compute page (swizzled); each 16-byte fp8 chunk is two bf16 chunks.
+__device__ __forceinline__ void widen_page_sw128(const uint8_t* raw, uint8_t* out) {
+  for (int q = threadIdx.x; q < PageBytes<DType::kFP8E4M3>::kChunks; q += kWgThreads) {
+    const int r = q >> 3, c = q & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(raw + q * 16);
+    *reinterpret_cast<uint4*>(out + sw128(r, 2 * c)) = fp8x8_to_bf16x8(make_uint2(v.x, v.y));
+    *reinterpret_cast<uint4*>(out + sw128(r, 2 * c + 1)) = fp8x8_to_bf16x8(make_uint2(v.z, v.w));
+  }
+}
+
+// A fragments of rows row0 and row0 + 8 in natural dim order: qa[s] feeds k-step s (dims
+// [16 s, 16 s + 16)): {row0 dims 2c4..+1, row0+8 the same, row0 dims 8+2c4..+1, row0+8 the
+// same} of the step. Padding rows are zero.
+__device__ __forceinline__ void load_queries_rs(const PrefillParams& p, const PrefillTile& tile,
+                                                int row0, int c4, uint32_t (&qa)[8][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    const int t = row / p.num_heads, head = row % p.num_heads;
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(
+        p.query + int64_t{tile.tok0 + t} * p.q_row_stride + head * p.q_head_stride + 2 * c4);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      qa[s][h] = t < tile.ntok ? __ldg(q + 8 * s) : 0u;
+      qa[s][2 + h] = t < tile.ntok ? __ldg(q + 8 * s + 4) : 0u;
+    }
+  }
+}
+
+template <DType kDType>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    prefill_score_wgmma_kernel(const PrefillParams p, const int stages) {
+#if defined(CPIDX_PREFILL_WGMMA)
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // NOTE: the 128-byte swizzle is a function of address bits [4, 10): pages must start on
+  // 1024-byte boundaries, whatever alignment the dynamic window gets.
+  uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  const int S = p.splits, num_tiles = p.header->num_tiles;
+  const int tile_rank = static_cast<int>(blockIdx.x) / S, split = static_cast<int>(blockIdx.x) % S;
+  if (tile_rank >= num_tiles) return;
+  const PrefillTile tile = p.tiles[num_tiles - 1 - tile_rank];  // longest tiles first
+  const WgmmaSmem lay(stages, p.topk, kDType);
+  const int tid = threadIdx.x, g = (tid & 31) >> 2, c4 = tid & 3;
+  const int row0 = (tid >> 5) * 16 + g;  // warpgroup tid / 128 holds rows [64 wg, 64 wg + 64)
+  const int K = p.topk;
+  int32_t err = 0;
+
+  // NOTE: 32-bit positions and block indices (all below max_seq_len, an int32): the 64
+  // accumulators and 32 query registers leave little of the 128 a 512-thread CTA may use.
+  int32_t pos[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int32_t row_err = 0;  // each row's flag is raised once: by its owner in split 0
+    pos[h] = static_cast<int32_t>(row_position(p, tile, row0 + 8 * h, &row_err));
+    if (split == 0 && c4 == h) err |= row_err;
+  }
+  const bool owner = c4 < 2;
+  const int own_row = row0 + 8 * (c4 & 1);
+  const int32_t own_pos = owner ? (c4 == 0 ? pos[0] : pos[1]) : -1;
+  const int32_t own_visible = static_cast<int32_t>(visible_blocks(own_pos));
+
+  const int64_t last = int64_t{tile.pos0} + tile.ntok - 1;
+  const int32_t first_pos = tile.pos0 < p.max_seq_len ? tile.pos0 : p.max_seq_len - 1;
+  const int64_t V = visible_blocks(last < p.max_seq_len ? last : p.max_seq_len - 1);
+  const int64_t s_eff = min(int64_t{S}, cdiv(V, kPrefillMinPagesPerSplit));
+  const int32_t b0 = static_cast<int32_t>(split < s_eff ? split * V / s_eff : 0);
+  const int32_t b1 = static_cast<int32_t>(split < s_eff ? (split + 1) * V / s_eff : 0);
+
+  Key* list = reinterpret_cast<Key*>(smem + lay.lists_off) + own_row;
+  if (owner)
+    for (int i = 0; i < K; ++i) list[i * kPrefillRows] = kPadKey;
+
+  if (b1 > b0) {
+    uint32_t qa[8][4];
+    load_queries_rs(p, tile, row0, c4, qa);
+    const int32_t* bt_row = p.block_table + int64_t{tile.req} * p.bt_row_stride;
+    uint8_t* ring = smem + lay.stages_off;
+    constexpr int kPage = PageBytes<kDType>::kPage;
+    for (int s = 0; s < stages - 1; ++s) {
+      if (b0 + s < b1) issue_page_sw128<kDType>(p, bt_row, b0 + s, ring + s * kPage, &err);
+      cp_async_commit();
+    }
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int32_t b = b0; b < b1; ++b) {
+      const int i = b - b0;
+      cp_async_wait(stages - 2);  // this thread's copies of page b have landed
+      if constexpr (kDType == DType::kBF16) fence_proxy_async_smem();  // ... for the tensor cores
+      __syncthreads();  // everyone's have, and every warpgroup is done with page b - 1
+      if (b + stages - 1 < b1) {
+        issue_page_sw128<kDType>(p, bt_row, b + stages - 1,
+                                 ring + ((i + stages - 1) % stages) * kPage, &err);
+      }
+      cp_async_commit();
+      const uint8_t* page = ring + (i % stages) * kPage;
+      if constexpr (kDType == DType::kFP8E4M3) {
+        widen_page_sw128(page, smem + lay.convert_off);
+        fence_proxy_async_smem();
+        __syncthreads();
+        page = smem + lay.convert_off;
+      }
+      const uint32_t page_addr = smem_addr(page);
+      wgmma_fence_operands(acc);
+      wgmma_fence();
+      // k-step s: dims [16 s, 16 s + 16), 32 bytes into the rows of half s / 4.
+      wgmma_m64n128k16_rs<false>(acc, qa[0], wgmma_desc_sw128(page_addr));
+#pragma unroll
+      for (int s = 1; s < 8; ++s) {
+        wgmma_m64n128k16_rs<true>(
+            acc, qa[s], wgmma_desc_sw128(page_addr + (s >> 2) * kSw128Half + (s & 3) * 32));
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      wgmma_fence_operands(acc);
+
+      // acc[4 j + e] is key 8 j + 2 c4 + e of row row0, acc[4 j + 2 + e] the same key of row0 + 8.
+      float rm[2] = {-INFINITY, -INFINITY};
+      const int64_t kbase = int64_t{b} * kBlockSize;
+      if (kbase + kBlockSize - 1 <= first_pos) {  // every row sees the whole page
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          rm[0] = max_num(rm[0], max_num(acc[4 * j], acc[4 * j + 1]));
+          rm[1] = max_num(rm[1], max_num(acc[4 * j + 2], acc[4 * j + 3]));
+        }
+      } else {
+        int lim[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t d = pos[h] - kbase;
+          lim[h] = d < -1 ? -1 : d > kBlockSize ? kBlockSize : static_cast<int>(d);
+        }
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kk = 8 * j + 2 * c4 + e;
+            if (kk <= lim[0]) rm[0] = max_num(rm[0], acc[4 * j + e]);
+            if (kk <= lim[1]) rm[1] = max_num(rm[1], acc[4 * j + 2 + e]);
+          }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        rm[h] = max_num(rm[h], __shfl_xor_sync(0xffffffffu, rm[h], 1));
+        rm[h] = max_num(rm[h], __shfl_xor_sync(0xffffffffu, rm[h], 2));
+      }
+      if (b < own_visible) {  // owners only (own_visible is 0 elsewhere)
+        const float score = forced_score(p.scale * (c4 == 0 ? rm[0] : rm[1]), b, own_visible,
+                                         p.init_blocks, p.local_blocks);
+        Key tau = list[(K - 1) * kPrefillRows];  // re-read: a register less across the MMAs
+        list_insert(list, kPrefillRows, K, make_key(score, b), tau);
+      }
+    }
+    cp_async_wait(0);  // nothing may land in shared memory after the CTA exits
+  }
+  if (own_pos >= 0) {
+    const int t = own_row / p.num_heads, h = own_row % p.num_heads;
+    Key* dst = p.partial +
+               ((int64_t{split} * p.num_tokens + tile.tok0 + t) * p.num_heads + h) * K;
+    for (int i = 0; i < K; ++i) dst[i] = list[i * kPrefillRows];
+  }
+  if (err) atomicOr(p.error_flag, err);
+#else
+  (void)p;
+  (void)stages;
+  __trap();  // never launched: plan_prefill chooses this kernel only where the probe found sm_90a
+#endif
+}
+
+// 1 where this build runs sm_90a code on the device (the wgmma kernel is real there).
+__global__ void prefill_wgmma_probe_kernel(int* out) {
+#if defined(CPIDX_PREFILL_WGMMA)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
 // ---- Merge -----------------------------------------------------------------------------------
 // kMergeLanes lanes per (token, head) row: lane l holds the head of split l's ordered list; K
 // rounds of a lane max pick the next key. Exact: the lists are disjoint (a block belongs to one
@@ -334,38 +556,70 @@ __global__ void __launch_bounds__(256) prefill_merge_kernel(const PrefillParams 
   }
 }
 
-template <DType kDType>
-cudaError_t raise_smem_cap(int smem_optin) {
+template <typename Kernel>
+cudaError_t raise_smem_cap(Kernel kernel, int smem_optin) {
   cudaFuncAttributes attr{};
-  cudaError_t e = cudaFuncGetAttributes(&attr, prefill_score_kernel<kDType>);
+  cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
   if (e != cudaSuccess) return e;
   // NOTE: the cap is per function and process-wide; always the device maximum, so a later
   // Prefiller with a smaller layout cannot lower it under an earlier one's launches.
-  return cudaFuncSetAttribute(prefill_score_kernel<kDType>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               smem_optin - static_cast<int>(attr.sharedSizeBytes));
 }
 
 }  // namespace
 
-cudaError_t plan_prefill(int topk, DType dtype, int device, PrefillLaunch* launch) {
+cudaError_t prefill_wgmma_available(int device, bool* available) {
+  *available = false;
+  int major = 0, minor = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e != cudaSuccess) return e;
+  if ((e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess) {
+    return e;
+  }
+  if (major != 9 || minor != 0) return cudaSuccess;
+  // The build may hold sm_90 (not sm_90a) code, or PTX for an older target: ask the device.
+  int* flag = nullptr;
+  if ((e = cudaMalloc(&flag, sizeof(int))) != cudaSuccess) return e;
+  prefill_wgmma_probe_kernel<<<1, 1>>>(flag);
+  int found = 0;
+  e = cudaGetLastError();
+  if (e == cudaSuccess) e = cudaMemcpy(&found, flag, sizeof(int), cudaMemcpyDeviceToHost);
+  cudaFree(flag);
+  if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction) {
+    cudaGetLastError();  // not sticky: no image for this device simply means no wgmma
+    return cudaSuccess;
+  }
+  *available = e == cudaSuccess && found == 1;
+  return e;
+}
+
+cudaError_t plan_prefill(int topk, DType dtype, int device, bool wgmma, PrefillLaunch* launch) {
   int sms = 0, smem_optin = 0;
   cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e != cudaSuccess) return e;
   e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
-  if ((e = raise_smem_cap<DType::kBF16>(smem_optin)) != cudaSuccess) return e;
-  if ((e = raise_smem_cap<DType::kFP8E4M3>(smem_optin)) != cudaSuccess) return e;
-  // NOTE: one CTA per SM (the query fragments and accumulators take ~170 registers per thread);
-  // 3-4 pages in flight cover the L2 latency of a page that takes ~3000 cycles to score.
+  if (wgmma) {
+    if ((e = raise_smem_cap(prefill_score_wgmma_kernel<DType::kBF16>, smem_optin)) != cudaSuccess) return e;
+    if ((e = raise_smem_cap(prefill_score_wgmma_kernel<DType::kFP8E4M3>, smem_optin)) != cudaSuccess) return e;
+  } else {
+    if ((e = raise_smem_cap(prefill_score_kernel<DType::kBF16>, smem_optin)) != cudaSuccess) return e;
+    if ((e = raise_smem_cap(prefill_score_kernel<DType::kFP8E4M3>, smem_optin)) != cudaSuccess) return e;
+  }
+  // NOTE: one CTA per SM (the query fragments and accumulators take ~170 registers per thread
+  // on mma.sync, 96 of the 128 a 512-thread CTA allows on wgmma); 3-4 pages in flight cover the
+  // L2 latency of a page that takes ~3000 (mma.sync) or ~2300 (wgmma) cycles to score.
   for (int stages = 4; stages >= 2; --stages) {
-    const ScoreSmem lay(stages, topk, dtype);
-    if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
+    const size_t total =
+        wgmma ? WgmmaSmem(stages, topk, dtype).total : ScoreSmem(stages, topk, dtype).total;
+    if (total + 1024 > static_cast<size_t>(smem_optin)) continue;
     launch->sms = sms;
     launch->stages = stages;
-    launch->smem_bytes = lay.total;
+    launch->smem_bytes = total;
     launch->topk = topk;
     launch->dtype = dtype;
+    launch->wgmma = wgmma;
     return cudaSuccess;
   }
   return cudaErrorInvalidConfiguration;
@@ -395,7 +649,11 @@ cudaError_t launch_prefill(const PrefillParams& p, const PrefillLaunch& l, cudaS
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   const int64_t grid = prefill_max_tiles(p.num_tokens, p.num_reqs, p.num_heads) * p.splits;
-  if (l.dtype == DType::kBF16) {
+  if (l.wgmma) {
+    auto* kernel = l.dtype == DType::kBF16 ? prefill_score_wgmma_kernel<DType::kBF16>
+                                           : prefill_score_wgmma_kernel<DType::kFP8E4M3>;
+    kernel<<<static_cast<unsigned>(grid), kWgThreads, l.smem_bytes, stream>>>(p, l.stages);
+  } else if (l.dtype == DType::kBF16) {
     prefill_score_kernel<DType::kBF16>
         <<<static_cast<unsigned>(grid), kPrefillThreads, l.smem_bytes, stream>>>(p, l.stages);
   } else {

@@ -4,8 +4,9 @@
 //    head) rows of one request each), clamping and flagging bad device values;
 //  - score: one CTA per (tile, key split) streams the split's 128-token key pages through a
 //    shared-memory ring and scores them on tensor cores against the tile's rows (queries held in
-//    registers); causal block max, forcing and a per-row running top-K are fused, and the
-//    split's ordered top-K keys per row go to the workspace;
+//    registers; mma.sync, or Hopper wgmma with keys read from shared memory by descriptor);
+//    causal block max, forcing and a per-row running top-K are fused, and the split's ordered
+//    top-K keys per row go to the workspace;
 //  - merge: the splits' ordered lists of each row are merged exactly into the final ids.
 #pragma once
 
@@ -79,11 +80,16 @@ struct PrefillLaunch {
   size_t smem_bytes = 0;  // dynamic shared memory of the score kernel
   int topk = 0;           // K the layout was sized for
   DType dtype = DType::kBF16;
+  bool wgmma = false;     // the Hopper warpgroup-MMA score kernel (512 threads), else mma.sync
 };
 
-// Chooses the pipeline depth for (K, dtype) on `device` and raises the score kernel's
-// shared-memory cap. Called once at construction.
-cudaError_t plan_prefill(int topk, DType dtype, int device, PrefillLaunch* launch);
+// Whether the wgmma score kernel runs on `device`: compute capability 9.0 and a build holding
+// sm_90a code (a one-thread probe launch; synchronises). Called once at construction.
+cudaError_t prefill_wgmma_available(int device, bool* available);
+
+// Chooses the pipeline depth for (K, dtype) and the score kernel (wgmma: only where available)
+// on `device` and raises that kernel's shared-memory cap. Called once at construction.
+cudaError_t plan_prefill(int topk, DType dtype, int device, bool wgmma, PrefillLaunch* launch);
 
 // Key-range splits for a call: enough (tile, split) CTAs to fill the device in whole waves,
 // within what the workspace holds (max_splits).

@@ -125,6 +125,9 @@ Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Pre
               "num_heads must be in [1, " << kMaxHeads << "], got " << c.num_heads);
   CPIDX_CHECK(c.max_tokens >= 1, "max_tokens must be >= 1, got " << c.max_tokens);
   CPIDX_CHECK(c.max_seq_len >= 1, "max_seq_len must be >= 1, got " << c.max_seq_len);
+  CPIDX_CHECK(c.kernel == PrefillKernel::kAuto || c.kernel == PrefillKernel::kMmaSync ||
+                  c.kernel == PrefillKernel::kWgmma,
+              "kernel must be auto, mma or wgmma, got code " << static_cast<int>(c.kernel));
   int count = 0;
   CPIDX_CUDA_TRY(cudaGetDeviceCount(&count));
   CPIDX_CHECK(device >= 0 && device < count,
@@ -136,7 +139,16 @@ Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Pre
   CPIDX_CUDA_TRY(cudaGetDevice(&prev));
   CPIDX_CUDA_TRY(cudaSetDevice(device));
   Status st = [&]() -> Status {
-    CPIDX_CUDA_TRY(cuda::plan_prefill(c.sel.topk, c.cache_dtype, device, &impl->launch));
+    bool wgmma = false;
+    if (c.kernel != PrefillKernel::kMmaSync) {
+      CPIDX_CUDA_TRY(cuda::prefill_wgmma_available(device, &wgmma));
+      if (c.kernel == PrefillKernel::kWgmma && !wgmma) {
+        return unsupported("kernel wgmma needs a compute capability 9.0 device and a build with "
+                           "sm_90a code; device " + std::to_string(device) +
+                           " lacks one of them (use kernel mma or auto)");
+      }
+    }
+    CPIDX_CUDA_TRY(cuda::plan_prefill(c.sel.topk, c.cache_dtype, device, wgmma, &impl->launch));
     CPIDX_CUDA_TRY(cudaMalloc(&impl->workspace, impl->layout.total));
     CPIDX_CUDA_TRY(cudaMemset(impl->workspace, 0, impl->layout.total));
     CPIDX_CUDA_TRY(cudaDeviceSynchronize());
@@ -147,6 +159,7 @@ Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Pre
     if (impl->workspace) cudaFree(impl->workspace);
     return st;
   }
+  impl->plan.kernel = impl->launch.wgmma ? PrefillKernel::kWgmma : PrefillKernel::kMmaSync;
   impl->plan.stages = impl->launch.stages;
   impl->plan.smem_bytes = impl->launch.smem_bytes;
   impl->plan.max_splits = impl->layout.max_splits;

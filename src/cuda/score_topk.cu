@@ -168,6 +168,9 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
                reinterpret_cast<int*>(smem_raw + lay.misc_off)};
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
   int32_t err = 0;
+  // The request lengths start every dependent chain (lengths -> table -> pages): have them in
+  // L2 by the time the previous kernel is done (32 lengths per 128-byte line).
+  for (int r = tid * 32; r < p.num_reqs; r += kThreads * 32) prefetch_l2(p.seq_lens + r);
   // Programmatic dependent launch: this grid may start while the previous kernel in the stream
   // drains; wait for its results (queries, cache, tables, workspace) before reading anything.
   pdl_wait();
@@ -428,7 +431,7 @@ int padded_columns(int heads_x_q) {
 }
 
 cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_reqs, int device,
-                            ScoreTopkLaunch* launch) {
+                            int ctas_per_sm, ScoreTopkLaunch* launch) {
   int sms = 0, smem_optin = 0;
   cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e != cudaSuccess) return e;
@@ -445,7 +448,8 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
     if (e != cudaSuccess) return e;
   }
   const int grid_guess = 2 * sms;
-  for (int ctas = 2; ctas >= 1; --ctas) {
+  const int most = ctas_per_sm == 1 ? 1 : 2, least = ctas_per_sm == 2 ? 2 : 1;
+  for (int ctas = most; ctas >= least; --ctas) {
     for (int stages = 6; stages >= 2; --stages) {
       SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs, grid_guess);
       // NOTE: static shared memory (a few hundred bytes) counts against the same opt-in limit.

@@ -253,6 +253,36 @@ TEST(GpuDecode, DecodersOfDifferentGeometryCoexist) {
   EXPECT_EQ(gpu_decode(small, sel_of(1)), cpu_decode(small, sel_of(1)));
 }
 
+// The launch shape (one or two persistent CTAs per SM, hence the pipeline depth) never changes
+// the ids.
+TEST(GpuDecode, CtasPerSmDoNotChangeIds) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(37);
+  DecodeData d = random_decode(950, 4, 2, lengths(rng, 9, 70000, true), 70000);
+  const Selection sel = sel_of(16);
+  DeviceBatch b(d);
+  const int64_t n = d.rows();
+  std::vector<std::vector<int32_t>> got;
+  for (int64_t split : {int64_t{0}, int64_t{1} << 17}) {
+    for (int ctas : {1, 2}) {
+      cpidx::DecodeConfig c = config_for(d, sel);
+      c.split_max_pages = split;
+      c.scoring_ctas_per_sm = ctas;
+      std::unique_ptr<cpidx::Decoder> dec;
+      ASSERT_TRUE(cpidx::Decoder::create(c, 0, &dec).is_ok());
+      DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));
+      ids.poison();
+      ASSERT_TRUE(dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
+                              nullptr, nullptr).is_ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      got.push_back(ids.download());
+      EXPECT_EQ(got.back(), got.front()) << "split " << split << ", " << ctas << " CTA(s)/SM";
+    }
+  }
+  const CompareResult r = compare_ids(d, sel, got.front(), cpu_decode(d, sel));
+  EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
+}
+
 // ---- CUDA graphs -----------------------------------------------------------------------------
 TEST(GpuDecode, GraphReplayFollowsNewLengthsAndTables) {
   SKIP_WITHOUT_GPU();

@@ -3,12 +3,18 @@
 // cases and tie-heavy inputs exactly, fp8 caches, rows past the batch untouched, rows outside
 // every request at -1, bad device values clamped and flagged, repeat runs and CUDA-graph replays
 // bitwise equal to eager runs, the mixed decode + prefill batch, and host errors before any
-// kernel. Every test skips cleanly without a GPU.
+// kernel. Every test runs both score kernels (mma.sync and, where the device has it, Hopper
+// wgmma) on the same inputs: ids bitwise equal between them wherever the arithmetic is exact,
+// and within the contract's near-tie rule of each other (and of the reference) on random data.
+// Every test skips cleanly without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <numeric>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "cpidx/prefill.h"
 #include "gpu_util.h"
@@ -18,6 +24,7 @@ namespace {
 
 using namespace cpidx_gpu_test;
 using cpidx::DType;
+using cpidx::PrefillKernel;
 using cpidx::Selection;
 using cpidx_test::Values;
 using cpidx_test::kBS;
@@ -29,6 +36,41 @@ Selection sel_of(int k, int init = 0, int local = 1) {
   s.init_blocks = init;
   s.local_blocks = local;
   return s;
+}
+
+// ---- Score kernels -------------------------------------------------------------------------------
+// Which score kernel the helpers' Prefillers use (UseKernel sets it while in scope).
+PrefillKernel& test_kernel() {
+  static PrefillKernel kernel = PrefillKernel::kAuto;
+  return kernel;
+}
+struct UseKernel {
+  explicit UseKernel(PrefillKernel k) : prev(test_kernel()) { test_kernel() = k; }
+  ~UseKernel() { test_kernel() = prev; }
+  UseKernel(const UseKernel&) = delete;
+  UseKernel& operator=(const UseKernel&) = delete;
+  PrefillKernel prev;
+};
+
+// mma.sync always; wgmma where a Prefiller can be built with it (Hopper, sm_90a build).
+const std::vector<PrefillKernel>& test_kernels() {
+  static const std::vector<PrefillKernel> kernels = [] {
+    std::vector<PrefillKernel> k = {PrefillKernel::kMmaSync};
+    cpidx::PrefillConfig cfg;
+    cfg.num_heads = 1;
+    cfg.max_tokens = 1;
+    cfg.max_seq_len = 128;
+    cfg.kernel = PrefillKernel::kWgmma;
+    std::unique_ptr<cpidx::Prefiller> pre;
+    const cpidx::Status st = cpidx::Prefiller::create(cfg, 0, &pre);
+    if (st.is_ok()) {
+      k.push_back(PrefillKernel::kWgmma);
+    } else {
+      std::printf("[ NOTE     ] wgmma prefill kernel not tested: %s\n", st.to_string().c_str());
+    }
+    return k;
+  }();
+  return kernels;
 }
 
 // ---- Inputs ------------------------------------------------------------------------------------
@@ -188,6 +230,7 @@ cpidx::PrefillConfig config_of(const PrefillCase& c, const Selection& sel, int e
   cfg.max_seq_len = c.max_seq_len;
   cfg.sel = sel;
   cfg.cache_dtype = c.dtype;
+  cfg.kernel = test_kernel();
   return cfg;
 }
 
@@ -201,6 +244,7 @@ std::vector<int32_t> gpu_prefill(const PrefillCase& c, const Selection& sel,
   cpidx::Status st = cpidx::Prefiller::create(config_of(c, sel), 0, &pre);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   if (!st.is_ok()) return {};
+  if (test_kernel() != PrefillKernel::kAuto) EXPECT_EQ(pre->plan().kernel, test_kernel());
   const int64_t rows = c.tokens + kExtraRows, K = sel.topk;
   DeviceVec<int32_t> ids(static_cast<size_t>(c.heads * rows * K));
   ids.poison();
@@ -227,21 +271,75 @@ std::vector<int32_t> cpu_prefill(const PrefillCase& c, const Selection& sel, int
   return ids.ids;
 }
 
-void expect_matches_reference(const PrefillCase& c, const Selection& sel, const std::string& what) {
-  int32_t flag = -1, err = 0;
-  const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
-  const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
-  ASSERT_EQ(gpu.size(), cpu.size()) << what;
-  EXPECT_EQ(flag, 0) << what;
-  EXPECT_EQ(err, 0) << what;
-  for (int32_t v : gpu) ASSERT_NE(v, cpidx_test::kPoison) << what << ": unwritten output";
+// The contract's comparison of two id sets [heads][tokens][K] of case `c`.
+cpidx::ref::IdsComparison compare(const PrefillCase& c, const Selection& sel,
+                                  const std::vector<int32_t>& got, const std::vector<int32_t>& want) {
   const int64_t K = sel.topk;
-  const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(
-      c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(gpu.data()), c.tokens * K, K},
-      cpidx::TopkOutput{const_cast<int32_t*>(cpu.data()), c.tokens * K, K});
-  EXPECT_EQ(r.bad_rows, 0) << what << ": " << r.first_bad;
-  // Near ties are rare on random data; a systematic error would show up as many of them.
-  EXPECT_LE(r.near_tie_rows, std::max<int64_t>(2, (r.exact_rows + r.near_tie_rows) / 50)) << what;
+  return cpidx::ref::compare_ids(
+      c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(got.data()), c.tokens * K, K},
+      cpidx::TopkOutput{const_cast<int32_t*>(want.data()), c.tokens * K, K});
+}
+
+// Every kernel against the reference, and the kernels against each other: equal rows, or swaps
+// among blocks within the contract's near-tie band (the kernels group the 128-dim dot products
+// differently on the tensor cores, so their fp32 scores can differ in the last bits).
+void expect_matches_reference(const PrefillCase& c, const Selection& sel, const std::string& what) {
+  int32_t err = 0;
+  const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
+  EXPECT_EQ(err, 0) << what;
+  std::vector<int32_t> first;
+  for (const PrefillKernel kernel : test_kernels()) {
+    const UseKernel use(kernel);
+    const std::string label = what + " [" + cpidx::to_string(kernel) + "]";
+    int32_t flag = -1;
+    const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
+    ASSERT_EQ(gpu.size(), cpu.size()) << label;
+    EXPECT_EQ(flag, 0) << label;
+    for (int32_t v : gpu) ASSERT_NE(v, cpidx_test::kPoison) << label << ": unwritten output";
+    const cpidx::ref::IdsComparison r = compare(c, sel, gpu, cpu);
+    EXPECT_EQ(r.bad_rows, 0) << label << ": " << r.first_bad;
+    // Near ties are rare on random data; a systematic error would show up as many of them.
+    EXPECT_LE(r.near_tie_rows, std::max<int64_t>(2, (r.exact_rows + r.near_tie_rows) / 50)) << label;
+    if (first.empty()) {
+      first = gpu;
+      continue;
+    }
+    const cpidx::ref::IdsComparison x = compare(c, sel, gpu, first);
+    EXPECT_EQ(x.bad_rows, 0) << label << " vs " << cpidx::to_string(test_kernels()[0]) << ": "
+                             << x.first_bad;
+    EXPECT_LE(x.near_tie_rows, std::max<int64_t>(2, (x.exact_rows + x.near_tie_rows) / 50))
+        << label << " vs " << cpidx::to_string(test_kernels()[0]);
+  }
+}
+
+// Runs `body` once per score kernel, with the helpers' Prefillers on that kernel.
+template <typename Body>
+void for_each_kernel(Body body) {
+  for (const PrefillKernel kernel : test_kernels()) {
+    const UseKernel use(kernel);
+    SCOPED_TRACE(std::string("kernel ") + cpidx::to_string(kernel));
+    body();
+  }
+}
+
+// ids of every kernel, required bitwise equal to each other (exact arithmetic); returns them.
+std::vector<int32_t> gpu_prefill_all_equal(const PrefillCase& c, const Selection& sel,
+                                           const std::string& what, int32_t* flag = nullptr) {
+  std::vector<int32_t> first;
+  for (const PrefillKernel kernel : test_kernels()) {
+    const UseKernel use(kernel);
+    int32_t f = -1;
+    const std::vector<int32_t> ids = gpu_prefill(c, sel, &f);
+    if (first.empty()) {
+      first = ids;
+      if (flag) *flag = f;
+      continue;
+    }
+    EXPECT_EQ(ids, first) << what << ": " << cpidx::to_string(kernel) << " != "
+                          << cpidx::to_string(test_kernels()[0]);
+    if (flag) EXPECT_EQ(f, *flag) << what << ": error flags differ";
+  }
+  return first;
 }
 
 // ---- Tests -------------------------------------------------------------------------------------
@@ -286,9 +384,9 @@ TEST(GpuPrefill, TieHeavyInputsMatchExactly) {
       const PrefillCase c =
           make_case(1200 + k, 4, {150, 7, 70}, {1000, 0, 8300}, dtype, Values::kTies);
       const Selection sel = sel_of(k, 1, 2);
+      const std::string what = "K=" + std::to_string(k) + " dtype " + cpidx::to_string(dtype);
       int32_t err = 0;
-      EXPECT_EQ(gpu_prefill(c, sel), cpu_prefill(c, sel, &err))
-          << "K=" << k << " dtype " << cpidx::to_string(dtype);
+      EXPECT_EQ(gpu_prefill_all_equal(c, sel, what), cpu_prefill(c, sel, &err)) << what;
     }
   }
 }
@@ -341,7 +439,9 @@ TEST(GpuPrefill, GoldenCasesExactly) {
     for (const auto& head : c["ids"].array)
       for (const auto& row : head.array)
         for (int32_t v : row.ints()) want.push_back(v);
-    EXPECT_EQ(gpu_prefill(p, sel), want) << "golden prefill seed " << c["seed"].number;
+    const std::string what =
+        "golden prefill seed " + std::to_string(static_cast<long long>(c["seed"].number));
+    EXPECT_EQ(gpu_prefill_all_equal(p, sel, what), want) << what;
     ++checked;
   }
   EXPECT_GE(checked, 2);
@@ -350,7 +450,7 @@ TEST(GpuPrefill, GoldenCasesExactly) {
 TEST(GpuPrefill, RepeatRunsAreBitwiseEqual) {
   SKIP_WITHOUT_GPU();
   const PrefillCase c = make_case(1300, 4, {900, 5}, {20000, 3}, DType::kBF16);
-  EXPECT_EQ(gpu_prefill(c, sel_of(16)), gpu_prefill(c, sel_of(16)));
+  for_each_kernel([&] { EXPECT_EQ(gpu_prefill(c, sel_of(16)), gpu_prefill(c, sel_of(16))); });
 }
 
 TEST(GpuPrefill, RowsOutsideEveryRequestAreMinusOne) {
@@ -361,7 +461,7 @@ TEST(GpuPrefill, RowsOutsideEveryRequestAreMinusOne) {
   c.seq_lens.resize(1);
   const Selection sel = sel_of(4);
   int32_t flag = -1, err = 0;
-  const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
+  const std::vector<int32_t> gpu = gpu_prefill_all_equal(c, sel, "rows outside", &flag);
   EXPECT_EQ(gpu, cpu_prefill(c, sel, &err));
   EXPECT_EQ(flag, err);
   for (int h = 0; h < 2; ++h)
@@ -371,151 +471,159 @@ TEST(GpuPrefill, RowsOutsideEveryRequestAreMinusOne) {
 
 TEST(GpuPrefill, BadDeviceValuesAreClampedAndFlagged) {
   SKIP_WITHOUT_GPU();
-  {  // cu_seqlens_q out of order and past num_tokens, contexts and seq_lens out of range
-    PrefillCase c = make_case(1500, 4, {50, 30, 20}, {300, 1000, 2000}, DType::kBF16);
-    // Request 2 runs past max_seq_len: its positions clamp to the last token, and it reads
-    // block-table columns past its pages (garbage outside the cache: clamped too).
-    c.cu = {0, 60, 55, 130};
-    c.context_lens = {-5, c.max_seq_len + 1000, c.max_seq_len - 10};
-    c.seq_lens = {355, 1030, -1};
-    const Selection sel = sel_of(16, 1, 2);
-    int32_t flag = 0, err = 0;
-    const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
-    const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
-    EXPECT_EQ(flag, cpidx::kErrSeqLenOutOfRange | cpidx::kErrPageOutOfRange);
-    EXPECT_EQ(flag, err);
-    const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(
-        c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(gpu.data()), c.tokens * 16, 16},
-        cpidx::TopkOutput{const_cast<int32_t*>(cpu.data()), c.tokens * 16, 16});
-    EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
-  }
-  {  // block-table entries outside the cache, in the blocks the requests read
-    PrefillCase c = make_case(1501, 2, {40, 40}, {1000, 500}, DType::kBF16);
-    c.block_table[1] = 1 << 30;
-    c.block_table[static_cast<size_t>(c.bt_row_stride + 2)] = -7;
-    const Selection sel = sel_of(6);
-    int32_t flag = 0, err = 0;
-    const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
-    const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
-    EXPECT_EQ(flag, cpidx::kErrPageOutOfRange);
-    EXPECT_EQ(flag, err);
-    const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(
-        c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(gpu.data()), c.tokens * 6, 6},
-        cpidx::TopkOutput{const_cast<int32_t*>(cpu.data()), c.tokens * 6, 6});
-    EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
-  }
+  for_each_kernel([&] {
+    {  // cu_seqlens_q out of order and past num_tokens, contexts and seq_lens out of range
+      PrefillCase c = make_case(1500, 4, {50, 30, 20}, {300, 1000, 2000}, DType::kBF16);
+      // Request 2 runs past max_seq_len: its positions clamp to the last token, and it reads
+      // block-table columns past its pages (garbage outside the cache: clamped too).
+      c.cu = {0, 60, 55, 130};
+      c.context_lens = {-5, c.max_seq_len + 1000, c.max_seq_len - 10};
+      c.seq_lens = {355, 1030, -1};
+      const Selection sel = sel_of(16, 1, 2);
+      int32_t flag = 0, err = 0;
+      const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
+      const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
+      EXPECT_EQ(flag, cpidx::kErrSeqLenOutOfRange | cpidx::kErrPageOutOfRange);
+      EXPECT_EQ(flag, err);
+      const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(
+          c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(gpu.data()), c.tokens * 16, 16},
+          cpidx::TopkOutput{const_cast<int32_t*>(cpu.data()), c.tokens * 16, 16});
+      EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
+    }
+    {  // block-table entries outside the cache, in the blocks the requests read
+      PrefillCase c = make_case(1501, 2, {40, 40}, {1000, 500}, DType::kBF16);
+      c.block_table[1] = 1 << 30;
+      c.block_table[static_cast<size_t>(c.bt_row_stride + 2)] = -7;
+      const Selection sel = sel_of(6);
+      int32_t flag = 0, err = 0;
+      const std::vector<int32_t> gpu = gpu_prefill(c, sel, &flag);
+      const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
+      EXPECT_EQ(flag, cpidx::kErrPageOutOfRange);
+      EXPECT_EQ(flag, err);
+      const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(
+          c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(gpu.data()), c.tokens * 6, 6},
+          cpidx::TopkOutput{const_cast<int32_t*>(cpu.data()), c.tokens * 6, 6});
+      EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
+    }
+  });
 }
 
 TEST(GpuPrefill, GraphReplayFollowsNewContextsAndTables) {
   SKIP_WITHOUT_GPU();
-  PrefillCase c = make_case(1600, 4, {300, 100}, {30000, 3000}, DType::kBF16);
-  const Selection sel = sel_of(16);
-  DevicePrefill d(c);
-  std::unique_ptr<cpidx::Prefiller> pre;
-  ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel), 0, &pre).is_ok());
-  const int64_t K = sel.topk;
-  DeviceVec<int32_t> ids(static_cast<size_t>(4 * c.tokens * K));
-  cudaStream_t stream;
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  ASSERT_TRUE(pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, c.tokens * K, K}, stream).is_ok());
-  CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  std::mt19937 rng(5);
-  for (int step = 0; step < 3; ++step) {
-    // Shorter contexts (the table and cache stay valid) and a re-split of the same tokens.
-    c.context_lens = {static_cast<int32_t>(rng() % 29600), static_cast<int32_t>(rng() % 2700)};
-    const int32_t first = static_cast<int32_t>(1 + rng() % (c.tokens - 1));
-    c.cu = {0, first, static_cast<int32_t>(c.tokens)};
-    c.seq_lens = {c.context_lens[0] + first, c.context_lens[1] + static_cast<int32_t>(c.tokens) - first};
-    d.ctx.upload(c.context_lens);
-    d.cu.upload(c.cu);
-    d.seq.upload(c.seq_lens);
-    ids.poison();
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    const std::vector<int32_t> replayed = ids.download();
-    std::vector<int32_t> eager = gpu_prefill(c, sel);
-    EXPECT_EQ(replayed, eager) << "graph replay != eager at step " << step;
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  for_each_kernel([&] {
+    PrefillCase c = make_case(1600, 4, {300, 100}, {30000, 3000}, DType::kBF16);
+    const Selection sel = sel_of(16);
+    DevicePrefill d(c);
+    std::unique_ptr<cpidx::Prefiller> pre;
+    ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel), 0, &pre).is_ok());
+    const int64_t K = sel.topk;
+    DeviceVec<int32_t> ids(static_cast<size_t>(4 * c.tokens * K));
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    ASSERT_TRUE(pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, c.tokens * K, K}, stream).is_ok());
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    std::mt19937 rng(5);
+    for (int step = 0; step < 3; ++step) {
+      // Shorter contexts (the table and cache stay valid) and a re-split of the same tokens.
+      c.context_lens = {static_cast<int32_t>(rng() % 29600), static_cast<int32_t>(rng() % 2700)};
+      const int32_t first = static_cast<int32_t>(1 + rng() % (c.tokens - 1));
+      c.cu = {0, first, static_cast<int32_t>(c.tokens)};
+      c.seq_lens = {c.context_lens[0] + first, c.context_lens[1] + static_cast<int32_t>(c.tokens) - first};
+      d.ctx.upload(c.context_lens);
+      d.cu.upload(c.cu);
+      d.seq.upload(c.seq_lens);
+      ids.poison();
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      const std::vector<int32_t> replayed = ids.download();
+      std::vector<int32_t> eager = gpu_prefill(c, sel);
+      EXPECT_EQ(replayed, eager) << "graph replay != eager at step " << step;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  });
 }
 
 TEST(GpuPrefill, MixedBatchEqualsSeparateCalls) {
   SKIP_WITHOUT_GPU();
-  const int heads = 4;
-  const Selection sel = sel_of(16, 1, 2);
-  const cpidx_test::DecodeData dd = cpidx_test::random_decode(1700, heads, 2, {5000, 129, 70000}, 70000);
-  const PrefillCase pc = make_case(1701, heads, {300, 41}, {2000, 6000}, DType::kBF16);
-  DeviceBatch db(dd);
-  DevicePrefill dp(pc);
-  std::unique_ptr<cpidx::Decoder> dec;
-  ASSERT_TRUE(cpidx::Decoder::create(config_for(dd, sel), 0, &dec).is_ok());
-  std::unique_ptr<cpidx::Prefiller> pre;
-  ASSERT_TRUE(cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok());
-  const int64_t nd = dd.rows(), np = pc.tokens, max_rows = nd + np + 9, K = sel.topk;
-  DeviceVec<int32_t> out(static_cast<size_t>(heads * max_rows * K));
-  out.poison();
-  const cpidx::Status st = cpidx::mixed_topk(*dec, nullptr, db.all_heads(), *pre, dp.inputs(pc),
-                                             out.ptr, max_rows * K, K, nullptr);
-  ASSERT_TRUE(st.is_ok()) << st.to_string();
-  CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<int32_t> all = out.download();
-  const std::vector<int32_t> decode = gpu_decode(dd, sel);
-  const std::vector<int32_t> prefill = gpu_prefill(pc, sel);
-  for (int h = 0; h < heads; ++h) {
-    const auto head = all.begin() + h * max_rows * K;
-    EXPECT_TRUE(std::equal(head, head + nd * K, decode.begin() + h * nd * K)) << "decode head " << h;
-    EXPECT_TRUE(std::equal(head + nd * K, head + (nd + np) * K, prefill.begin() + h * np * K))
-        << "prefill head " << h;
-    EXPECT_TRUE(std::all_of(head + (nd + np) * K, head + max_rows * K,
-                            [](int32_t v) { return v == cpidx_test::kPoison; }))
-        << "rows past the mixed batch were written, head " << h;
-  }
+  for_each_kernel([&] {
+    const int heads = 4;
+    const Selection sel = sel_of(16, 1, 2);
+    const cpidx_test::DecodeData dd = cpidx_test::random_decode(1700, heads, 2, {5000, 129, 70000}, 70000);
+    const PrefillCase pc = make_case(1701, heads, {300, 41}, {2000, 6000}, DType::kBF16);
+    DeviceBatch db(dd);
+    DevicePrefill dp(pc);
+    std::unique_ptr<cpidx::Decoder> dec;
+    ASSERT_TRUE(cpidx::Decoder::create(config_for(dd, sel), 0, &dec).is_ok());
+    std::unique_ptr<cpidx::Prefiller> pre;
+    ASSERT_TRUE(cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok());
+    const int64_t nd = dd.rows(), np = pc.tokens, max_rows = nd + np + 9, K = sel.topk;
+    DeviceVec<int32_t> out(static_cast<size_t>(heads * max_rows * K));
+    out.poison();
+    const cpidx::Status st = cpidx::mixed_topk(*dec, nullptr, db.all_heads(), *pre, dp.inputs(pc),
+                                               out.ptr, max_rows * K, K, nullptr);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<int32_t> all = out.download();
+    const std::vector<int32_t> decode = gpu_decode(dd, sel);
+    const std::vector<int32_t> prefill = gpu_prefill(pc, sel);
+    for (int h = 0; h < heads; ++h) {
+      const auto head = all.begin() + h * max_rows * K;
+      EXPECT_TRUE(std::equal(head, head + nd * K, decode.begin() + h * nd * K)) << "decode head " << h;
+      EXPECT_TRUE(std::equal(head + nd * K, head + (nd + np) * K, prefill.begin() + h * np * K))
+          << "prefill head " << h;
+      EXPECT_TRUE(std::all_of(head + (nd + np) * K, head + max_rows * K,
+                              [](int32_t v) { return v == cpidx_test::kPoison; }))
+          << "rows past the mixed batch were written, head " << h;
+    }
+  });
 }
 
 TEST(GpuPrefill, HostErrorsBeforeAnyKernel) {
   SKIP_WITHOUT_GPU();
-  const PrefillCase c = make_case(1800, 4, {20}, {100}, DType::kBF16);
-  const Selection sel = sel_of(16);
-  std::unique_ptr<cpidx::Prefiller> pre;
-  cpidx::PrefillConfig bad = config_of(c, sel);
-  bad.num_heads = 9;
-  cpidx::Status st = cpidx::Prefiller::create(bad, 0, &pre);
-  EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("num_heads"), std::string::npos) << st.message();
-  bad = config_of(c, sel);
-  bad.sel.topk = 65;
-  EXPECT_EQ(cpidx::Prefiller::create(bad, 0, &pre).code(), cpidx::StatusCode::kUnsupported);
+  for_each_kernel([&] {
+    const PrefillCase c = make_case(1800, 4, {20}, {100}, DType::kBF16);
+    const Selection sel = sel_of(16);
+    std::unique_ptr<cpidx::Prefiller> pre;
+    cpidx::PrefillConfig bad = config_of(c, sel);
+    bad.num_heads = 9;
+    cpidx::Status st = cpidx::Prefiller::create(bad, 0, &pre);
+    EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("num_heads"), std::string::npos) << st.message();
+    bad = config_of(c, sel);
+    bad.sel.topk = 65;
+    EXPECT_EQ(cpidx::Prefiller::create(bad, 0, &pre).code(), cpidx::StatusCode::kUnsupported);
 
-  ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel, -10), 0, &pre).is_ok());  // 10 tokens
-  DevicePrefill d(c);
-  DeviceVec<int32_t> ids(static_cast<size_t>(4 * c.tokens * 16));
-  ids.poison();
-  const cpidx::TopkOutput out{ids.ptr, c.tokens * 16, 16};
-  st = pre->prefill(d.inputs(c), out, nullptr);
-  EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("max_tokens"), std::string::npos) << st.message();
+    ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel, -10), 0, &pre).is_ok());  // 10 tokens
+    DevicePrefill d(c);
+    DeviceVec<int32_t> ids(static_cast<size_t>(4 * c.tokens * 16));
+    ids.poison();
+    const cpidx::TopkOutput out{ids.ptr, c.tokens * 16, 16};
+    st = pre->prefill(d.inputs(c), out, nullptr);
+    EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("max_tokens"), std::string::npos) << st.message();
 
-  ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel), 0, &pre).is_ok());
-  cpidx::PrefillInputs in = d.inputs(c);
-  in.cache.dtype = DType::kFP8E4M3;
-  st = pre->prefill(in, out, nullptr);
-  EXPECT_NE(st.message().find("dtype"), std::string::npos) << st.message();
-  in = d.inputs(c);
-  in.q_row_stride += 4;  // not a multiple of 8 elements
-  st = pre->prefill(in, out, nullptr);
-  EXPECT_NE(st.message().find("index_query"), std::string::npos) << st.message();
-  st = pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, 16, 16}, nullptr);  // heads overlap
-  EXPECT_NE(st.message().find("ids strides"), std::string::npos) << st.message();
-  CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<int32_t> h = ids.download();
-  EXPECT_TRUE(std::all_of(h.begin(), h.end(), [](int32_t v) { return v == cpidx_test::kPoison; }))
-      << "a rejected call wrote output";
+    ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel), 0, &pre).is_ok());
+    cpidx::PrefillInputs in = d.inputs(c);
+    in.cache.dtype = DType::kFP8E4M3;
+    st = pre->prefill(in, out, nullptr);
+    EXPECT_NE(st.message().find("dtype"), std::string::npos) << st.message();
+    in = d.inputs(c);
+    in.q_row_stride += 4;  // not a multiple of 8 elements
+    st = pre->prefill(in, out, nullptr);
+    EXPECT_NE(st.message().find("index_query"), std::string::npos) << st.message();
+    st = pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, 16, 16}, nullptr);  // heads overlap
+    EXPECT_NE(st.message().find("ids strides"), std::string::npos) << st.message();
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<int32_t> h = ids.download();
+    EXPECT_TRUE(std::all_of(h.begin(), h.end(), [](int32_t v) { return v == cpidx_test::kPoison; }))
+        << "a rejected call wrote output";
+  });
 }
 
 }  // namespace
