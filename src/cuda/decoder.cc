@@ -10,21 +10,13 @@
 #include "cpidx/reference.h"
 #include "cpidx/workspace.h"
 #include "kernels.h"
+#include "host_util.h"
 #include "reference/internal.h"
 
 namespace cpidx {
 namespace {
 
-Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::ok();
-  ::cpidx::detail::Message os;
-  os << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
-  return Status(StatusCode::kCudaError, os.str());
-}
-
-#define CPIDX_CUDA_TRY(expr) CPIDX_RETURN_IF_ERROR(cuda_status((expr), #expr))
-
-size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+using cuda_host::align_up;
 
 }  // namespace
 
@@ -196,10 +188,7 @@ Decoder::~Decoder() {
 
 Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decoder>* out) {
   CPIDX_CHECK(out != nullptr, "out must not be null");
-  if (c.cache_dtype != DType::kBF16 && c.cache_dtype != DType::kFP8E4M3) {
-    return unsupported("cache_dtype must be bf16 or fp8_e4m3, got dtype code " +
-                       std::to_string(static_cast<int>(c.cache_dtype)));
-  }
+  CPIDX_RETURN_IF_ERROR(cuda_host::check_cache_dtype(c.cache_dtype));
   if (c.head_dim != kHeadDim) {
     return unsupported("head_dim must be " + std::to_string(kHeadDim) + ", got " +
                        std::to_string(c.head_dim));
@@ -226,15 +215,8 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   CPIDX_CHECK(c.split_max_pages >= DecodeConfig::kAutoSplit && c.split_max_pages <= (1 << 24),
               "split_max_pages must be -1 (automatic), 0 (never) or a page count <= 2^24, got "
                   << c.split_max_pages);
-  int count = 0;
-  CPIDX_CUDA_TRY(cudaGetDeviceCount(&count));
-  CPIDX_CHECK(device >= 0 && device < count,
-              "device must be in [0, " << count << "), got " << device);
   impl->device = device;
-  int prev = 0;
-  CPIDX_CUDA_TRY(cudaGetDevice(&prev));
-  CPIDX_CUDA_TRY(cudaSetDevice(device));
-  Status st = [&]() -> Status {
+  const Status st = cuda_host::on_device(device, [&]() -> Status {
     CPIDX_CUDA_TRY(cuda::plan_score_topk(c.total_heads * c.max_query_len, c.sel.topk,
                                          c.cache_dtype, c.max_tokens, device,
                                          c.scoring_ctas_per_sm, &impl->launch));
@@ -244,8 +226,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
     CPIDX_CUDA_TRY(cudaMemset(impl->workspace, 0, impl->layout.total));
     CPIDX_CUDA_TRY(cudaDeviceSynchronize());
     return Status::ok();
-  }();
-  cudaSetDevice(prev);
+  });
   if (!st.is_ok()) {
     if (impl->workspace) cudaFree(impl->workspace);
     return st;

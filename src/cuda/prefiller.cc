@@ -10,25 +10,17 @@
 #include "cpidx/prefill.h"
 #include "cpidx/reference.h"
 #include "prefill_kernels.h"
+#include "host_util.h"
 #include "reference/internal.h"
 
 namespace cpidx {
 namespace {
 
-Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::ok();
-  detail::Message msg;
-  msg << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
-  return Status(StatusCode::kCudaError, msg.str());
-}
-
-#define CPIDX_CUDA_TRY(expr) CPIDX_RETURN_IF_ERROR(cuda_status((expr), #expr))
+using cuda_host::align_up;
 
 // The split lists are the only large buffer: max_tokens x H x K keys per split. Above this many
 // bytes the workspace holds fewer splits at max_tokens (calls with fewer tokens still get more).
 constexpr size_t kPartialBudgetBytes = size_t{512} << 20;
-
-size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // Sizes and carves the workspace from one routine (offsets from the base).
 struct PrefillWorkspaceLayout {
@@ -116,10 +108,7 @@ Prefiller::~Prefiller() {
 
 Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Prefiller>* out) {
   CPIDX_CHECK(out != nullptr, "out must not be null");
-  if (c.cache_dtype != DType::kBF16 && c.cache_dtype != DType::kFP8E4M3) {
-    return unsupported("cache_dtype must be bf16 or fp8_e4m3, got dtype code " +
-                       std::to_string(static_cast<int>(c.cache_dtype)));
-  }
+  CPIDX_RETURN_IF_ERROR(cuda_host::check_cache_dtype(c.cache_dtype));
   CPIDX_RETURN_IF_ERROR(ref::detail::check_selection(c.sel));
   CPIDX_CHECK(c.num_heads >= 1 && c.num_heads <= kMaxHeads,
               "num_heads must be in [1, " << kMaxHeads << "], got " << c.num_heads);
@@ -128,17 +117,10 @@ Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Pre
   CPIDX_CHECK(c.kernel == PrefillKernel::kAuto || c.kernel == PrefillKernel::kMmaSync ||
                   c.kernel == PrefillKernel::kWgmma,
               "kernel must be auto, mma or wgmma, got code " << static_cast<int>(c.kernel));
-  int count = 0;
-  CPIDX_CUDA_TRY(cudaGetDeviceCount(&count));
-  CPIDX_CHECK(device >= 0 && device < count,
-              "device must be in [0, " << count << "), got " << device);
   auto impl = std::make_unique<Impl>();
   impl->cfg = c;
   impl->layout = workspace_layout(c);
-  int prev = 0;
-  CPIDX_CUDA_TRY(cudaGetDevice(&prev));
-  CPIDX_CUDA_TRY(cudaSetDevice(device));
-  Status st = [&]() -> Status {
+  const Status st = cuda_host::on_device(device, [&]() -> Status {
     bool wgmma = false;
     if (c.kernel != PrefillKernel::kMmaSync) {
       CPIDX_CUDA_TRY(cuda::prefill_wgmma_available(device, &wgmma));
@@ -153,8 +135,7 @@ Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Pre
     CPIDX_CUDA_TRY(cudaMemset(impl->workspace, 0, impl->layout.total));
     CPIDX_CUDA_TRY(cudaDeviceSynchronize());
     return Status::ok();
-  }();
-  cudaSetDevice(prev);
+  });
   if (!st.is_ok()) {
     if (impl->workspace) cudaFree(impl->workspace);
     return st;
