@@ -67,22 +67,12 @@ struct Decoder::Impl {
     CPIDX_RETURN_IF_ERROR(ref::validate(in, cfg.sel, cfg.max_tokens));
     CPIDX_CHECK(in.num_heads == expected_heads,
                 "query heads (num_heads) must be " << expected_heads << ", got " << in.num_heads);
-    CPIDX_CHECK(in.max_seq_len == cfg.max_seq_len,
-                "max_seq_len must equal the Decoder's bound " << cfg.max_seq_len << ", got "
-                                                              << in.max_seq_len);
-    CPIDX_CHECK(in.cache.dtype == cfg.cache_dtype,
-                "index_cache dtype must be " << to_string(cfg.cache_dtype) << ", got "
-                                             << to_string(in.cache.dtype));
+    CPIDX_RETURN_IF_ERROR(cuda_host::check_kernel_inputs(
+        in.query, in.q_row_stride, in.q_head_stride, in.cache, in.max_seq_len, cfg.max_seq_len,
+        cfg.cache_dtype, "Decoder"));
     CPIDX_CHECK(in.query_len <= cfg.max_query_len,
                 "query_len must be <= max_query_len " << cfg.max_query_len << ", got "
                                                       << in.query_len);
-    CPIDX_CHECK(reinterpret_cast<uintptr_t>(in.query) % 16 == 0 && in.q_row_stride % 8 == 0 &&
-                    in.q_head_stride % 8 == 0,
-                "index_query must be 16-byte aligned with row and head strides that are "
-                "multiples of 8 elements (got row stride "
-                    << in.q_row_stride << ", head stride " << in.q_head_stride << ")");
-    CPIDX_CHECK(reinterpret_cast<uintptr_t>(in.cache.data) % 16 == 0,
-                "index_cache must be 16-byte aligned");
     return Status::ok();
   }
 

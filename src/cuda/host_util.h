@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cpidx/contract.h"
+#include "cpidx/params.h"
 #include "cpidx/status.h"
 
 namespace cpidx {
@@ -27,6 +28,28 @@ inline Status check_cache_dtype(DType dtype) {
   if (dtype == DType::kBF16 || dtype == DType::kFP8E4M3) return Status::ok();
   return unsupported("cache_dtype must be bf16 or fp8_e4m3, got dtype code " +
                      std::to_string(static_cast<int>(dtype)));
+}
+
+// What the scoring kernels need of a call's queries and cache beyond the reference's checks:
+// the object's bound and dtype, and the 16-byte alignment of their vector loads. `owner` names
+// the object in the message ("Decoder", "Prefiller").
+inline Status check_kernel_inputs(const uint16_t* query, int64_t q_row_stride,
+                                  int64_t q_head_stride, const PagedCache& cache,
+                                  int32_t max_seq_len, int32_t bound, DType dtype,
+                                  const char* owner) {
+  CPIDX_CHECK(max_seq_len == bound,
+              "max_seq_len must equal the " << owner << "'s bound " << bound << ", got "
+                                            << max_seq_len);
+  CPIDX_CHECK(cache.dtype == dtype, "index_cache dtype must be " << to_string(dtype) << ", got "
+                                                                 << to_string(cache.dtype));
+  CPIDX_CHECK(reinterpret_cast<uintptr_t>(query) % 16 == 0 && q_row_stride % 8 == 0 &&
+                  q_head_stride % 8 == 0,
+              "index_query must be 16-byte aligned with row and head strides that are "
+              "multiples of 8 elements (got row stride "
+                  << q_row_stride << ", head stride " << q_head_stride << ")");
+  CPIDX_CHECK(reinterpret_cast<uintptr_t>(cache.data) % 16 == 0,
+              "index_cache must be 16-byte aligned");
+  return Status::ok();
 }
 
 // Runs `setup` with `device` current and restores the caller's device afterwards.

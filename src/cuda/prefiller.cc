@@ -166,19 +166,9 @@ Status Prefiller::validate(const PrefillInputs& in, const TopkOutput& out) const
   CPIDX_CHECK(in.num_tokens <= c.max_tokens, "num_tokens (" << in.num_tokens
                                                              << ") exceeds max_tokens ("
                                                              << c.max_tokens << ")");
-  CPIDX_CHECK(in.max_seq_len == c.max_seq_len,
-              "max_seq_len must equal the Prefiller's bound " << c.max_seq_len << ", got "
-                                                              << in.max_seq_len);
-  CPIDX_CHECK(in.cache.dtype == c.cache_dtype,
-              "index_cache dtype must be " << to_string(c.cache_dtype) << ", got "
-                                           << to_string(in.cache.dtype));
-  CPIDX_CHECK(reinterpret_cast<uintptr_t>(in.query) % 16 == 0 && in.q_row_stride % 8 == 0 &&
-                  in.q_head_stride % 8 == 0,
-              "index_query must be 16-byte aligned with row and head strides that are "
-              "multiples of 8 elements (got row stride "
-                  << in.q_row_stride << ", head stride " << in.q_head_stride << ")");
-  CPIDX_CHECK(reinterpret_cast<uintptr_t>(in.cache.data) % 16 == 0,
-              "index_cache must be 16-byte aligned");
+  CPIDX_RETURN_IF_ERROR(cuda_host::check_kernel_inputs(
+      in.query, in.q_row_stride, in.q_head_stride, in.cache, in.max_seq_len, c.max_seq_len,
+      c.cache_dtype, "Prefiller"));
   return ref::detail::check_ids(out, in.num_heads, in.num_tokens, c.sel.topk);
 }
 

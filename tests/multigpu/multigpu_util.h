@@ -10,8 +10,10 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
 #include <random>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -267,6 +269,80 @@ inline void next_replay_inputs(std::mt19937& rng, int step, int32_t bound, Decod
   if (step % 250 == 17) h->seq_lens.assign(static_cast<size_t>(reqs), 0);
   std::shuffle(h->block_table.begin(), h->block_table.end(), rng);
   for (auto& e : h->block_table) e = static_cast<int32_t>(std::abs(e) % h->num_pages);
+}
+
+// fn(rank) on one thread per rank, with the rank's GPU current; returns when all end.
+inline void on_threads(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&fn, r] {
+      cudaSetDevice(r);
+      fn(r);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Ranks as threads of this process (rank r on GPU r, comms[r]): every rank's cp_decode of `d`
+// == the plain decode on GPU 0, bitwise. Returns the ranks' results.
+inline std::vector<RankResult> expect_threads_cp_equals_plain(
+    const std::vector<Communicator*>& comms, const DecodeData& d, const Selection& sel,
+    const std::string& what) {
+  const int world = static_cast<int>(comms.size());
+  const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
+  std::vector<RankResult> results(static_cast<size_t>(world));
+  on_threads(world, [&](int r) {
+    results[static_cast<size_t>(r)] = cp_rank(*comms[static_cast<size_t>(r)], r, d, sel);
+  });
+  for (const RankResult& res : results) expect_rank_matches(res, plain, d.rows(), sel.topk, what);
+  return results;
+}
+
+// Ranks as threads: cp_decode captured once per GPU (after an eager warm-up, every rank at the
+// same time), then `replays` replays with the shared schedule of new inputs (next_replay_inputs),
+// every GPU's graph launched before waiting for any; every `check_every`-th replay and the last
+// compared with the plain decode. Returns the number of checks made.
+inline int replay_threads_cp_graphs(const std::vector<Communicator*>& comms, DecodeData& d,
+                                    const Selection& sel, std::mt19937& rng, int32_t bound,
+                                    int replays, int check_every, const std::string& what) {
+  const int world = static_cast<int>(comms.size());
+  std::vector<std::unique_ptr<GraphRank>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::make_unique<GraphRank>(*comms[static_cast<size_t>(r)], r, d, sel));
+  }
+  std::vector<Status> warm(static_cast<size_t>(world)), cap(static_cast<size_t>(world));
+  on_threads(world, [&](int r) {
+    warm[r] = ranks[r]->warm_up();
+    cap[r] = warm[r].is_ok() ? ranks[r]->capture() : warm[r];
+  });
+  bool ready = true;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(warm[r].is_ok()) << what << ": rank " << r << " warm-up: " << warm[r].to_string();
+    EXPECT_TRUE(cap[r].is_ok()) << what << ": rank " << r << " capture: " << cap[r].to_string();
+    ready = ready && cap[r].is_ok() && ranks[r]->captured();
+  }
+  EXPECT_TRUE(ready) << what;  // nothing is in flight here: every warm-up and capture ended
+  if (!ready) return 0;
+  int checks = 0;
+  for (int step = 0; step < replays; ++step) {
+    next_replay_inputs(rng, step, bound, &d);
+    const bool check = step % check_every == 0 || step == replays - 1;
+    for (auto& rk : ranks) {
+      rk->set_inputs(d);
+      if (check) rk->poison_ids();
+    }
+    for (auto& rk : ranks) rk->launch();  // every GPU's graph before waiting for any
+    for (auto& rk : ranks) rk->sync();
+    if (!check) continue;
+    const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
+    for (auto& rk : ranks) {
+      expect_owned_heads_equal(rk->geometry(), rk->ids(), plain, d.rows(), sel.topk,
+                               what + " replay " + std::to_string(step));
+    }
+    ++checks;
+    if (::testing::Test::HasFailure()) break;
+  }
+  return checks;
 }
 
 }  // namespace cpidx_multigpu_test

@@ -87,12 +87,38 @@ class MpiNccl : public ::testing::Test {
   static Communicator& comm() { return *world().nccl; }
   static int device() { return world().device; }
 
-  // This rank's cp_decode against the plain decode on its own GPU.
+  // This rank's cp_decode through `c` (NCCL by default) against the plain decode on its GPU.
   static void expect_cp_equals_plain(const DecodeData& d, const Selection& sel,
-                                     const std::string& what) {
+                                     const std::string& what, Communicator* c = nullptr) {
     const std::vector<int32_t> plain = plain_decode_on(device(), d, sel);
-    const RankResult res = cp_rank(comm(), device(), d, sel);
+    const RankResult res = cp_rank(c ? *c : comm(), device(), d, sel);
     expect_rank_matches(res, plain, d.rows(), sel.topk, what);
+  }
+
+  // This rank's cp_decode through `c` captured in a CUDA graph (after an eager warm-up), then
+  // `replays` replays with the shared schedule of new inputs; every `check_every`-th and the
+  // last replay compared with the plain decode. The ranks agree that every capture succeeded
+  // before any replays (none replays alone).
+  static void replay_graph_and_check(Communicator& c, DecodeData& d, const Selection& sel,
+                                     std::mt19937& rng, int32_t bound, int replays,
+                                     int check_every) {
+    GraphRank rank(c, device(), d, sel);
+    Status st = rank.warm_up();
+    if (st.is_ok()) st = rank.capture();
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    const Status ready = world().mpi->check_agree(st.is_ok() ? 1 : 0, "graph captured");
+    ASSERT_TRUE(ready.is_ok()) << ready.to_string();
+    for (int step = 0; step < replays; ++step) {
+      next_replay_inputs(rng, step, bound, &d);
+      const bool check = step % check_every == 0 || step == replays - 1;
+      rank.set_inputs(d);
+      if (check) rank.poison_ids();
+      rank.launch();
+      rank.sync();
+      if (!check) continue;
+      expect_owned_heads_equal(rank.geometry(), rank.ids(), plain_decode_on(device(), d, sel),
+                               d.rows(), sel.topk, "replay " + std::to_string(step));
+    }
   }
 };
 
@@ -148,26 +174,7 @@ TEST_F(MpiNccl, GraphReplay1000WithChangingInputs) {
   const int32_t bound = 1 << 16;
   std::mt19937 rng(61);
   DecodeData d = random_decode(2100, 4, Q, lengths(rng, reqs, bound, false), bound);
-  const Selection sel = sel_of(16);
-  GraphRank rank(comm(), device(), d, sel);
-  Status st = rank.warm_up();
-  if (st.is_ok()) st = rank.capture();
-  EXPECT_TRUE(st.is_ok()) << st.to_string();
-  // Every rank ran the same collectives so far; agree before replaying (no rank replays alone).
-  const Status ready = world().mpi->check_agree(st.is_ok() ? 1 : 0, "graph captured");
-  ASSERT_TRUE(ready.is_ok()) << ready.to_string();
-  for (int step = 0; step < replays; ++step) {
-    next_replay_inputs(rng, step, bound, &d);
-    const bool check = step % check_every == 0 || step == replays - 1;
-    rank.set_inputs(d);
-    if (check) rank.poison_ids();
-    rank.launch();
-    rank.sync();
-    if (check) {
-      expect_owned_heads_equal(rank.geometry(), rank.ids(), plain_decode_on(device(), d, sel),
-                               d.rows(), sel.topk, "replay " + std::to_string(step));
-    }
-  }
+  replay_graph_and_check(comm(), d, sel_of(16), rng, bound, replays, check_every);
 }
 
 TEST_F(MpiNccl, DisagreeingBatchSizeFailsBeforeAnyCollective) {
@@ -243,10 +250,7 @@ TEST_F(MpiPeer, CpDecodeEqualsPlainBitwise) {
     std::vector<int32_t> s = lengths(rng, 6, 100000, true);
     s[0] = 1;
     DecodeData d = random_decode(seed++, 4, Q, s, 100000);
-    const Selection sel = sel_of(16);
-    const RankResult res = cp_rank(peer(), device(), d, sel);
-    expect_rank_matches(res, plain_decode_on(device(), d, sel), d.rows(), sel.topk,
-                        "Q=" + std::to_string(Q));
+    expect_cp_equals_plain(d, sel_of(16), "Q=" + std::to_string(Q), &peer());
   }
   expect_error_word_clear("cp_decode");
 }
@@ -256,25 +260,7 @@ TEST_F(MpiPeer, CpDecodeGraphReplay1000WithChangingInputs) {
   const int32_t bound = 1 << 16;
   std::mt19937 rng(62);
   DecodeData d = random_decode(2600, 4, Q, lengths(rng, reqs, bound, false), bound);
-  const Selection sel = sel_of(16);
-  GraphRank rank(peer(), device(), d, sel);
-  Status st = rank.warm_up();
-  if (st.is_ok()) st = rank.capture();
-  EXPECT_TRUE(st.is_ok()) << st.to_string();
-  const Status ready = world().mpi->check_agree(st.is_ok() ? 1 : 0, "graph captured");
-  ASSERT_TRUE(ready.is_ok()) << ready.to_string();
-  for (int step = 0; step < replays; ++step) {
-    next_replay_inputs(rng, step, bound, &d);
-    const bool check = step % check_every == 0 || step == replays - 1;
-    rank.set_inputs(d);
-    if (check) rank.poison_ids();
-    rank.launch();
-    if (!check) continue;
-    rank.sync();
-    expect_owned_heads_equal(rank.geometry(), rank.ids(), plain_decode_on(device(), d, sel),
-                             d.rows(), sel.topk, "replay " + std::to_string(step));
-  }
-  rank.sync();
+  replay_graph_and_check(peer(), d, sel_of(16), rng, bound, replays, check_every);
   expect_error_word_clear("cp_decode graph");
 }
 

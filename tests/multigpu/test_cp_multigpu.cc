@@ -54,13 +54,14 @@ class MultiGpu : public ::testing::Test {
   }
 
   // Every rank's cp_decode against the plain decode on GPU 0; returns the rank results.
+  static std::vector<Communicator*> comm_ptrs() {
+    std::vector<Communicator*> v;
+    for (auto& c : comms_) v.push_back(c.get());
+    return v;
+  }
   static std::vector<RankResult> expect_cp_equals_plain(const DecodeData& d, const Selection& sel,
                                                         const std::string& what) {
-    const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
-    std::vector<RankResult> results(kWorld);
-    on_ranks([&](int r, Communicator& comm) { results[r] = cp_rank(comm, r, d, sel); });
-    for (const RankResult& res : results) expect_rank_matches(res, plain, d.rows(), sel.topk, what);
-    return results;
+    return expect_threads_cp_equals_plain(comm_ptrs(), d, sel, what);
   }
 
   static std::vector<std::unique_ptr<Communicator>> comms_;
@@ -186,43 +187,8 @@ TEST_F(MultiGpu, GraphReplay1000WithChangingInputs) {
   for (int Q : {1, 4}) {
     std::mt19937 rng(41 + Q);
     DecodeData d = random_decode(1200 + Q, 4, Q, lengths(rng, reqs, bound, false), bound);
-    const Selection sel = sel_of(16);
-    std::vector<std::unique_ptr<GraphRank>> ranks;
-    for (int r = 0; r < kWorld; ++r) {
-      ranks.push_back(std::make_unique<GraphRank>(*comms_[static_cast<size_t>(r)], r, d, sel));
-    }
-    // Warm NCCL up eagerly, then capture cp_decode on every GPU's stream at the same time.
-    std::vector<Status> warm(kWorld), cap(kWorld);
-    on_ranks([&](int r, Communicator&) {
-      warm[r] = ranks[r]->warm_up();
-      cap[r] = warm[r].is_ok() ? ranks[r]->capture() : warm[r];
-    });
-    bool ready = true;
-    for (int r = 0; r < kWorld; ++r) {
-      EXPECT_TRUE(warm[r].is_ok()) << "rank " << r << " warm-up: " << warm[r].to_string();
-      EXPECT_TRUE(cap[r].is_ok()) << "rank " << r << " capture: " << cap[r].to_string();
-      ready = ready && cap[r].is_ok() && ranks[r]->captured();
-    }
-    ASSERT_TRUE(ready);  // nothing is in flight here: every rank's warm-up and capture ended
-    int checks = 0;
-    for (int step = 0; step < replays; ++step) {
-      next_replay_inputs(rng, step, bound, &d);
-      const bool check = step % check_every == 0 || step == replays - 1;
-      for (auto& rk : ranks) {
-        rk->set_inputs(d);
-        if (check) rk->poison_ids();
-      }
-      for (auto& rk : ranks) rk->launch();  // every GPU's graph before waiting for any
-      for (auto& rk : ranks) rk->sync();
-      if (!check) continue;
-      const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
-      for (auto& rk : ranks) {
-        expect_owned_heads_equal(rk->geometry(), rk->ids(), plain, d.rows(), sel.topk,
-                                 "Q=" + std::to_string(Q) + " replay " + std::to_string(step));
-      }
-      ++checks;
-      if (HasFailure()) break;
-    }
+    const int checks = replay_threads_cp_graphs(comm_ptrs(), d, sel_of(16), rng, bound, replays,
+                                                check_every, "Q=" + std::to_string(Q));
     EXPECT_EQ(checks, replays / check_every + 1) << "Q=" << Q;
   }
 }

@@ -29,18 +29,6 @@ constexpr size_t kMaxBytes = 256 << 10;
 
 using Comms = std::vector<std::unique_ptr<Communicator>>;
 
-// fn(rank) on one thread per rank, with the rank's GPU current; returns when all end.
-void on_threads(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&fn, r] {
-      cudaSetDevice(r);
-      fn(r);
-    });
-  }
-  for (auto& t : threads) t.join();
-}
-
 // Peer communicators over `boot` (collective: one thread per rank).
 Comms make_peers(Comms& boot, size_t max_bytes, std::vector<Status>* status,
                  double timeout_seconds = 5.0) {
@@ -103,6 +91,12 @@ class PeerExchange : public ::testing::Test {
                 cudaSuccess);
       EXPECT_EQ(word, 0) << what << ": rank " << r << "'s peer error word";
     }
+  }
+
+  static std::vector<Communicator*> peer_ptrs() {
+    std::vector<Communicator*> v;
+    for (auto& c : peers_) v.push_back(c.get());
+    return v;
   }
 
   static Comms hosts_, nccl_, peers_;
@@ -231,21 +225,12 @@ TEST_F(PeerExchange, CpDecodeEqualsPlainBitwise) {
       s[0] = 100;
       s[2] = 129;
       DecodeData d = random_decode(seed++, T, Q, s, 50000);
-      const Selection sel = sel_of(16);
-      const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
-      std::vector<RankResult> res(kWorld);
-      on_threads(kWorld,
-                 [&](int r) { res[r] = cp_rank(*peers_[static_cast<size_t>(r)], r, d, sel); });
-      const std::string what = "T=" + std::to_string(T) + " Q=" + std::to_string(Q);
-      for (const RankResult& x : res) expect_rank_matches(x, plain, d.rows(), sel.topk, what);
+      expect_threads_cp_equals_plain(peer_ptrs(), d, sel_of(16),
+                                     "T=" + std::to_string(T) + " Q=" + std::to_string(Q));
     }
   }
   DecodeData d = random_decode(seed++, 4, 2, lengths(rng, 5, 20000, true), 20000);
-  const Selection sel = sel_of(33, 1, 2);
-  const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
-  std::vector<RankResult> res(kWorld);
-  on_threads(kWorld, [&](int r) { res[r] = cp_rank(*peers_[static_cast<size_t>(r)], r, d, sel); });
-  for (const RankResult& x : res) expect_rank_matches(x, plain, d.rows(), sel.topk, "K=33");
+  expect_threads_cp_equals_plain(peer_ptrs(), d, sel_of(33, 1, 2), "K=33");
   expect_error_words_clear("cp_decode");
 }
 
@@ -254,42 +239,8 @@ TEST_F(PeerExchange, CpDecodeGraphReplay1000WithChangingInputs) {
   const int32_t bound = 1 << 16;
   std::mt19937 rng(88);
   DecodeData d = random_decode(5100, 4, Q, lengths(rng, reqs, bound, false), bound);
-  const Selection sel = sel_of(16);
-  std::vector<std::unique_ptr<GraphRank>> ranks;
-  for (int r = 0; r < kWorld; ++r) {
-    ranks.push_back(std::make_unique<GraphRank>(*peers_[static_cast<size_t>(r)], r, d, sel));
-  }
-  std::vector<Status> cap(kWorld);
-  on_threads(kWorld, [&](int r) {
-    cap[r] = ranks[r]->warm_up();
-    if (cap[r].is_ok()) cap[r] = ranks[r]->capture();
-  });
-  bool ready = true;
-  for (int r = 0; r < kWorld; ++r) {
-    EXPECT_TRUE(cap[r].is_ok()) << "rank " << r << ": " << cap[r].to_string();
-    ready = ready && cap[r].is_ok() && ranks[r]->captured();
-  }
-  ASSERT_TRUE(ready);
-  int checks = 0;
-  for (int step = 0; step < replays; ++step) {
-    next_replay_inputs(rng, step, bound, &d);
-    const bool check = step % check_every == 0 || step == replays - 1;
-    for (auto& rk : ranks) {
-      rk->set_inputs(d);
-      if (check) rk->poison_ids();
-    }
-    for (auto& rk : ranks) rk->launch();
-    if (!check) continue;  // the next replay's copies queue behind this one in each stream
-    for (auto& rk : ranks) rk->sync();
-    const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
-    for (auto& rk : ranks) {
-      expect_owned_heads_equal(rk->geometry(), rk->ids(), plain, d.rows(), sel.topk,
-                               "replay " + std::to_string(step));
-    }
-    ++checks;
-    if (HasFailure()) break;
-  }
-  for (auto& rk : ranks) rk->sync();
+  const int checks = replay_threads_cp_graphs(peer_ptrs(), d, sel_of(16), rng, bound, replays,
+                                              check_every, "peer");
   EXPECT_EQ(checks, replays / check_every + 1);
   expect_error_words_clear("cp_decode graph");
 }
