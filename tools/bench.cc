@@ -21,6 +21,8 @@
 
 #if defined(CPIDX_WITH_CUDA)
 #include <cuda_runtime.h>
+
+#include "graph_timing.h"
 #endif
 
 namespace cpidx::tools {
@@ -271,26 +273,12 @@ Result Bench::run(const Shape& sh, int replays) {
     for (int c = 0; c < calls_per_set; ++c) one_call(s);
   BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
   BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
-  std::vector<float> times;
-  for (int i = 0; i < replays + 3; ++i) {
-    BENCH_CUDA(cudaEventRecord(e0, stream));
-    BENCH_CUDA(cudaGraphLaunch(exec, stream));
-    BENCH_CUDA(cudaEventRecord(e1, stream));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= 3) times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  res.us = times[times.size() / 2] * 1e3 / (sets * calls_per_set);
+  float median_ms = 0;
+  BENCH_CUDA(median_graph_ms(exec, stream, 3, replays, &median_ms));
+  res.us = median_ms * 1e3 / (sets * calls_per_set);
   res.gbps = shard_bytes / (res.us * 1e-6) / 1e9;
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
   cudaFree(ids);
   cudaFree(gathered);

@@ -24,6 +24,8 @@
 
 #if defined(CPIDX_WITH_CUDA)
 #include <cuda_runtime.h>
+
+#include "graph_timing.h"
 #endif
 
 namespace cpidx::tools {
@@ -245,21 +247,9 @@ bool PrefillBench::run(const Shape& sh, size_t k, int replays, bool check, Resul
   for (int c = 0; c < r->calls && st.is_ok(); ++c) st = pre.prefill(in, out, stream);
   PREFILL_CUDA(cudaStreamEndCapture(stream, &graph));
   PREFILL_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  PREFILL_CUDA(cudaEventCreate(&e0));
-  PREFILL_CUDA(cudaEventCreate(&e1));
-  std::vector<float> times;
-  for (int i = 0; i < replays + 2; ++i) {  // two warm-up replays
-    PREFILL_CUDA(cudaEventRecord(e0, stream));
-    PREFILL_CUDA(cudaGraphLaunch(exec, stream));
-    PREFILL_CUDA(cudaEventRecord(e1, stream));
-    PREFILL_CUDA(cudaEventSynchronize(e1));
-    float ms = 0;
-    PREFILL_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= 2) times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  r->us = times[times.size() / 2] * 1e3 / r->calls;
+  float median_ms = 0;
+  PREFILL_CUDA(median_graph_ms(exec, stream, 2, replays, &median_ms));  // two warm-up replays
+  r->us = median_ms * 1e3 / r->calls;
   const double bytes = static_cast<double>(cdiv(sh.context + sh.chunk, kBlockSize)) * page_bytes_ +
                        static_cast<double>(sh.chunk) * heads_ * kHeadDim * 2 +
                        static_cast<double>(sh.chunk) * heads_ * topk_ * 4;
@@ -267,8 +257,6 @@ bool PrefillBench::run(const Shape& sh, size_t k, int replays, bool check, Resul
   r->gbps = bytes / (r->us * 1e-6) / 1e9;
   r->mem_floor_us = bytes / kHbmBytesPerSec * 1e6;
   r->tc_floor_us = flop / kTensorFlopPerSec * 1e6;
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
