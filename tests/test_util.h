@@ -221,4 +221,22 @@ inline std::vector<int> valid_worlds(int total_heads) {
   return worlds;
 }
 
+// Selection (K, init, local) in one call, as the tests write it.
+inline cpidx::Selection sel_of(int k, int init = 0, int local = 1) {
+  cpidx::Selection s;
+  s.topk = k;
+  s.init_blocks = init;
+  s.local_blocks = local;
+  return s;
+}
+
+// `reqs` lengths uniform in [1, max_len]; with `pad`, request 1 is a padding request.
+inline std::vector<int32_t> lengths(std::mt19937& rng, int reqs, int32_t max_len, bool pad) {
+  std::vector<int32_t> s(static_cast<size_t>(reqs));
+  std::uniform_int_distribution<int32_t> dist(1, max_len);
+  for (auto& x : s) x = dist(rng);
+  if (pad && reqs > 2) s[1] = 0;
+  return s;
+}
+
 }  // namespace cpidx_test

@@ -16,15 +16,9 @@ using namespace cpidx_gpu_test;
 using cpidx::DType;
 using cpidx::Selection;
 using cpidx_test::Values;
+using cpidx_test::lengths;
 using cpidx_test::random_decode;
-
-Selection sel_of(int k, int init = 0, int local = 1) {
-  Selection s;
-  s.topk = k;
-  s.init_blocks = init;
-  s.local_blocks = local;
-  return s;
-}
+using cpidx_test::sel_of;
 
 // Both GPU paths against one CPU reference, and against each other bit for bit.
 void expect_matches_reference(const DecodeData& d, const Selection& sel, const char* what) {
@@ -44,14 +38,6 @@ void expect_matches_reference(const DecodeData& d, const Selection& sel, const c
     if (path == Path::kFused) fused = gpu;
     else EXPECT_EQ(gpu, fused) << what << ": the two paths differ";
   }
-}
-
-std::vector<int32_t> lengths(std::mt19937& rng, int reqs, int32_t max_len, bool pad) {
-  std::vector<int32_t> s(static_cast<size_t>(reqs));
-  std::uniform_int_distribution<int32_t> dist(1, max_len);
-  for (auto& x : s) x = dist(rng);
-  if (pad && reqs > 2) s[1] = 0;
-  return s;
 }
 
 // Bodies run once per path by the tests below.

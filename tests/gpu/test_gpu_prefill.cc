@@ -29,14 +29,7 @@ using cpidx::Selection;
 using cpidx_test::Values;
 using cpidx_test::kBS;
 using cpidx_test::kD;
-
-Selection sel_of(int k, int init = 0, int local = 1) {
-  Selection s;
-  s.topk = k;
-  s.init_blocks = init;
-  s.local_blocks = local;
-  return s;
-}
+using cpidx_test::sel_of;
 
 // ---- Score kernels -------------------------------------------------------------------------------
 // Which score kernel the helpers' Prefillers use (UseKernel sets it while in scope).

@@ -56,22 +56,8 @@ class DeviceScope {
   int prev_ = 0;
 };
 
-inline Selection sel_of(int k, int init = 0, int local = 1) {
-  Selection s;
-  s.topk = k;
-  s.init_blocks = init;
-  s.local_blocks = local;
-  return s;
-}
-
-// `reqs` lengths uniform in [1, max_len]; with `pad`, request 1 is a padding request.
-inline std::vector<int32_t> lengths(std::mt19937& rng, int reqs, int32_t max_len, bool pad) {
-  std::vector<int32_t> s(static_cast<size_t>(reqs));
-  std::uniform_int_distribution<int32_t> dist(1, max_len);
-  for (auto& x : s) x = dist(rng);
-  if (pad && reqs > 2) s[1] = 0;
-  return s;
-}
+using cpidx_test::lengths;
+using cpidx_test::sel_of;
 
 // The plain GPU decode of every head on `device`: ids [T][n][K] (host copy).
 inline std::vector<int32_t> plain_decode_on(int device, const DecodeData& d, const Selection& sel) {
