@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,7 +20,12 @@ namespace cpidx_gpu_test {
 
 using cpidx_test::DecodeData;
 
-#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(expr)
+// `expr` runs once (its error text is taken from the same result).
+#define CUDA_OK(expr)                                                         \
+  do {                                                                        \
+    const cudaError_t cuda_ok_e_ = (expr);                                    \
+    ASSERT_EQ(cuda_ok_e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(cuda_ok_e_); \
+  } while (0)
 
 #define SKIP_WITHOUT_GPU()                                                    \
   do {                                                                        \
@@ -47,6 +53,51 @@ struct DeviceVec {
     return h;
   }
   void poison() { cudaMemset(ptr, 0x7B, count * sizeof(T)); }
+};
+
+// One enqueue (a decode or prefill call) captured into a CUDA graph on a stream of its own, for
+// replays after the inputs change in place.
+class CapturedGraph {
+ public:
+  explicit CapturedGraph(const std::function<cpidx::Status(cudaStream_t)>& enqueue) {
+    if (!cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream")) return;
+    if (!cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal), "begin capture")) {
+      return;
+    }
+    status_ = enqueue(stream_);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    graph_ = graph;
+    if (!status_.is_ok() || !cuda(end, "end capture")) return;
+    cuda(cudaGraphInstantiate(&exec_, graph_, 0), "instantiate");
+  }
+  ~CapturedGraph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+
+  // The enqueue's Status, or the CUDA call that failed around it.
+  const cpidx::Status& status() const { return status_; }
+  // One replay, waited for.
+  cudaError_t replay() {
+    const cudaError_t e = cudaGraphLaunch(exec_, stream_);
+    return e != cudaSuccess ? e : cudaStreamSynchronize(stream_);
+  }
+
+ private:
+  bool cuda(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return true;
+    status_ = cpidx::Status(cpidx::StatusCode::kCudaError,
+                            std::string(what) + ": " + cudaGetErrorString(e));
+    return false;
+  }
+  cudaStream_t stream_ = nullptr;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  cpidx::Status status_;
 };
 
 // A DecodeData mirrored on the device.

@@ -511,14 +511,10 @@ TEST(GpuPrefill, GraphReplayFollowsNewContextsAndTables) {
     ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel), 0, &pre).is_ok());
     const int64_t K = sel.topk;
     DeviceVec<int32_t> ids(static_cast<size_t>(4 * c.tokens * K));
-    cudaStream_t stream;
-    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    ASSERT_TRUE(pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, c.tokens * K, K}, stream).is_ok());
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CapturedGraph graph([&](cudaStream_t stream) {
+      return pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, c.tokens * K, K}, stream);
+    });
+    ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
     std::mt19937 rng(5);
     for (int step = 0; step < 3; ++step) {
       // Shorter contexts (the table and cache stay valid) and a re-split of the same tokens.
@@ -530,15 +526,11 @@ TEST(GpuPrefill, GraphReplayFollowsNewContextsAndTables) {
       d.cu.upload(c.cu);
       d.seq.upload(c.seq_lens);
       ids.poison();
-      CUDA_OK(cudaGraphLaunch(exec, stream));
-      CUDA_OK(cudaStreamSynchronize(stream));
+      CUDA_OK(graph.replay());
       const std::vector<int32_t> replayed = ids.download();
       std::vector<int32_t> eager = gpu_prefill(c, sel);
       EXPECT_EQ(replayed, eager) << "graph replay != eager at step " << step;
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
   });
 }
 
