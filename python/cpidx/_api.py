@@ -104,42 +104,35 @@ class Registry:
         self._prefillers: dict = {}
         self._cp: dict = {}
 
+    def _cached(self, store: dict, key: tuple, make: Any) -> Any:
+        with self._lock:
+            obj = store.get(key)
+            if obj is None:
+                obj = store[key] = make()
+            return obj
+
     def decoder(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
                 init_blocks: int, local_blocks: int, cache_dtype: str = "bf16") -> "_C.Decoder":
         key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
-        with self._lock:
-            dec = self._decoders.get(key)
-            if dec is None:
-                dec = _C.Decoder(total_heads=heads, world_size=1, rank=0, max_tokens=max_tokens,
-                                 max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
-                                 local_blocks=local_blocks, device=device,
-                                 cache_dtype=cache_dtype)
-                self._decoders[key] = dec
-            return dec
+        return self._cached(self._decoders, key, lambda: _C.Decoder(
+            total_heads=heads, world_size=1, rank=0, max_tokens=max_tokens,
+            max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
+            local_blocks=local_blocks, device=device, cache_dtype=cache_dtype))
 
     def prefiller(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
                   init_blocks: int, local_blocks: int, cache_dtype: str = "bf16") -> Any:
         key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
-        with self._lock:
-            pre = self._prefillers.get(key)
-            if pre is None:
-                pre = _C.Prefiller(num_heads=heads, max_tokens=max_tokens,
-                                   max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
-                                   local_blocks=local_blocks, device=device,
-                                   cache_dtype=cache_dtype)
-                self._prefillers[key] = pre
-            return pre
+        return self._cached(self._prefillers, key, lambda: _C.Prefiller(
+            num_heads=heads, max_tokens=max_tokens, max_seq_len=max_seq_len, topk=topk,
+            init_blocks=init_blocks, local_blocks=local_blocks, device=device,
+            cache_dtype=cache_dtype))
 
     def cp_decode(self, **kwargs: Any) -> Any:
         from ._cp import IndexerCPDecode
 
         group = kwargs.get("group")
         key = tuple(sorted((k, str(v)) for k, v in kwargs.items() if k != "group")) + (id(group),)
-        with self._lock:
-            inst = self._cp.get(key)
-            if inst is None:
-                inst = self._cp[key] = IndexerCPDecode(**kwargs)
-            return inst
+        return self._cached(self._cp, key, lambda: IndexerCPDecode(**kwargs))
 
     def clear(self) -> None:
         """Drop every decoder and shared IndexerCPDecode (their device memory goes with them)."""
