@@ -133,6 +133,17 @@ struct Decoder::Impl {
     return Status::ok();
   }
 
+  // The plain decode's launches alone (every head in `in` to ids); callers have validated.
+  Status launch_plain(const DecodeInputs& in, const TopkOutput& out,
+                      const SparseTableOutput* table, cudaStream_t stream) const {
+    cuda::ScoreTopkParams p = score_params(in, 1, 0);
+    p.ids = out.ids;
+    p.ids_head_stride = out.head_stride;
+    p.ids_row_stride = out.row_stride;
+    p.table = table_args(table);
+    return launch_scoring(p, in.cache.dtype, stream);
+  }
+
   // The merge launch alone; callers have validated its arguments.
   Status launch_merge(const Key* gathered, const DecodeInputs& batch, const TopkOutput& out,
                       const SparseTableOutput* table, cudaStream_t stream) const {
@@ -251,12 +262,7 @@ Status Decoder::decode(const DecodeInputs& in, const TopkOutput& out,
                                                         << in.num_heads);
   CPIDX_RETURN_IF_ERROR(impl_->check_inputs(in, in.num_heads));
   CPIDX_RETURN_IF_ERROR(impl_->check_outputs(out, in.num_heads, in, table));
-  cuda::ScoreTopkParams p = impl_->score_params(in, 1, 0);
-  p.ids = out.ids;
-  p.ids_head_stride = out.head_stride;
-  p.ids_row_stride = out.row_stride;
-  p.table = Impl::table_args(table);
-  return impl_->launch_scoring(p, in.cache.dtype, stream);
+  return impl_->launch_plain(in, out, table, stream);
 }
 
 Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t stream) {
@@ -315,7 +321,7 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
     CPIDX_RETURN_IF_ERROR(agree);
   }
   CPIDX_RETURN_IF_ERROR(valid);
-  if (P == 1) return decode(local, out, table, stream);
+  if (P == 1) return im.launch_plain(local, out, table, stream);  // validated above (L == T)
 
   // 1. Gather the local queries [n, L, D] of every rank.
   auto* q_send = im.at<__nv_bfloat16>(im.layout.q_send);
