@@ -432,19 +432,19 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       if (b0 + s < b1) issue_page_sw128<kDType>(p, bt_row, b0 + s, ring + s * kPage, &err);
       cp_async_commit();
     }
+    // Per page b: wait for the MMA, reduce the accumulators to the two rows' block maxima, then
+    // (barrier) issue page b + 1's MMA before offering page b's maxima to the lists and issuing
+    // the next copies, so that the tensor cores work under both.
+    // NOTE: ptxas serializes the MMAs of a commit group if any of their accumulators is read
+    // before the group's wait, and waits for all of them where a conditional issue merges: one
+    // accumulator set, read only after wait_all, and the last page peeled off the loop.
     float acc[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    for (int32_t b = b0; b < b1; ++b) {
+    float rm[2];
+    const auto mma_page = [&](int32_t b) {  // waits for page b to land, issues its MMAs
       const int i = b - b0;
       cp_async_wait(stages - 2);  // this thread's copies of page b have landed
       if constexpr (kDType == DType::kBF16) fence_proxy_async_smem();  // ... for the tensor cores
       __syncthreads();  // everyone's have, and every warpgroup is done with page b - 1
-      if (b + stages - 1 < b1) {
-        issue_page_sw128<kDType>(p, bt_row, b + stages - 1,
-                                 ring + ((i + stages - 1) % stages) * kPage, &err);
-      }
-      cp_async_commit();
       const uint8_t* page = ring + (i % stages) * kPage;
       if constexpr (kDType == DType::kFP8E4M3) {
         widen_page_sw128(page, smem + lay.convert_off);
@@ -463,11 +463,18 @@ __global__ void __launch_bounds__(kWgThreads, 1)
             acc, qa[s], wgmma_desc_sw128(page_addr + (s >> 2) * kSw128Half + (s & 3) * 32));
       }
       wgmma_commit();
+      // Page b + stages - 1 into the slot of page b - 1, free since the barrier.
+      if (b + stages - 1 < b1) {
+        issue_page_sw128<kDType>(p, bt_row, b + stages - 1,
+                                 ring + ((i + stages - 1) % stages) * kPage, &err);
+      }
+      cp_async_commit();
+    };
+    // acc[4 j + e] is key 8 j + 2 c4 + e of row row0, acc[4 j + 2 + e] the same key of row0 + 8.
+    const auto reduce_page = [&](int32_t b) {
       wgmma_wait_all();
       wgmma_fence_operands(acc);
-
-      // acc[4 j + e] is key 8 j + 2 c4 + e of row row0, acc[4 j + 2 + e] the same key of row0 + 8.
-      float rm[2] = {-INFINITY, -INFINITY};
+      rm[0] = rm[1] = -INFINITY;
       const int64_t kbase = int64_t{b} * kBlockSize;
       if (kbase + kBlockSize - 1 <= first_pos) {  // every row sees the whole page
 #pragma unroll
@@ -491,6 +498,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
             if (kk <= lim[1]) rm[1] = max_num(rm[1], acc[4 * j + 2 + e]);
           }
       }
+    };
+    const auto offer = [&](int32_t b) {  // page b's maxima (over the quad) to the owner's list
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         rm[h] = max_num(rm[h], __shfl_xor_sync(0xffffffffu, rm[h], 1));
@@ -502,7 +511,19 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         Key tau = list[(K - 1) * kPrefillRows];  // re-read: a register less across the MMAs
         list_insert(list, kPrefillRows, K, make_key(score, b), tau);
       }
+      // NOTE: the wgmma instructions that follow are .sync.aligned: the warp must be converged
+      // again after the owners' inserts (there is no barrier before the next page's wait).
+      __syncwarp();
+    };
+    mma_page(b0);
+    int32_t b = b0;
+    for (; b + 1 < b1; ++b) {
+      reduce_page(b);
+      mma_page(b + 1);
+      offer(b);
     }
+    reduce_page(b);
+    offer(b);
     cp_async_wait(0);  // nothing may land in shared memory after the CTA exits
   }
   if (own_pos >= 0) {
