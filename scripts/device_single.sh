@@ -1,22 +1,50 @@
 #!/usr/bin/env bash
 # scripts/device_single.sh: everything single-GPU in one device call, most important first:
-# build + the GPU tests (decode and prefill), the prefill benchmark, an optional decode
-# benchmark (DECODE_BENCH="flags"), compute-sanitizer on the small cases, the Python suite on the
-# GPU. Each stage is time-boxed; each writes one or two files straight into $OUT (few files come
-# back from the device machine), so a call stopped at its limit still returns what finished.
-# Knobs: GTEST_FILTER, PREFILL_FLAGS, DECODE_BENCH, SANITIZE_TOOLS (default all), SKIP_SANITIZE=1,
-# SKIP_PYTHON=1.
+# build + the GPU tests (decode and prefill), the prefill benchmark, optional decode benchmarks
+# (DECODE_BENCH="flags[;flags...]", one JSON per set), optional Nsight Compute profiles
+# (NCU_RUNS="kernel regex|bench flags[;...]", all into ncu.txt), the fused kernel's timeline
+# (TRACE_FLAGS="bench flags": scripts/device_trace.sh), compute-sanitizer on the small cases,
+# the Python suite on the GPU. Each stage is time-boxed; each writes one or two files straight
+# into $OUT (few files come back from the device machine), so a call stopped at its limit still
+# returns what finished.
+# Knobs: GTEST_FILTER, SKIP_TESTS=1, PREFILL_FLAGS, DECODE_BENCH, NCU_RUNS, TRACE_FLAGS,
+# SANITIZE_TOOLS (default all), SKIP_SANITIZE=1, SKIP_PYTHON=1.
 set -uo pipefail
 export OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 rc=0
-timeout 330 scripts/device.sh tests || rc=1
+if [ "${SKIP_TESTS:-0}" = 1 ]; then
+  GTEST_FILTER=-* timeout 330 scripts/device.sh tests >/dev/null || rc=1  # build only
+else
+  timeout 330 scripts/device.sh tests || rc=1
+fi
 echo "== prefill bench (${SECONDS}s)"
 timeout 100 ./build-device/cpidx bench --prefill ${PREFILL_FLAGS:-} --json "$OUT/prefill.json" || rc=1
 if [ -n "${DECODE_BENCH:-}" ]; then
-  echo "== decode bench (${SECONDS}s)"
-  # shellcheck disable=SC2086  # DECODE_BENCH holds separate flags
-  timeout 120 ./build-device/cpidx bench $DECODE_BENCH --json "$OUT/decode.json" || rc=1
+  IFS=';' read -ra sets <<<"$DECODE_BENCH"
+  for i in "${!sets[@]}"; do
+    echo "== decode bench $i: ${sets[$i]} (${SECONDS}s)"
+    name=decode.json; [ "$i" -gt 0 ] && name=decode$i.json
+    # shellcheck disable=SC2086  # each set holds separate flags
+    timeout 120 ./build-device/cpidx bench ${sets[$i]} --json "$OUT/$name" || rc=1
+  done
+fi
+if [ -n "${NCU_RUNS:-}" ]; then
+  IFS=';' read -ra runs <<<"$NCU_RUNS"
+  for r in "${runs[@]}"; do
+    echo "== ncu ${r} (${SECONDS}s)" | tee -a "$OUT/ncu.txt"
+    # One launch of the kernel after the warm-up ones; clocks left as they are (METHOD.md).
+    # shellcheck disable=SC2086
+    timeout 150 ncu --clock-control none -k "regex:${r%%|*}" --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+      ./build-device/cpidx bench ${r#*|} >>"$OUT/ncu.txt" 2>&1 || rc=1
+  done
+fi
+if [ -n "${TRACE_FLAGS:-}" ]; then
+  echo "== trace: ${TRACE_FLAGS} (${SECONDS}s)"
+  # shellcheck disable=SC2086
+  timeout 200 scripts/device_trace.sh $TRACE_FLAGS || rc=1
 fi
 if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== compute-sanitizer (${SECONDS}s)"

@@ -22,6 +22,8 @@
 #if defined(CPIDX_WITH_CUDA)
 #include <cuda_runtime.h>
 
+#include "cuda/kernels.h"
+#include "cuda/score_trace.cuh"
 #include "graph_timing.h"
 #endif
 
@@ -72,9 +74,12 @@ struct InputSet {  // one batch: device queries, block table, seq_lens
 struct Result {
   Shape shape;
   double us = 0, gbps = 0, cache_mb = 0, floor_us = 0;
-  int sets = 0, grid = 0, stages = 0;
+  double gpu_us = 0;  // the same replays with the stream held until they are queued
+  int sets = 0, calls = 0, grid = 0, stages = 0;
   std::string check;
 };
+
+void print_trace(int grid);
 
 class Bench {
  public:
@@ -100,6 +105,10 @@ class Bench {
   // DecodeConfig::split_max_pages of every Decoder (-1: the library's choice, 0: fused only).
   void set_split_pages(int64_t pages) { split_pages_ = pages; }
   void set_ctas_per_sm(int ctas) { ctas_per_sm_ = ctas; }
+  // Calls per graph replay at least this (the sets repeated in turn); 0: the peer's method.
+  void set_min_calls(int calls) { min_calls_ = calls; }
+  // Print the fused kernel's per-CTA timeline of each shape's last timed call.
+  void set_trace(bool trace) { trace_ = trace; }
 
  private:
   InputSet make_set(const Shape& sh, int T, int64_t G, std::mt19937_64& rng, int64_t& next_page);
@@ -128,6 +137,8 @@ class Bench {
   bool pdl_ = true;
   int64_t split_pages_ = DecodeConfig::kAutoSplit;
   int ctas_per_sm_ = 0;
+  int min_calls_ = 0;
+  bool trace_ = false;
   void* pool_ = nullptr;
   std::vector<uint16_t> h_pool_;
   int64_t pool_pages_ = 0, page_bytes_ = 0;
@@ -208,8 +219,10 @@ Result Bench::run(const Shape& sh, int replays) {
   res.floor_us = shard_bytes / 4.5e12 * 1e6;
   // Enough sets that one graph replay touches >= 480 MiB.
   const int sets = static_cast<int>(std::max<double>(1, std::ceil(480.0 * (1 << 20) / shard_bytes)));
-  const int calls_per_set = sets == 1 ? 2 : 1;
+  // The peer's method: one call per set, or two on the one set; --min-calls repeats the sets.
+  const int calls = std::max(sets == 1 ? 2 : sets, min_calls_);
   res.sets = sets;
+  res.calls = calls;
   std::mt19937_64 rng(42 + sh.reqs * 131 + sh.context + sh.qlen * 7 + sh.world * 3);
   int64_t next_page = 0;
   std::vector<InputSet> in_sets;
@@ -269,13 +282,15 @@ Result Bench::run(const Shape& sh, int replays) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (const InputSet& s : in_sets)
-    for (int c = 0; c < calls_per_set; ++c) one_call(s);
+  for (int c = 0; c < calls; ++c) one_call(in_sets[c % sets]);
   BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
   BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  float median_ms = 0;
+  float median_ms = 0, gpu_ms = 0;
   BENCH_CUDA(median_graph_ms(exec, stream, 3, replays, &median_ms));
-  res.us = median_ms * 1e3 / (sets * calls_per_set);
+  BENCH_CUDA(median_graph_ms(exec, stream, 1, replays, &gpu_ms, /*hold_stream=*/true));
+  if (trace_) print_trace(res.grid);
+  res.us = median_ms * 1e3 / calls;
+  res.gpu_us = gpu_ms * 1e3 / calls;
   res.gbps = shard_bytes / (res.us * 1e-6) / 1e9;
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -284,6 +299,64 @@ Result Bench::run(const Shape& sh, int replays) {
   cudaFree(gathered);
   for (auto& s : in_sets) { cudaFree(s.query); cudaFree(s.block_table); cudaFree(s.seq_lens); }
   return res;
+}
+
+// The timeline of the fused kernel's last launch (score_trace.cuh), over the CTAs that scored
+// pages: stamps in us after the earliest entry, cycle sums in us at the SM's rated clock.
+void print_trace(int grid) {
+  using namespace cpidx::cuda;
+  std::vector<long long> t(static_cast<size_t>(grid) * kTraceSlots);
+  if (read_score_trace(t.data(), grid) != cudaSuccess) {
+    cudaGetLastError();
+    std::printf("# trace: the library was built without -DCPIDX_TRACE\n");
+    return;
+  }
+  int khz = 0;
+  cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
+  long long t0 = -1;
+  std::vector<int> ctas;
+  for (int c = 0; c < grid; ++c) {
+    const long long* v = &t[static_cast<size_t>(c) * kTraceSlots];
+    if (v[kTPages] == 0) continue;
+    ctas.push_back(c);
+    if (t0 < 0 || v[kTEntry] < t0) t0 = v[kTEntry];
+  }
+  if (ctas.empty()) { std::printf("# trace: no CTA scored a page (split path?)\n"); return; }
+  const struct { int slot; const char* name; int kind; } rows[] = {
+      {kTEntry, "entry", 0},        {kTWaited, "pdl_waited", 0},  {kTPrefix, "prefix", 0},
+      {kTFirstPage, "first_page", 0}, {kTLastPage, "last_page", 0}, {kTExit, "exit", 0},
+      {kTFullWait, "wait_full", 1},   {kTEmptyWait, "wait_empty", 1}, {kTSegEnd, "seg_ends", 1},
+      {kTQueries, "queries", 1},      {kTPages, "n_pages", 2},      {kTSegments, "n_segments", 2}};
+  std::printf("# trace over %zu CTAs: min / median / p90 / max (us; n_*: counts)\n", ctas.size());
+  for (const auto& row : rows) {
+    std::vector<double> v;
+    for (int c : ctas) {
+      const long long x = t[static_cast<size_t>(c) * kTraceSlots + row.slot];
+      v.push_back(row.kind == 0 ? (x - t0) * 1e-3 : row.kind == 1 ? x * 1e3 / khz : x);
+    }
+    std::sort(v.begin(), v.end());
+    std::printf("#   %-11s %9.2f %9.2f %9.2f %9.2f\n", row.name, v.front(), v[v.size() / 2],
+                v[v.size() * 9 / 10], v.back());
+  }
+  // Where the spread of last pages comes from: between the CTAs of one SM, or between SMs.
+  std::vector<std::vector<double>> by_sm(1024);
+  for (int c : ctas) {
+    const long long* v = &t[static_cast<size_t>(c) * kTraceSlots];
+    if (v[kTSmid] >= 0 && v[kTSmid] < 1024) by_sm[v[kTSmid]].push_back((v[kTLastPage] - t0) * 1e-3);
+  }
+  std::vector<double> within, sm_last;
+  for (auto& v : by_sm) {
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    within.push_back(v.back() - v.front());
+    sm_last.push_back(v.back());
+  }
+  std::sort(within.begin(), within.end());
+  std::sort(sm_last.begin(), sm_last.end());
+  std::printf("#   last page, spread within an SM: median %.2f p90 %.2f max %.2f; SM's last: min %.2f "
+              "median %.2f max %.2f (%zu SMs)\n",
+              within[within.size() / 2], within[within.size() * 9 / 10], within.back(),
+              sm_last.front(), sm_last[sm_last.size() / 2], sm_last.back(), sm_last.size());
 }
 
 std::vector<int64_t> parse_list(const std::string& text) {
@@ -310,8 +383,9 @@ int run_bench(int argc, char** argv) {
   }
   std::string modes = "plain1,plain4,cp2,cp4", reqs = "1,8,64", contexts = "8K,64K,256K,1M",
               qlens = "1,4", json, dtype = "bf16", exchange = "both";
-  int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit, ctas_per_sm = 0;
-  bool pdl = true;
+  int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit, ctas_per_sm = 0,
+          min_calls = 0;
+  bool pdl = true, trace = false;
   Flags flags("cpidx bench [flags]",
               "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
               "cpP = context-parallel rank work at P ranks (all 4 heads on a 1/P shard + merge);\n"
@@ -320,7 +394,9 @@ int run_bench(int argc, char** argv) {
               "the shard floor (cache bytes / P / 4.5 TB/s) beside it; --exchange picks NCCL, the\n"
               "peer communicator (one-shot LL stores over peer access) or both (one row each).\n"
               "Each shape: calls over input sets rotated past the L2, captured in one CUDA graph;\n"
-              "median replay / calls. GB/s counts index-cache bytes read by the rank.\n"
+              "median replay / calls (us: timed from the first event as PEER_H200.md does, so the\n"
+              "host's graph launch latency is in it; gpu_us: the stream held until the replay is\n"
+              "queued, the GPU's time alone). GB/s counts index-cache bytes read by the rank.\n"
               "`cpidx bench --prefill --help`: the prefill benchmark.");
   flags.add("modes", &modes, "comma list of plainH / cpP / stepP")
       .add("reqs", &reqs, "comma list of batch sizes (requests)")
@@ -335,6 +411,10 @@ int run_bench(int argc, char** argv) {
            "steps with at most this many pages per rank take the split path (-1: automatic, "
            "0: fused path only)")
       .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1 or 2)")
+      .add("min-calls", &min_calls,
+           "decode calls per graph replay at least this (0: one per input set, as the peer)")
+      .add("trace", &trace,
+           "print the fused kernel's per-CTA timeline (a library built with -DCPIDX_TRACE)")
       .add("json", &json, "write the results as JSON to this file");
   switch (flags.parse(argc, argv, 2)) {
     case Flags::Parse::kHelp: return kExitOk;
@@ -397,9 +477,11 @@ int run_bench(int argc, char** argv) {
             bench = std::make_unique<Bench>(pool_mb, dtype, pdl);
             bench->set_split_pages(split_pages);
             bench->set_ctas_per_sm(static_cast<int>(ctas_per_sm));
-            std::printf("%-7s %5s %4s %8s %3s %6s %10s %9s %9s %9s %9s  %s\n", "mode", "heads",
-                        "reqs", "context", "Q", "sets", "cache_MB", "us", "GB/s", "floor_us",
-                        "grid/stg", "check");
+            bench->set_min_calls(static_cast<int>(min_calls));
+            bench->set_trace(trace);
+            std::printf("%-7s %5s %4s %8s %3s %9s %10s %9s %9s %9s %9s %9s  %s\n", "mode", "heads",
+                        "reqs", "context", "Q", "sets/calls", "cache_MB", "us", "GB/s", "gpu_us",
+                        "floor_us", "grid/stg", "check");
           }
           Shape sh;
           sh.mode = m.rfind("cp", 0) == 0 ? "cp" : "plain";
@@ -410,10 +492,10 @@ int run_bench(int argc, char** argv) {
           sh.qlen = static_cast<int>(q);
           Result r = bench->run(sh, static_cast<int>(replays));
           all_ok = all_ok && r.check.rfind("ok", 0) == 0;
-          std::printf("%-7s %5d %4d %8lld %3d %6d %10.1f %9.1f %9.0f %9.1f %5d/%-3d  %s\n",
+          std::printf("%-7s %5d %4d %8lld %3d %5d/%-4d %10.1f %9.1f %9.0f %9.1f %9.1f %5d/%-3d  %s\n",
                       m.c_str(), sh.heads, sh.reqs, static_cast<long long>(sh.context), sh.qlen,
-                      r.sets, r.cache_mb, r.us, r.gbps, r.floor_us, r.grid, r.stages,
-                      r.check.c_str());
+                      r.sets, r.calls, r.cache_mb, r.us, r.gbps, r.gpu_us, r.floor_us, r.grid,
+                      r.stages, r.check.c_str());
           std::fflush(stdout);
           results.push_back(r);
         }
@@ -431,11 +513,12 @@ int run_bench(int argc, char** argv) {
       const Result& r = results[i];
       std::fprintf(f,
                    "  {\"mode\": \"%s\", \"heads\": %d, \"world\": %d, \"reqs\": %d, \"context\": %lld, "
-                   "\"qlen\": %d, \"sets\": %d, \"cache_mb\": %.3f, \"us\": %.3f, \"gbps\": %.1f, "
+                   "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, \"us\": %.3f, "
+                   "\"gbps\": %.1f, \"gpu_us\": %.3f, "
                    "\"floor_us\": %.3f, \"grid\": %d, \"stages\": %d, \"check\": \"%s\"}%s\n",
                    r.shape.mode.c_str(), r.shape.heads, r.shape.world, r.shape.reqs,
-                   static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.cache_mb, r.us,
-                   r.gbps, r.floor_us, r.grid, r.stages, r.check.c_str(), i + 1 < results.size() ? "," : "");
+                   static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.calls, r.cache_mb,
+                   r.us, r.gbps, r.gpu_us, r.floor_us, r.grid, r.stages, r.check.c_str(), i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "], \"step_results\": [\n");
     for (size_t i = 0; i < step_results.size(); ++i) {

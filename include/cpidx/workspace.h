@@ -11,8 +11,7 @@ struct DecodeConfig;
 
 struct DecodeWorkspaceLayout {
   // Byte offsets from the workspace base.
-  size_t partial = 0;     // [grid + max_tokens, T * Qmax, K] keys: per-(CTA, request) lists
-  size_t arrivals = 0;    // [max_tokens] int32 arrival counters (kept at zero between steps)
+  size_t partial = 0;     // [T * Qmax, grid + max_tokens, K] keys: per-(CTA, request) lists
   size_t error_flag = 0;  // int32
   size_t q_send = 0;      // [max_tokens, L, D] bf16 (context-parallel only)
   size_t q_recv = 0;      // [P, max_tokens, L, D] bf16

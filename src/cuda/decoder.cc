@@ -35,7 +35,6 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
   };
   w.num_slots = static_cast<int64_t>(grid) + c.max_tokens;
   w.partial = take(static_cast<size_t>(w.num_slots) * T * c.max_query_len * K * sizeof(Key));
-  w.arrivals = take(n * sizeof(int32_t));
   w.error_flag = take(sizeof(int32_t));
   const bool cp = P > 1;
   w.q_send = take(cp ? n * L * kHeadDim * 2 : 0);
@@ -115,7 +114,7 @@ struct Decoder::Impl {
     p.rank = rank;
     p.partial = at<Key>(layout.partial);
     p.num_slots = layout.num_slots;
-    p.arrivals = at<int32_t>(layout.arrivals);
+    p.fused_grid = launch.grid;
     p.error_flag = at<int32_t>(layout.error_flag);
     if (layout.split_max_pages > 0) {
       p.split_keys = at<Key>(layout.split_keys);
@@ -125,8 +124,8 @@ struct Decoder::Impl {
     return p;
   }
 
-  // Scoring and selection: the scoring kernel, then the split path's selection (which returns
-  // at once when the step took the fused path).
+  // Scoring and selection: the scoring kernel, then select_topk (the split path's selection, or
+  // the fused path's merge of requests that span CTAs).
   Status launch_scoring(const cuda::ScoreTopkParams& p, DType dtype, cudaStream_t stream) const {
     CPIDX_CUDA_TRY(cuda::launch_score_topk(p, dtype, launch, stream));
     CPIDX_CUDA_TRY(cuda::launch_select_topk(p, launch, stream));

@@ -9,6 +9,7 @@
 //  - merge_topk: P candidate lists of K keys per (owned head, row) -> final ids (+ sparse table).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -53,9 +54,9 @@ struct ScoreTopkParams {
   Key* keys = nullptr;                    // [H, n, K] contiguous (exchange payload)
 
   // Workspace.
-  Key* partial = nullptr;                 // [num_slots, H * Q, K]: per-(CTA, request) lists
+  Key* partial = nullptr;                 // [H * Q][num_slots][K]: per-(CTA, request) lists
   int64_t num_slots = 0;
-  int32_t* arrivals = nullptr;            // [>= num_reqs], zero between launches
+  int fused_grid = 0;                     // score_topk's grid (select_topk finds the lists by it)
   int32_t* error_flag = nullptr;          // OR of DeviceError bits
   // Split path: used when the step's owned pages <= split_max_pages (0 with no buffer: never).
   Key* split_keys = nullptr;              // [ncols_pad][split_max_pages] block keys
@@ -78,6 +79,31 @@ struct ScoreTopkLaunch {
 // ctas_per_sm: 0 chooses (two when a pipeline of >= 2 pages fits both), 1 or 2 forces it.
 cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_reqs, int device,
                             int ctas_per_sm, ScoreTopkLaunch* launch);
+// The fused path's persistent grid: CTA c of g = fused_ctas(total, grid) scores the step's
+// flattened pages [c * total / g, (c + 1) * total / g); a request whose pages span CTAs c0 < c1
+// leaves CTA c's ordered list of column `col` at partial[partial_index(col, c + r, ...)] (slot
+// c + r is unique: the CTAs' request ranges are monotone), merged by select_topk.
+// NOTE: the ranges are static. SMs stream at different rates (the last page of the slowest SM
+// lands ~10 us after the median one at 8 x 256K), but handing the last quarter of the pages out
+// in 4-page chunks to whichever CTA asked first was measured slower (docs/perf/README.md,
+// v6-pool): DRAM stays saturated while the fast SMs idle, and the chunks' lists made the
+// merge larger.
+constexpr int kMinPagesPerCta = 2;  // small steps use fewer CTAs (fewer lists to merge)
+__host__ __device__ inline int64_t fused_ctas(int64_t total, int grid) {
+  const int64_t g = (total + kMinPagesPerCta - 1) / kMinPagesPerCta;
+  return g < grid ? g : grid;
+}
+__host__ __device__ inline int64_t cta_of(int64_t x, int64_t total, int64_t g) {
+  return ((x + 1) * g - 1) / total;  // largest c with floor(c * total / g) <= x
+}
+__host__ __device__ inline int64_t partial_index(int col, int64_t slot, int64_t num_slots, int K) {
+  return (col * num_slots + slot) * K;
+}
+
+// The fused kernel's per-CTA timeline of its last launch (score_trace.cuh: kTraceSlots values per
+// CTA, `ctas` CTAs); cudaErrorNotSupported unless the library was built with -DCPIDX_TRACE.
+cudaError_t read_score_trace(long long* host, int ctas);
+
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream);
 // Sets l->select_grid and the selection kernel's shared-memory cap (needs l->max_reqs).

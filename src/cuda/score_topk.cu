@@ -3,14 +3,17 @@
 // every 32 KB key page in once with the bulk-copy engine (several pages in flight, block-table
 // reads batched 32 at a time), and four consumer warps score it on tensor cores against every
 // (head, query-token) column of its request, reduce it to a causal block max, force it, and keep
-// a running per-column top K. A request split across CTAs is merged exactly by the last CTA to
-// finish it (arrival counter). Cost: one read of the shard's cache bytes.
+// a running per-column top K. A request inside one CTA is finished there; a request split
+// across CTAs leaves each CTA's ordered lists in the workspace, and select_topk (the next
+// kernel, chained by programmatic dependent launch) merges them exactly, every request in
+// parallel, so no CTA stops streaming to merge. Cost: one read of the shard's cache bytes.
 #include <cuda_fp8.h>
 
 #include <type_traits>
 
 #include "device_utils.cuh"
 #include "kernels.h"
+#include "score_trace.cuh"
 #include "shard_select.cuh"
 
 namespace cpidx {
@@ -18,14 +21,12 @@ namespace cuda {
 namespace {
 
 constexpr int kQStride = kHeadDim + 8;  // bf16 elements per query row in smem (padded)
-constexpr int kMinPagesPerCta = 2;      // small shards use fewer CTAs (cheaper merges)
 
 // Shared-memory layout, computed identically on host (sizing) and device (carving).
 struct SmemLayout {
-  size_t stages_off, q_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, mbuf_off, mtau_off,
-      mlane_off, mcount_off, msel_off, prefix_off, full_off, empty_off, misc_off, total;
-  __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int max_reqs,
-                                 int grid) {
+  size_t stages_off, q_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, prefix_off, full_off,
+      empty_off, misc_off, total;
+  __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int max_reqs) {
     size_t o = 0;
     auto take = [&](size_t bytes, size_t align) {
       o = (o + align - 1) / align * align;
@@ -41,11 +42,6 @@ struct SmemLayout {
     tmp_off = take(static_cast<size_t>(ncols) * topk * sizeof(Key), 16);
     cnt_off = take(static_cast<size_t>(ncols) * sizeof(int), 16);
     tau_off = take(static_cast<size_t>(ncols) * sizeof(Key), 16);
-    mbuf_off = take(static_cast<size_t>(merge_scratch_keys(grid, topk)) * sizeof(Key), 16);
-    mtau_off = take(kMaxMergeChunk * sizeof(Key), 16);
-    mlane_off = take(kConsumerWarps * 33 * sizeof(Key), 16);
-    mcount_off = take(2 * kMaxMergeChunk * sizeof(int), 16);
-    msel_off = take(static_cast<size_t>(kMaxMergeChunk) * topk * sizeof(int), 16);
     prefix_off = take((static_cast<size_t>(max_reqs) + 1) * sizeof(int64_t), 16);
     full_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
     empty_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
@@ -53,10 +49,6 @@ struct SmemLayout {
     total = o;
   }
 };
-
-__device__ __forceinline__ int64_t cta_of(int64_t x, int64_t total, int64_t grid) {
-  return ((x + 1) * grid - 1) / total;  // largest i with floor(i * total / grid) <= x
-}
 
 template <DType kDType>
 struct PageTraits;
@@ -132,7 +124,9 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s, int64_t start, 
           __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), i));
       if (lane == 0) {
         const int st = static_cast<int>(lp % stages);
+        CPIDX_TRACE_CLOCK(t0);
         mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
+        CPIDX_TRACE_ADD(true, kTEmptyWait, CPIDX_TRACE_SINCE(t0));
         mbar_arrive_expect_tx(&s.full[st], b);
         bulk_copy_g2s(s.pages + static_cast<size_t>(st) * Page::kBytes, from, b, &s.full[st]);
       }
@@ -149,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   const int Q = p.query_len, H = p.num_heads, K = p.topk, cap = cand_capacity(K);
   const int ncols = H * Q;  // <= NT * 8
   const int grid = gridDim.x;
-  const SmemLayout lay(stages, Page::kBytes, NT * 8, K, max_reqs_smem, grid);
+  const SmemLayout lay(stages, Page::kBytes, NT * 8, K, max_reqs_smem);
   const Smem s{smem_raw + lay.stages_off,
                reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.q_off),
                reinterpret_cast<float*>(smem_raw + lay.red_off),
@@ -157,17 +151,21 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
                reinterpret_cast<Key*>(smem_raw + lay.tmp_off),
                reinterpret_cast<int*>(smem_raw + lay.cnt_off),
                reinterpret_cast<Key*>(smem_raw + lay.tau_off),
-               reinterpret_cast<Key*>(smem_raw + lay.mbuf_off),
-               reinterpret_cast<Key*>(smem_raw + lay.mtau_off),
-               reinterpret_cast<Key*>(smem_raw + lay.mlane_off),
-               reinterpret_cast<int*>(smem_raw + lay.mcount_off),
-               reinterpret_cast<int*>(smem_raw + lay.msel_off),
                reinterpret_cast<int64_t*>(smem_raw + lay.prefix_off),
                reinterpret_cast<uint64_t*>(smem_raw + lay.full_off),
                reinterpret_cast<uint64_t*>(smem_raw + lay.empty_off),
                reinterpret_cast<int*>(smem_raw + lay.misc_off)};
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
   int32_t err = 0;
+  CPIDX_TRACE_RESET(tid == 0);
+  CPIDX_TRACE_STAMP(tid == 0, kTEntry);
+#if defined(CPIDX_TRACE)
+  if (tid == 0) {
+    int smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    trace_set(kTSmid, smid);
+  }
+#endif
   // The request lengths start every dependent chain (lengths -> table -> pages): have them in
   // L2 by the time the previous kernel is done (32 lengths per 128-byte line).
   for (int r = tid * 32; r < p.num_reqs; r += kThreads * 32) prefetch_l2(p.seq_lens + r);
@@ -175,6 +173,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   // drains; wait for its results (queries, cache, tables, workspace) before reading anything.
   pdl_wait();
   pdl_launch_dependents();
+  CPIDX_TRACE_STAMP(tid == 0, kTWaited);
 
   // ---- 1. Owned pages per request and their prefix sum (every CTA computes the same). -----
   const int B = p.num_reqs;
@@ -209,19 +208,19 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     }
     __syncthreads();
   }
+  CPIDX_TRACE_STAMP(tid == 0, kTPrefix);
   if (blockIdx.x == 0 && err) atomicOr(p.error_flag, err);
   err = 0;
   const int64_t total = s.prefix[B];
   // Split path (small steps): one key per (column, page) to p.split_keys, selection left to
   // select_topk; every CTA that has a page takes one. Fused path: at least kMinPagesPerCta.
   const bool split = total <= p.split_max_pages;
-  int64_t g_eff = split ? total : cdiv(total, kMinPagesPerCta);
-  g_eff = g_eff < grid ? g_eff : grid;
-  const int64_t start = g_eff ? blockIdx.x * total / g_eff : 0;
-  const int64_t end = g_eff ? (blockIdx.x + 1) * total / g_eff : 0;
+  const int64_t g_eff = split ? (total < grid ? total : grid) : fused_ctas(total, grid);
+  const int64_t start = blockIdx.x < g_eff ? blockIdx.x * total / g_eff : 0;
+  const int64_t end = blockIdx.x < g_eff ? (blockIdx.x + 1) * total / g_eff : 0;
 
   if (warp == kConsumerWarps) {  // ---- the producer warp ------------------------------------
-    if (blockIdx.x < g_eff) produce<kDType>(p, s, start, end, stages, &err);
+    produce<kDType>(p, s, start, end, stages, &err);
     if (err) atomicOr(p.error_flag, err);
     return;
   }
@@ -243,6 +242,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   for (int64_t x = start, lp = 0; x < end; ++x, ++lp) {
     while (s.prefix[r + 1] <= x) ++r;
     if (r != seg_req) {  // a new segment: load its queries
+      CPIDX_TRACE_CLOCK(tq);
       seg_req = r;
       seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
       for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kConsumerThreads) {
@@ -256,9 +256,14 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
         *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
       }
       consumer_sync();
+      CPIDX_TRACE_ADD(tid == 0, kTQueries, CPIDX_TRACE_SINCE(tq));
     }
     const int st = static_cast<int>(lp % stages);
+    CPIDX_TRACE_CLOCK(tf);
     mbar_wait(&s.full[st], static_cast<uint32_t>((lp / stages) & 1));
+    CPIDX_TRACE_ADD(tid == 0, kTFullWait, CPIDX_TRACE_SINCE(tf));
+    CPIDX_TRACE_ADD(tid == 0, kTPages, 1);
+    if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstPage);
     const int64_t gblk = (x - s.prefix[r]) * p.world + p.rank;
     const uint8_t* page = s.pages + static_cast<size_t>(st) * Page::kBytes;
 
@@ -348,39 +353,27 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     }
     if (split || (x + 1 != s.prefix[r + 1] && x + 1 != end)) continue;
 
-    // ---- 4. End of this CTA's part of request r. ---------------------------------------------
+    // ---- 4. End of this CTA's part of request r: finish it, or leave its list for the merge.
+    CPIDX_TRACE_STAMP(tid == 0, kTLastPage);  // the last one recorded is the CTA's last page
+    CPIDX_TRACE_CLOCK(ts);
     consumer_sync();
     if (tid == 0) s.misc[0] = 0;
     compact_all(s, ncols, K);
-    const int64_t c0 = cta_of(s.prefix[r], total, g_eff);
-    const int64_t c1 = cta_of(s.prefix[r + 1] - 1, total, g_eff);
-    bool merged_here = c0 == c1;
-    if (!merged_here) {
+    if (cta_of(s.prefix[r], total, g_eff) == cta_of(s.prefix[r + 1] - 1, total, g_eff)) {
+      finalize_request(p, s, r, seq_len, ncols);  // the whole request was scored here
+    } else {
       for (int idx = tid; idx < ncols * K; idx += kConsumerThreads) {
         const int col = idx / K, i = idx % K;
-        p.partial[((blockIdx.x + r) * ncols + col) * static_cast<int64_t>(K) + i] =
-            s.cbuf[col * cap + i];
-      }
-      __threadfence();
-      consumer_sync();
-      if (tid == 0) {
-        const int old = atomicAdd(&p.arrivals[r], 1);
-        const bool last = old == static_cast<int>(c1 - c0);
-        if (last) p.arrivals[r] = 0;  // ready for the next launch (graph replays)
-        s.misc[1] = last;
-      }
-      consumer_sync();
-      merged_here = s.misc[1];
-      if (merged_here) {
-        __threadfence();
-        merge_request(p, s, r, c0, c1, ncols, grid);
+        p.partial[partial_index(col, blockIdx.x + r, p.num_slots, K) + i] = s.cbuf[col * cap + i];
       }
     }
-    if (merged_here) finalize_request(p, s, r, seq_len, ncols);
     consumer_sync();
     for (int col = tid; col < ncols; col += kConsumerThreads) { s.cnt[col] = 0; s.tau[col] = kPadKey; }
     consumer_sync();
+    CPIDX_TRACE_ADD(tid == 0, kTSegEnd, CPIDX_TRACE_SINCE(ts));
+    CPIDX_TRACE_ADD(tid == 0, kTSegments, 1);
   }
+  CPIDX_TRACE_STAMP(tid == 0, kTExit);
   if (err) atomicOr(p.error_flag, err);
 }
 
@@ -447,11 +440,10 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
     });
     if (e != cudaSuccess) return e;
   }
-  const int grid_guess = 2 * sms;
   const int most = ctas_per_sm == 1 ? 1 : 2, least = ctas_per_sm == 2 ? 2 : 1;
   for (int ctas = most; ctas >= least; --ctas) {
     for (int stages = 6; stages >= 2; --stages) {
-      SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs, grid_guess);
+      SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs);
       // NOTE: static shared memory (a few hundred bytes) counts against the same opt-in limit.
       if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
       int blocks = 0;
@@ -472,6 +464,17 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   return cudaErrorInvalidConfiguration;
 }
 
+cudaError_t read_score_trace(long long* host, int ctas) {
+#if defined(CPIDX_TRACE)
+  if (ctas > kTraceCtas) ctas = kTraceCtas;
+  return cudaMemcpyFromSymbol(host, g_score_trace, sizeof(long long) * kTraceSlots * ctas);
+#else
+  (void)host;
+  (void)ctas;
+  return cudaErrorNotSupported;
+#endif
+}
+
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream) {
   const int ncols = padded_columns(p.num_heads * p.query_len);
@@ -482,7 +485,7 @@ cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const Score
   return dispatch(ncols, dtype, [&](auto nt, auto dt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
     constexpr DType DT = decltype(dt)::value;
-    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, l.max_reqs, l.grid);
+    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, l.max_reqs);
     return launch_with_pdl(p.pdl, score_topk_kernel<NT, DT>, l.grid, kThreads, lay.total, stream, p,
                            l.stages, l.max_reqs);
   });

@@ -1,7 +1,10 @@
-// src/cuda/select_topk.cu: the selection kernel of the split path. On small steps score_topk does
-// not select: it writes one key per (column, owned page) into split_keys ([column][page], pages
-// flattened request by request), and this kernel, chained with programmatic dependent launch,
-// picks each (request, column)'s top K. One CTA per item: the keys are read once from L2, the
+// src/cuda/select_topk.cu: the selection kernel after score_topk, chained with programmatic
+// dependent launch. Split path (small steps): score_topk does not select; it writes one key per
+// (column, owned page) into split_keys ([column][page], pages flattened request by request), and
+// this kernel picks each (request, column)'s top K. Fused path: score_topk selected per CTA, and
+// this kernel merges the ordered lists of every request that spans CTAs (the same selection over
+// the request's slots of `partial`: the union of the CTAs' top K holds the request's top K).
+// One CTA per item: the keys are read once from L2, the
 // K-th largest is found by an MSD radix select on the 64-bit keys (8 bits a pass, usually 3-4
 // passes on real scores), and the <= K winners are ordered by rank counting. Short lists
 // (<= kThreads keys) skip the radix passes and are ranked directly.
@@ -93,7 +96,7 @@ __device__ void pick_bin(SelectSmem& s, int shift) {
   }
 }
 
-// Selects and orders the top K of keys[0..n) (column `col` of request r) into s.sorted.
+// Selects and orders the top K of keys[0..n) (read from L2) into s.sorted.
 __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   const int tid = threadIdx.x;
   Key mine[kPerThread];
@@ -165,14 +168,25 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
   request_prefix(p, s);
   pdl_wait();
   pdl_launch_dependents();
-  if (s.prefix[B] > p.split_max_pages) return;  // the fused path ran
+  const int64_t total = s.prefix[B];
+  const bool split = total <= p.split_max_pages;
+  const int64_t g_eff = fused_ctas(total, p.fused_grid);
 
   for (int64_t item = blockIdx.x; item < static_cast<int64_t>(B) * ncols; item += gridDim.x) {
     const int r = static_cast<int>(item / ncols), col = static_cast<int>(item % ncols);
     const int h = col / Q, t = col % Q;
     const int64_t row = static_cast<int64_t>(r) * Q + t;
     const int64_t first = s.prefix[r], n = s.prefix[r + 1] - first;
-    select_item(p.split_keys + col * p.split_max_pages + first, n, K, s);
+    if (split) {
+      select_item(p.split_keys + col * p.split_max_pages + first, n, K, s);
+    } else {
+      // Requests without pages or scored by one CTA alone were finished by score_topk (the
+      // conditions are uniform across the CTA).
+      if (n == 0) continue;
+      const int64_t c0 = cta_of(first, total, g_eff), c1 = cta_of(first + n - 1, total, g_eff);
+      if (c0 == c1) continue;
+      select_item(p.partial + partial_index(col, c0 + r, p.num_slots, K), (c1 - c0 + 1) * K, K, s);
+    }
     for (int i = threadIdx.x; i < K; i += kThreads) {
       const Key key = s.sorted[i];
       if (p.keys) {
@@ -217,8 +231,10 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
 
 cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& l,
                                cudaStream_t stream) {
-  if (p.split_max_pages < 0) return cudaSuccess;  // no split buffer: the fused path only
-  if (p.num_reqs > l.max_reqs || p.split_keys == nullptr) return cudaErrorInvalidValue;
+  if (p.num_reqs > l.max_reqs || p.fused_grid != l.grid ||
+      (p.split_max_pages >= 0 && p.split_keys == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   const size_t smem = (static_cast<size_t>(l.max_reqs) + 1) * sizeof(int64_t);
   return launch_with_pdl(p.pdl, select_topk_kernel, l.select_grid, kThreads, smem, stream, p);
 }

@@ -1,0 +1,63 @@
+// src/cuda/score_trace.cuh: an opt-in timeline of the fused decode kernel, for finding where a
+// step's fixed cost goes. Built only with -DCPIDX_TRACE (never in a release build: the macros
+// below are empty otherwise); `cpidx bench --trace` prints it. Per CTA, slot kT* of
+// g_score_trace holds a %globaltimer stamp (ns) or a sum of clock64 cycles.
+#pragma once
+
+#include <stdint.h>
+
+namespace cpidx {
+namespace cuda {
+
+constexpr int kTraceCtas = 1024, kTraceSlots = 16;
+enum TraceSlot : int {
+  kTEntry = 0,        // stamp: kernel entry
+  kTWaited,           // stamp: past the PDL wait
+  kTPrefix,           // stamp: the request prefix sum done
+  kTFirstPage,        // stamp: the first page landed (consumer)
+  kTLastPage,         // stamp: the last page scored (consumer)
+  kTExit,             // stamp: the consumers are done (merges and outputs included)
+  kTFullWait,         // cycles: consumer thread 0 waiting for pages
+  kTEmptyWait,        // cycles: the producer waiting for free stages
+  kTSegEnd,           // cycles: ends of request segments (compact, then outputs or lists)
+  kTQueries,          // cycles: query loads at segment starts
+  kTPages,            // count: pages consumed
+  kTSegments,         // count: segment ends
+  kTSmid,             // the SM the CTA ran on
+  kTSlotCount
+};
+static_assert(kTSlotCount <= kTraceSlots, "trace slots");
+
+#if defined(CPIDX_TRACE) && defined(__CUDACC__)
+static __device__ long long g_score_trace[kTraceCtas * kTraceSlots];
+__device__ __forceinline__ long long trace_now() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void trace_reset() {
+  if (blockIdx.x < kTraceCtas)
+    for (int i = 0; i < kTraceSlots; ++i) g_score_trace[blockIdx.x * kTraceSlots + i] = 0;
+}
+__device__ __forceinline__ void trace_set(int slot, long long v) {
+  if (blockIdx.x < kTraceCtas) g_score_trace[blockIdx.x * kTraceSlots + slot] = v;
+}
+__device__ __forceinline__ void trace_add(int slot, long long v) {
+  if (blockIdx.x < kTraceCtas) g_score_trace[blockIdx.x * kTraceSlots + slot] += v;
+}
+// `cond` selects the one thread that records.
+#define CPIDX_TRACE_RESET(cond) ((cond) ? trace_reset() : (void)0)
+#define CPIDX_TRACE_STAMP(cond, slot) ((cond) ? trace_set(slot, trace_now()) : (void)0)
+#define CPIDX_TRACE_ADD(cond, slot, v) ((cond) ? trace_add(slot, v) : (void)0)
+#define CPIDX_TRACE_CLOCK(name) const long long name = clock64()
+#define CPIDX_TRACE_SINCE(name) (clock64() - (name))
+#else
+#define CPIDX_TRACE_RESET(cond) ((void)0)
+#define CPIDX_TRACE_STAMP(cond, slot) ((void)0)
+#define CPIDX_TRACE_ADD(cond, slot, v) ((void)0)
+#define CPIDX_TRACE_CLOCK(name) ((void)0)
+#define CPIDX_TRACE_SINCE(name) 0
+#endif
+
+}  // namespace cuda
+}  // namespace cpidx
