@@ -1,6 +1,7 @@
 // tools/args.h: the tiny flag parser of the `cpidx` subcommands. Accepts --name=value and
-// --name value (integers take K/M/G suffixes, like nccl-tests' sizes), switches as --name or
-// --name=true|false, and prints a --help text listing every flag with its meaning and default.
+// --name value (integers take K/M/G suffixes, like nccl-tests' sizes), comma lists of integers
+// or words, switches as --name or --name=true|false, and prints a --help text listing every
+// flag with its meaning and default.
 #pragma once
 
 #include <algorithm>
@@ -34,6 +35,24 @@ class Flags {
   }
   Flags& add(const char* name, bool* value, const char* help) {
     return add_flag(name, value, help, *value ? "true" : "false", "");
+  }
+  // A comma list of integers (each with an optional K/M/G suffix), e.g. --contexts=8K,1M.
+  Flags& add(const char* name, std::vector<int64_t>* value, const char* help) {
+    std::string text;
+    for (int64_t v : *value) {
+      if (!text.empty()) text += ',';
+      text += size_text(v);
+    }
+    return add_flag(name, value, help, text, "N,N,...");
+  }
+  // A comma list of words, e.g. --modes=plain1,cp2.
+  Flags& add(const char* name, std::vector<std::string>* value, const char* help) {
+    std::string text;
+    for (const std::string& v : *value) {
+      if (!text.empty()) text += ',';
+      text += v;
+    }
+    return add_flag(name, value, help, text, "S,S,...");
   }
   // A string flag; when `choices` is not empty the value must be one of them.
   Flags& add(const char* name, std::string* value, const char* help,
@@ -105,7 +124,8 @@ class Flags {
   }
 
  private:
-  using Target = std::variant<int64_t*, double*, bool*, std::string*>;
+  using Target = std::variant<int64_t*, double*, bool*, std::string*, std::vector<int64_t>*,
+                              std::vector<std::string>*>;
   struct Flag {
     std::string name, help, default_text, meta;
     Target target;
@@ -133,19 +153,59 @@ class Flags {
     return Parse::kError;
   }
 
+  // 8192 -> "8K", 1048576 -> "1M", 3 -> "3".
+  static std::string size_text(int64_t v) {
+    if (v != 0 && v % (int64_t{1} << 20) == 0) return std::to_string(v >> 20) + "M";
+    if (v != 0 && v % 1024 == 0) return std::to_string(v >> 10) + "K";
+    return std::to_string(v);
+  }
+
+  // An integer with an optional K/M/G suffix; empty on success, else why not.
+  static std::string parse_int(std::string_view text, int64_t* out) {
+    int64_t v = 0;
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || end == text.data()) return "expected an integer";
+    std::string_view suffix(end, static_cast<size_t>(text.data() + text.size() - end));
+    int shift = suffix == "" ? 0 : suffix == "K" || suffix == "k" ? 10
+              : suffix == "M" ? 20 : suffix == "G" ? 30 : -1;
+    if (shift < 0) return "expected an integer, optionally with K, M or G";
+    if (v > (INT64_MAX >> shift) || v < (INT64_MIN >> shift)) return "out of range";
+    *out = v * (int64_t{1} << shift);
+    return {};
+  }
+
+  // "a,b,c" -> {"a", "b", "c"}; false if an item is empty.
+  static bool split_list(std::string_view text, std::vector<std::string_view>* items) {
+    items->clear();
+    size_t i = 0;
+    while (true) {
+      const size_t j = std::min(text.find(',', i), text.size());
+      if (j == i) return false;
+      items->push_back(text.substr(i, j - i));
+      if (j == text.size()) return true;
+      i = j + 1;
+    }
+  }
+
   // Empty on success, else the error message.
   static std::string assign(Flag& flag, std::string_view text, bool has_text) {
     const std::string bad = "bad value '" + std::string(text) + "' for --" + flag.name;
     if (auto* p = std::get_if<int64_t*>(&flag.target)) {
-      int64_t v = 0;
-      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-      if (ec != std::errc() || end == text.data()) return bad + " (expected an integer)";
-      std::string_view suffix(end, static_cast<size_t>(text.data() + text.size() - end));
-      int shift = suffix == "" ? 0 : suffix == "K" || suffix == "k" ? 10
-                : suffix == "M" ? 20 : suffix == "G" ? 30 : -1;
-      if (shift < 0) return bad + " (expected an integer, optionally with K, M or G)";
-      if (v > (INT64_MAX >> shift) || v < (INT64_MIN >> shift)) return bad + " (out of range)";
-      **p = v * (int64_t{1} << shift);
+      const std::string why = parse_int(text, *p);
+      if (!why.empty()) return bad + " (" + why + ")";
+    } else if (auto* p = std::get_if<std::vector<int64_t>*>(&flag.target)) {
+      std::vector<std::string_view> items;
+      if (!split_list(text, &items)) return bad + " (expected a comma list, no empty items)";
+      std::vector<int64_t> values(items.size());
+      for (size_t i = 0; i < items.size(); ++i) {
+        const std::string why = parse_int(items[i], &values[i]);
+        if (!why.empty()) return bad + " (item '" + std::string(items[i]) + "': " + why + ")";
+      }
+      **p = std::move(values);
+    } else if (auto* p = std::get_if<std::vector<std::string>*>(&flag.target)) {
+      std::vector<std::string_view> items;
+      if (!split_list(text, &items)) return bad + " (expected a comma list, no empty items)";
+      (*p)->assign(items.begin(), items.end());
     } else if (auto* p = std::get_if<double*>(&flag.target)) {
       std::string s(text);
       char* end = nullptr;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -35,7 +36,7 @@ int run_bench(int argc, char** argv) {
     if (std::string(argv[i]) == "--prefill") return run_prefill_bench(argc, argv);
   }
   Flags flags("cpidx bench [flags]", "GPU decode benchmark; needs a CUDA build.");
-  if (flags.parse(argc, argv, 2) == Flags::Parse::kHelp) return kExitOk;
+  if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   std::fprintf(stderr, "cpidx bench: this build has no CUDA; `cpidx demo` runs on the CPU.\n");
   return kExitFailed;
 }
@@ -359,30 +360,16 @@ void print_trace(int grid) {
               sm_last.front(), sm_last[sm_last.size() / 2], sm_last.back(), sm_last.size());
 }
 
-std::vector<int64_t> parse_list(const std::string& text) {
-  std::vector<int64_t> out;
-  size_t i = 0;
-  while (i < text.size()) {
-    size_t j = text.find(',', i);
-    if (j == std::string::npos) j = text.size();
-    std::string tok = text.substr(i, j - i);
-    int64_t mult = 1;
-    if (!tok.empty() && (tok.back() == 'K' || tok.back() == 'k')) { mult = 1024; tok.pop_back(); }
-    if (!tok.empty() && (tok.back() == 'M' || tok.back() == 'm')) { mult = 1 << 20; tok.pop_back(); }
-    if (!tok.empty()) out.push_back(std::stoll(tok) * mult);
-    i = j + 1;
-  }
-  return out;
-}
-
 }  // namespace
 
 int run_bench(int argc, char** argv) {
   for (int i = 2; i < argc; ++i) {  // the prefill benchmark has its own flags
     if (std::string(argv[i]) == "--prefill") return run_prefill_bench(argc, argv);
   }
-  std::string modes = "plain1,plain4,cp2,cp4", reqs = "1,8,64", contexts = "8K,64K,256K,1M",
-              qlens = "1,4", json, dtype = "bf16", exchange = "both";
+  std::vector<std::string> modes = {"plain1", "plain4", "cp2", "cp4"};
+  std::vector<int64_t> reqs = {1, 8, 64}, contexts = {8 << 10, 64 << 10, 256 << 10, 1 << 20},
+                       qlens = {1, 4};
+  std::string json, dtype = "bf16", exchange = "both";
   int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit, ctas_per_sm = 0,
           min_calls = 0;
   bool pdl = true, trace = false;
@@ -398,10 +385,10 @@ int run_bench(int argc, char** argv) {
               "host's graph launch latency is in it; gpu_us: the stream held until the replay is\n"
               "queued, the GPU's time alone). GB/s counts index-cache bytes read by the rank.\n"
               "`cpidx bench --prefill --help`: the prefill benchmark.");
-  flags.add("modes", &modes, "comma list of plainH / cpP / stepP")
-      .add("reqs", &reqs, "comma list of batch sizes (requests)")
-      .add("contexts", &contexts, "comma list of context lengths (K/M suffixes)")
-      .add("qlens", &qlens, "comma list of query lengths")
+  flags.add("modes", &modes, "plainH / cpP / stepP")
+      .add("reqs", &reqs, "batch sizes (requests)")
+      .add("contexts", &contexts, "context lengths")
+      .add("qlens", &qlens, "query lengths")
       .add("dtype", &dtype, "index cache dtype", {"bf16", "fp8"})
       .add("replays", &replays, "timed graph replays per shape")
       .add("pool-mb", &pool_mb, "MiB of random key pages to draw from")
@@ -416,10 +403,37 @@ int run_bench(int argc, char** argv) {
       .add("trace", &trace,
            "print the fused kernel's per-CTA timeline (a library built with -DCPIDX_TRACE)")
       .add("json", &json, "write the results as JSON to this file");
-  switch (flags.parse(argc, argv, 2)) {
-    case Flags::Parse::kHelp: return kExitOk;
-    case Flags::Parse::kError: return kExitUsage;
-    case Flags::Parse::kOk: break;
+  if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
+  // Each mode is a kind and a number: plainH (heads 1..8), cpP / stepP (ranks 2..8).
+  struct Mode {
+    std::string name, kind;
+    int x = 0;
+  };
+  std::vector<Mode> mode_list;
+  for (const std::string& m : modes) {
+    Mode md{m, "", 0};
+    for (const char* kind : {"plain", "cp", "step"}) {
+      const size_t n = std::strlen(kind);
+      if (m.size() == n + 1 && m.compare(0, n, kind) == 0 && m[n] >= '1' && m[n] <= '8') {
+        md.kind = kind;
+        md.x = m[n] - '0';
+      }
+    }
+    if (md.kind.empty() || (md.kind != "plain" && md.x < 2)) {
+      std::fprintf(stderr, "cpidx bench: bad mode '%s' in --modes (plain1..plain8, cp2..cp8, "
+                   "step2..step8)\n", m.c_str());
+      return kExitUsage;
+    }
+    mode_list.push_back(md);
+  }
+  for (const auto& [name, list] : {std::pair{"reqs", &reqs}, {"contexts", &contexts}, {"qlens", &qlens}}) {
+    for (int64_t v : *list) {
+      if (v < 1 || v > (int64_t{1} << 30)) {
+        std::fprintf(stderr, "cpidx bench: --%s must be in 1..2^30, got %lld\n", name,
+                     static_cast<long long>(v));
+        return kExitUsage;
+      }
+    }
   }
   if (!gpu_available()) {
     std::fprintf(stderr, "cpidx bench: no usable GPU\n");
@@ -430,25 +444,16 @@ int run_bench(int argc, char** argv) {
   std::vector<Result> results;
   std::vector<std::pair<StepShape, StepResult>> step_results;
   bool all_ok = true;
-  for (const std::string& m : [&] {
-         std::vector<std::string> v;
-         size_t i = 0;
-         while (i < modes.size()) {
-           size_t j = modes.find(',', i);
-           if (j == std::string::npos) j = modes.size();
-           v.push_back(modes.substr(i, j - i));
-           i = j + 1;
-         }
-         return v;
-       }()) {
-    for (int64_t q : parse_list(qlens)) {
-      for (int64_t b : parse_list(reqs)) {
-        for (int64_t c : parse_list(contexts)) {
-          if (m.rfind("step", 0) == 0) {
+  for (const Mode& md : mode_list) {
+    const std::string& m = md.name;
+    for (int64_t q : qlens) {
+      for (int64_t b : reqs) {
+        for (int64_t c : contexts) {
+          if (md.kind == "step") {
             for (const char* ex : {"nccl", "peer"}) {
               if (exchange != "both" && exchange != ex) continue;
               StepShape ss;
-              ss.world = std::stoi(m.substr(4));
+              ss.world = md.x;
               ss.reqs = static_cast<int>(b);
               ss.context = c;
               ss.qlen = static_cast<int>(q);
@@ -484,9 +489,8 @@ int run_bench(int argc, char** argv) {
                         "floor_us", "grid/stg", "check");
           }
           Shape sh;
-          sh.mode = m.rfind("cp", 0) == 0 ? "cp" : "plain";
-          const int x = std::stoi(m.substr(sh.mode == "cp" ? 2 : 5));
-          if (sh.mode == "cp") { sh.world = x; sh.heads = 4; } else { sh.heads = x; }
+          sh.mode = md.kind;
+          if (sh.mode == "cp") { sh.world = md.x; sh.heads = 4; } else { sh.heads = md.x; }
           sh.reqs = static_cast<int>(b);
           sh.context = c;
           sh.qlen = static_cast<int>(q);

@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -35,7 +36,7 @@ int run_prefill_bench(int argc, char** argv) {
   bool prefill = true;
   Flags flags("cpidx bench --prefill [flags]", "GPU prefill benchmark; needs a CUDA build.");
   flags.add("prefill", &prefill, "run the prefill benchmark");
-  if (flags.parse(argc, argv, 2) == Flags::Parse::kHelp) return kExitOk;
+  if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   std::fprintf(stderr, "cpidx bench --prefill: this build has no CUDA.\n");
   return kExitFailed;
 }
@@ -53,24 +54,6 @@ constexpr double kTensorFlopPerSec = 790e12;  // measured dense bf16 tensor rate
       return false;                                                                          \
     }                                                                                        \
   } while (0)
-
-// "1K,4K,16K" -> {1024, 4096, 16384}; K and M are binary.
-std::vector<int64_t> parse_sizes(const std::string& text) {
-  std::vector<int64_t> out;
-  size_t i = 0;
-  while (i < text.size()) {
-    size_t j = text.find(',', i);
-    if (j == std::string::npos) j = text.size();
-    std::string tok = text.substr(i, j - i);
-    int64_t mult = 1;
-    if (!tok.empty() && (tok.back() == 'K' || tok.back() == 'k')) mult = 1 << 10;
-    if (!tok.empty() && (tok.back() == 'M' || tok.back() == 'm')) mult = 1 << 20;
-    if (mult != 1) tok.pop_back();
-    if (!tok.empty()) out.push_back(std::stoll(tok) * mult);
-    i = j + 1;
-  }
-  return out;
-}
 
 struct Shape {
   int64_t chunk = 0, context = 0;
@@ -293,7 +276,8 @@ bool write_json(const std::string& path, const std::vector<Result>& results, int
 
 int run_prefill_bench(int argc, char** argv) {
   bool prefill = true, check = true;
-  std::string chunks = "1K,4K,16K", contexts = "8K,128K,1M", json, dtype = "bf16", kernel = "both";
+  std::vector<int64_t> chunk_list = {1 << 10, 4 << 10, 16 << 10}, context_list = {8 << 10, 128 << 10, 1 << 20};
+  std::string json, dtype = "bf16", kernel = "both";
   int64_t heads = 4, topk = 16, replays = 10;
   Flags flags("cpidx bench --prefill [flags]",
               "GPU prefill benchmark: one request, `chunk` new tokens after `context` cached\n"
@@ -302,8 +286,8 @@ int run_prefill_bench(int argc, char** argv) {
               "included); tc_floor_us is that work at 790 TFLOP/s, mem_floor_us the unique bytes\n"
               "at 4.27 TB/s. The smallest shape is checked against the CPU reference.");
   flags.add("prefill", &prefill, "run the prefill benchmark (this mode)")
-      .add("chunks", &chunks, "comma list of chunk lengths (new tokens; K/M suffixes)")
-      .add("contexts", &contexts, "comma list of cached context lengths (K/M suffixes)")
+      .add("chunks", &chunk_list, "chunk lengths (new tokens)")
+      .add("contexts", &context_list, "cached context lengths")
       .add("heads", &heads, "index heads scored (1..8)")
       .add("topk", &topk, "K (1..64)")
       .add("dtype", &dtype, "index cache dtype", {"bf16", "fp8"})
@@ -312,16 +296,20 @@ int run_prefill_bench(int argc, char** argv) {
       .add("replays", &replays, "timed graph replays per shape (at least 10)")
       .add("check", &check, "check the smallest shape against the CPU reference")
       .add("json", &json, "write the results as JSON to this file");
-  switch (flags.parse(argc, argv, 2)) {
-    case Flags::Parse::kHelp: return kExitOk;
-    case Flags::Parse::kError: return kExitUsage;
-    case Flags::Parse::kOk: break;
-  }
-  const std::vector<int64_t> chunk_list = parse_sizes(chunks), context_list = parse_sizes(contexts);
-  if (chunk_list.empty() || context_list.empty() || heads < 1 || heads > kMaxHeads || topk < 1 ||
-      topk > kMaxTopK) {
-    std::fprintf(stderr, "cpidx bench --prefill: bad --chunks/--contexts/--heads/--topk\n");
+  if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
+  if (heads < 1 || heads > kMaxHeads || topk < 1 || topk > kMaxTopK) {
+    std::fprintf(stderr, "cpidx bench --prefill: --heads must be in 1..%d and --topk in 1..%d\n",
+                 kMaxHeads, kMaxTopK);
     return kExitUsage;
+  }
+  for (const auto& [name, list, lo] : {std::tuple{"chunks", &chunk_list, 1}, {"contexts", &context_list, 0}}) {
+    for (int64_t v : *list) {
+      if (v < lo || v > (int64_t{1} << 24)) {
+        std::fprintf(stderr, "cpidx bench --prefill: --%s must be in %d..2^24, got %lld\n", name, lo,
+                     static_cast<long long>(v));
+        return kExitUsage;
+      }
+    }
   }
   if (!gpu_available()) {
     std::fprintf(stderr, "cpidx bench --prefill: no usable GPU\n");

@@ -420,11 +420,7 @@ int run_demo(int argc, char** argv) {
            "run the GPU context-parallel step on P real GPUs through NCCL, one thread per GPU; "
            "without it, real GPUs only when P equals the GPU count, else P ranks simulated on "
            "GPU 0");
-  switch (flags.parse(argc, argv, 2)) {
-    case Flags::Parse::kHelp: return kExitOk;
-    case Flags::Parse::kError: return kExitUsage;
-    case Flags::Parse::kOk: break;
-  }
+  if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   o.ranks_given = flags.is_set("ranks");
   if (std::string e = check_options(o); !e.empty()) {
     std::fprintf(stderr, "cpidx demo: %s\n", e.c_str());

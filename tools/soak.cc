@@ -41,14 +41,7 @@ int run_soak(int argc, char** argv) {
   Flags flags("cpidx soak [flags]",
               "2-GPU soak of the context-parallel step; needs CUDA, NCCL "
               "and the peer communicator.");
-  switch (flags.parse(argc, argv, 2)) {
-    case Flags::Parse::kHelp:
-      return kExitOk;
-    case Flags::Parse::kError:
-      return kExitUsage;
-    case Flags::Parse::kOk:
-      break;
-  }
+  if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   std::fprintf(stderr, "cpidx soak: this build has no CUDA + NCCL + peer communicator\n");
   return kExitFailed;
 }
@@ -498,14 +491,7 @@ int run_soak(int argc, char** argv) {
       .add("peer-timeout", &o.peer_timeout,
            "seconds a peer gather waits before raising its error word")
       .add("json", &o.json, "write the summary as JSON to this file");
-  switch (flags.parse(argc, argv, 2)) {
-    case Flags::Parse::kHelp:
-      return kExitOk;
-    case Flags::Parse::kError:
-      return kExitUsage;
-    case Flags::Parse::kOk:
-      break;
-  }
+  if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   if (o.steps < 1 || o.check_every < 1 || o.max_reqs < 1 || o.max_qlen < 1 ||
       o.max_qlen > kMaxQueryLen || o.max_context < 1 || o.max_context > (1 << 24) ||
       o.pool_mb < 1) {

@@ -3,6 +3,8 @@
 // adding one is a declaration here and a row of kSubcommands in main.cc.
 #pragma once
 
+#include "args.h"
+
 namespace cpidx::tools {
 
 int run_demo(int argc, char** argv);   // demo.cc
@@ -17,5 +19,17 @@ bool gpu_available();
 constexpr int kExitOk = 0;
 constexpr int kExitFailed = 1;  // ran, but a check failed or the library returned an error
 constexpr int kExitUsage = 2;   // bad command line
+
+// Parses a subcommand's flags (argv[2] on): true to go on, else false with *exit_code the code
+// to return (kExitOk after --help, kExitUsage after a bad flag; either is already printed).
+inline bool parse_flags(Flags& flags, int argc, char** argv, int* exit_code) {
+  switch (flags.parse(argc, argv, 2)) {
+    case Flags::Parse::kOk: return true;
+    case Flags::Parse::kHelp: *exit_code = kExitOk; return false;
+    case Flags::Parse::kError: break;
+  }
+  *exit_code = kExitUsage;
+  return false;
+}
 
 }  // namespace cpidx::tools
