@@ -92,24 +92,12 @@ struct Decoder::Impl {
 
   cuda::ScoreTopkParams score_params(const DecodeInputs& in, int world, int rank) const {
     cuda::ScoreTopkParams p;
+    cuda_host::set_common_params(p, in, cfg.sel);
     for (int h = 0; h < in.num_heads; ++h) {
       p.q_head[h] = reinterpret_cast<const __nv_bfloat16*>(in.query) + h * in.q_head_stride;
     }
-    p.q_row_stride = in.q_row_stride;
-    p.num_heads = in.num_heads;
-    p.cache = in.cache.data;
-    p.num_pages = in.cache.num_pages;
-    p.block_table = in.block_table;
-    p.bt_row_stride = in.bt_row_stride;
-    p.seq_lens = in.seq_lens;
-    p.num_reqs = in.num_reqs;
     p.query_len = in.query_len;
-    p.max_seq_len = in.max_seq_len;
     p.max_blocks = in.max_blocks();
-    p.scale = in.scale;
-    p.topk = cfg.sel.topk;
-    p.init_blocks = cfg.sel.init_blocks;
-    p.local_blocks = cfg.sel.local_blocks;
     p.world = world;
     p.rank = rank;
     p.partial = at<Key>(layout.partial);
@@ -136,9 +124,7 @@ struct Decoder::Impl {
   Status launch_plain(const DecodeInputs& in, const TopkOutput& out,
                       const SparseTableOutput* table, cudaStream_t stream) const {
     cuda::ScoreTopkParams p = score_params(in, 1, 0);
-    p.ids = out.ids;
-    p.ids_head_stride = out.head_stride;
-    p.ids_row_stride = out.row_stride;
+    cuda_host::set_ids_output(p, out);
     p.table = table_args(table);
     return launch_scoring(p, in.cache.dtype, stream);
   }
@@ -154,9 +140,7 @@ struct Decoder::Impl {
     m.topk = cfg.sel.topk;
     m.head_offset = geo.head_offset;
     m.local_heads = geo.local_heads;
-    m.ids = out.ids;
-    m.ids_head_stride = out.head_stride;
-    m.ids_row_stride = out.row_stride;
+    cuda_host::set_ids_output(m, out);
     m.table = table_args(table);
     m.seq_lens = batch.seq_lens;
     m.num_reqs = batch.num_reqs;

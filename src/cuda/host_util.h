@@ -52,6 +52,34 @@ inline Status check_kernel_inputs(const uint16_t* query, int64_t q_row_stride,
   return Status::ok();
 }
 
+// What every scoring kernel's Params (decode, prefill) take by the same names: the call's
+// head count and query row stride, the paged cache and its block table, the request lengths and
+// the bound, the scale, and the selection rule.
+template <typename Params, typename Inputs>
+void set_common_params(Params& p, const Inputs& in, const Selection& sel) {
+  p.num_heads = in.num_heads;
+  p.q_row_stride = in.q_row_stride;
+  p.cache = in.cache.data;
+  p.num_pages = in.cache.num_pages;
+  p.block_table = in.block_table;
+  p.bt_row_stride = in.bt_row_stride;
+  p.seq_lens = in.seq_lens;
+  p.num_reqs = in.num_reqs;
+  p.max_seq_len = in.max_seq_len;
+  p.scale = in.scale;
+  p.topk = sel.topk;
+  p.init_blocks = sel.init_blocks;
+  p.local_blocks = sel.local_blocks;
+}
+
+// The ids output of any kernel's Params (scoring, prefill, merge).
+template <typename Params>
+void set_ids_output(Params& p, const TopkOutput& out) {
+  p.ids = out.ids;
+  p.ids_head_stride = out.head_stride;
+  p.ids_row_stride = out.row_stride;
+}
+
 // Runs `setup` with `device` current and restores the caller's device afterwards.
 template <typename F>
 Status on_device(int device, F&& setup) {

@@ -66,27 +66,13 @@ struct Prefiller::Impl {
 
   cuda::PrefillParams params(const PrefillInputs& in, const TopkOutput& out) const {
     cuda::PrefillParams p;
+    cuda_host::set_common_params(p, in, cfg.sel);
+    cuda_host::set_ids_output(p, out);
     p.query = in.query;
-    p.q_row_stride = in.q_row_stride;
     p.q_head_stride = in.q_head_stride;
-    p.num_heads = in.num_heads;
-    p.cache = in.cache.data;
-    p.num_pages = in.cache.num_pages;
-    p.block_table = in.block_table;
-    p.bt_row_stride = in.bt_row_stride;
     p.cu_seqlens_q = in.cu_seqlens_q;
     p.context_lens = in.context_lens;
-    p.seq_lens = in.seq_lens;
-    p.num_reqs = in.num_reqs;
     p.num_tokens = in.num_tokens;
-    p.max_seq_len = in.max_seq_len;
-    p.scale = in.scale;
-    p.topk = cfg.sel.topk;
-    p.init_blocks = cfg.sel.init_blocks;
-    p.local_blocks = cfg.sel.local_blocks;
-    p.ids = out.ids;
-    p.ids_head_stride = out.head_stride;
-    p.ids_row_stride = out.row_stride;
     p.header = at<cuda::PrefillPlanHeader>(layout.header);
     p.tiles = at<cuda::PrefillTile>(layout.tiles);
     p.tiles_capacity = layout.tiles_capacity;
