@@ -26,7 +26,7 @@ TEST(ToolFlags, ListsOfSizesAndWords) {
   std::vector<std::string> modes = {"plain1"};
   int64_t n = 3;
   Flags flags("prog [flags]", "test");
-  flags.add("contexts", &contexts, "lengths").add("modes", &modes, "modes").add("n", &n, "n");
+  flags.add("contexts", &contexts, "lengths", 0, 1 << 30).add("modes", &modes, "modes").add("n", &n, "n");
   EXPECT_EQ(parse(flags, {"--contexts=1K,2M,7", "--modes", "cp2,step4", "--n=2G"}), Flags::Parse::kOk);
   EXPECT_EQ(contexts, (std::vector<int64_t>{1024, 2 << 20, 7}));
   EXPECT_EQ(modes, (std::vector<std::string>{"cp2", "step4"}));
@@ -36,10 +36,11 @@ TEST(ToolFlags, ListsOfSizesAndWords) {
 
 TEST(ToolFlags, BadListsAreRefusedAndLeaveTheDefault) {
   for (const char* bad : {"--contexts=8K,,1M", "--contexts=", "--contexts=8Q", "--contexts=1K,",
-                          "--contexts=,1K", "--contexts=99999999999999999999"}) {
+                          "--contexts=,1K", "--contexts=99999999999999999999", "--contexts=0",
+                          "--contexts=1K,2M"}) {
     std::vector<int64_t> contexts = {8 << 10};
     Flags flags("prog [flags]", "test");
-    flags.add("contexts", &contexts, "lengths");
+    flags.add("contexts", &contexts, "lengths", 1, 1 << 20);
     EXPECT_EQ(parse(flags, {bad}), Flags::Parse::kError) << bad;
     EXPECT_EQ(contexts, (std::vector<int64_t>{8 << 10})) << bad;
   }
@@ -53,7 +54,7 @@ TEST(ToolFlags, BadListsAreRefusedAndLeaveTheDefault) {
 TEST(ToolFlags, HelpShowsListDefaultsWithSuffixes) {
   std::vector<int64_t> contexts = {8 << 10, 1 << 20, 3};
   Flags flags("prog [flags]", "test");
-  flags.add("contexts", &contexts, "lengths");
+  flags.add("contexts", &contexts, "lengths", 1, 1 << 20);
   std::FILE* f = std::tmpfile();
   ASSERT_NE(f, nullptr);
   flags.print_help(f);

@@ -36,14 +36,19 @@ class Flags {
   Flags& add(const char* name, bool* value, const char* help) {
     return add_flag(name, value, help, *value ? "true" : "false", "");
   }
-  // A comma list of integers (each with an optional K/M/G suffix), e.g. --contexts=8K,1M.
-  Flags& add(const char* name, std::vector<int64_t>* value, const char* help) {
+  // A comma list of integers in [lo, hi] (each with an optional K/M/G suffix), e.g.
+  // --contexts=8K,1M.
+  Flags& add(const char* name, std::vector<int64_t>* value, const char* help, int64_t lo,
+             int64_t hi) {
     std::string text;
     for (int64_t v : *value) {
       if (!text.empty()) text += ',';
       text += size_text(v);
     }
-    return add_flag(name, value, help, text, "N,N,...");
+    add_flag(name, value, help, text, "N,N,...");
+    flags_.back().lo = lo;
+    flags_.back().hi = hi;
+    return *this;
   }
   // A comma list of words, e.g. --modes=plain1,cp2.
   Flags& add(const char* name, std::vector<std::string>* value, const char* help) {
@@ -131,12 +136,13 @@ class Flags {
     Target target;
     std::vector<std::string> choices;
     bool set = false;
+    int64_t lo = INT64_MIN, hi = INT64_MAX;  // integer lists: the range of an item
   };
 
   template <typename T>
   Flags& add_flag(const char* name, T* value, const char* help, std::string default_text,
                   std::string meta) {
-    flags_.push_back(Flag{name, help, std::move(default_text), std::move(meta), value, {}, false});
+    flags_.push_back(Flag{name, help, std::move(default_text), std::move(meta), value, {}});
     return *this;
   }
 
@@ -198,7 +204,10 @@ class Flags {
       if (!split_list(text, &items)) return bad + " (expected a comma list, no empty items)";
       std::vector<int64_t> values(items.size());
       for (size_t i = 0; i < items.size(); ++i) {
-        const std::string why = parse_int(items[i], &values[i]);
+        std::string why = parse_int(items[i], &values[i]);
+        if (why.empty() && (values[i] < flag.lo || values[i] > flag.hi)) {
+          why = "expected " + size_text(flag.lo) + ".." + size_text(flag.hi);
+        }
         if (!why.empty()) return bad + " (item '" + std::string(items[i]) + "': " + why + ")";
       }
       **p = std::move(values);
