@@ -159,13 +159,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   int32_t err = 0;
   CPIDX_TRACE_RESET(tid == 0);
   CPIDX_TRACE_STAMP(tid == 0, kTEntry);
-#if defined(CPIDX_TRACE)
-  if (tid == 0) {
-    int smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    trace_set(kTSmid, smid);
-  }
-#endif
+  CPIDX_TRACE_SMID(tid == 0);
   // The request lengths start every dependent chain (lengths -> table -> pages): have them in
   // L2 by the time the previous kernel is done (32 lengths per 128-byte line).
   for (int r = tid * 32; r < p.num_reqs; r += kThreads * 32) prefetch_l2(p.seq_lens + r);

@@ -35,6 +35,11 @@ __device__ __forceinline__ long long trace_now() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+__device__ __forceinline__ long long trace_smid() {
+  int smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  return smid;
+}
 __device__ __forceinline__ void trace_reset() {
   if (blockIdx.x < kTraceCtas)
     for (int i = 0; i < kTraceSlots; ++i) g_score_trace[blockIdx.x * kTraceSlots + i] = 0;
@@ -51,12 +56,14 @@ __device__ __forceinline__ void trace_add(int slot, long long v) {
 #define CPIDX_TRACE_ADD(cond, slot, v) ((cond) ? trace_add(slot, v) : (void)0)
 #define CPIDX_TRACE_CLOCK(name) const long long name = clock64()
 #define CPIDX_TRACE_SINCE(name) (clock64() - (name))
+#define CPIDX_TRACE_SMID(cond) ((cond) ? trace_set(kTSmid, trace_smid()) : (void)0)
 #else
 #define CPIDX_TRACE_RESET(cond) ((void)0)
 #define CPIDX_TRACE_STAMP(cond, slot) ((void)0)
 #define CPIDX_TRACE_ADD(cond, slot, v) ((void)0)
 #define CPIDX_TRACE_CLOCK(name) ((void)0)
 #define CPIDX_TRACE_SINCE(name) 0
+#define CPIDX_TRACE_SMID(cond) ((void)0)
 #endif
 
 }  // namespace cuda
