@@ -25,7 +25,7 @@ small='GpuSanitize.*:GpuValidation.*:GpuDecode.BadDeviceValuesAreClampedAndFlagg
 small+=':GpuPrefill.GoldenCasesExactly:GpuPrefill.BadDeviceValuesAreClampedAndFlagged'
 small+=':GpuPrefill.RowsOutsideEveryRequestAreMinusOne:GpuPrefill.HostErrorsBeforeAnyKernel'
 declare -A filter=(
-  [memcheck]="$small:GpuDecode.GoldenCasesPlainAndContextParallel"
+  [memcheck]="$small:GpuDecode.GoldenCasesPlainAndContextParallel:GpuEarlyStart.*"
   [racecheck]="$small"
   [synccheck]="$small"
 )

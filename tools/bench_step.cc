@@ -77,7 +77,9 @@ struct HostSet {
 };
 
 struct DeviceSet {
-  uint16_t* query = nullptr;
+  uint16_t* query = nullptr;        // [n, T, D]: every head (the plain decode of the check)
+  uint16_t* local_query = nullptr;  // [n, L, D]: this rank's heads, contiguous, as an engine's
+                                    // tensor-parallel rank holds them
   int32_t* block_table = nullptr;
   int32_t* seq_lens = nullptr;
 };
@@ -199,6 +201,15 @@ struct StepBench::Impl {
                            cudaMemcpyHostToDevice));
       STEP_CUDA(cudaMemcpy(d.seq_lens, h.seq_lens.data(), h.seq_lens.size() * 4,
                            cudaMemcpyHostToDevice));
+      const size_t rows = static_cast<size_t>(sh.reqs) * sh.qlen, L = rs.geo.local_heads;
+      std::vector<uint16_t> local(rows * L * kHeadDim);
+      for (size_t row = 0; row < rows; ++row) {
+        std::copy_n(h.query.begin() + static_cast<std::ptrdiff_t>(
+                                          (row * kHeads + rs.geo.head_offset) * kHeadDim),
+                    L * kHeadDim, local.begin() + static_cast<std::ptrdiff_t>(row * L * kHeadDim));
+      }
+      CPIDX_RETURN_IF_ERROR(rs.alloc(&d.local_query, local.size() * 2));
+      STEP_CUDA(cudaMemcpy(d.local_query, local.data(), local.size() * 2, cudaMemcpyHostToDevice));
       rs.sets.push_back(d);
     }
     const size_t n = static_cast<size_t>(sh.reqs) * sh.qlen, L = rs.geo.local_heads;
@@ -226,8 +237,10 @@ struct StepBench::Impl {
     const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
     const TopkOutput out{rs.ids, n * kTopk, kTopk};
     auto step = [&](const DeviceSet& s) {
-      return rs.dec->cp_decode(comm, inputs(sh, s, r, rs.geo.head_offset, rs.geo.local_heads),
-                               out, nullptr, rs.stream);
+      DecodeInputs in = inputs(sh, s, r, 0, rs.geo.local_heads);
+      in.query = s.local_query;
+      in.q_row_stride = static_cast<int64_t>(rs.geo.local_heads) * kHeadDim;
+      return rs.dec->cp_decode(comm, in, out, nullptr, rs.stream);
     };
     rs.status = [&]() -> Status {
       for (const DeviceSet& s : rs.sets) CPIDX_RETURN_IF_ERROR(step(s));  // warm-up

@@ -306,12 +306,17 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   CPIDX_RETURN_IF_ERROR(valid);
   if (P == 1) return im.launch_plain(local, out, table, stream);  // validated above (L == T)
 
-  // 1. Gather the local queries [n, L, D] of every rank.
-  auto* q_send = im.at<__nv_bfloat16>(im.layout.q_send);
+  // 1. Gather the local queries [n, L, D] of every rank: straight from the caller's tensor when
+  // it is already laid out so (an engine's per-rank query usually is), else packed first.
+  const auto* query = reinterpret_cast<const __nv_bfloat16*>(local.query);
+  const __nv_bfloat16* q_send = query;
   auto* q_recv = im.at<__nv_bfloat16>(im.layout.q_recv);
-  CPIDX_CUDA_TRY(cuda::launch_pack_queries(
-      reinterpret_cast<const __nv_bfloat16*>(local.query), local.q_row_stride,
-      local.q_head_stride, n, L, q_send, stream));
+  if (local.q_head_stride != kHeadDim || local.q_row_stride != static_cast<int64_t>(L) * kHeadDim) {
+    auto* packed = im.at<__nv_bfloat16>(im.layout.q_send);
+    CPIDX_CUDA_TRY(cuda::launch_pack_queries(query, local.q_row_stride, local.q_head_stride, n, L,
+                                             packed, stream));
+    q_send = packed;
+  }
   const size_t q_bytes = static_cast<size_t>(n) * L * kHeadDim * 2;
   CPIDX_RETURN_IF_ERROR(comm.all_gather(q_send, q_recv, q_bytes, stream));
 

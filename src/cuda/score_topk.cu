@@ -13,6 +13,7 @@
 
 #include "device_utils.cuh"
 #include "kernels.h"
+#include "page_order.cuh"
 #include "score_trace.cuh"
 #include "shard_select.cuh"
 
@@ -87,13 +88,25 @@ __device__ __forceinline__ int find_req(const int64_t* prefix, int num_reqs, int
   return lo;
 }
 
-__device__ __forceinline__ int64_t request_blocks(int32_t seq_len, int64_t max_blocks) {
-  const int64_t b = cdiv(seq_len, kBlockSize);
-  return b < max_blocks ? b : max_blocks;
-}
-
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// This CTA's share of a step of `total` pages. Split path (small steps): one key per (column,
+// page) to p.split_keys, selection left to select_topk; every CTA that has a page takes one.
+// Fused path: at least kMinPagesPerCta.
+struct WorkRange {
+  bool split;
+  int64_t ctas, start, end;
+};
+__device__ __forceinline__ WorkRange work_range(const ScoreTopkParams& p, int64_t total,
+                                                int grid) {
+  WorkRange w;
+  w.split = total <= p.split_max_pages;
+  w.ctas = w.split ? (total < grid ? total : grid) : fused_ctas(total, grid);
+  w.start = blockIdx.x < w.ctas ? blockIdx.x * total / w.ctas : 0;
+  w.end = blockIdx.x < w.ctas ? (blockIdx.x + 1) * total / w.ctas : 0;
+  return w;
 }
 
 // Producer warp: pages [start, end) into the stage ring, 32 block-table reads at a time.
@@ -160,58 +173,47 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   CPIDX_TRACE_RESET(tid == 0);
   CPIDX_TRACE_STAMP(tid == 0, kTEntry);
   CPIDX_TRACE_SMID(tid == 0);
-  // The request lengths start every dependent chain (lengths -> table -> pages): have them in
-  // L2 by the time the previous kernel is done (32 lengths per 128-byte line).
-  for (int r = tid * 32; r < p.num_reqs; r += kThreads * 32) prefetch_l2(p.seq_lens + r);
+  // ---- 1. Owned pages per request and their prefix sum (every CTA computes the same). -----
   // Programmatic dependent launch: this grid may start while the previous kernel in the stream
-  // drains; wait for its results (queries, cache, tables, workspace) before reading anything.
+  // drains, and only what is read after pdl_wait() is guaranteed current. The prefix sum is
+  // computed before the wait from lengths read speculatively (through L2, the point of
+  // coherence), and the first request's queries are prefetched into L2 (a prefetch only warms
+  // L2: a later write still wins). After the wait every length is read again, and the prefix is
+  // recomputed if any page count changed.
+  // NOTE: L2 prefetches of each CTA's first pages before the wait (cp.async.bulk.prefetch) were
+  // measured 0.3-1.8 us slower at 1 x 64K to 8 x 256K and only 0.3 us faster at 1 x 8K
+  // (docs/perf/README.md, v7); they are not issued.
+  const int B = p.num_reqs;
+  int r0 = 0, r1 = 0;
+  thread_requests<kThreads>(B, &r0, &r1);
+  if (tid < 16) s.misc[tid] = 0;
+  if (tid < NT * 8) { s.cnt[tid] = 0; s.tau[tid] = kPadKey; }
+  if (tid < stages) { mbar_init(&s.full[tid], 1); mbar_init(&s.empty[tid], kConsumerWarps); }
+  if (tid == 0) fence_barrier_init();
+  pages_prefix<kThreads>(p, s.prefix, r0, r1);
+  WorkRange w = work_range(p, s.prefix[B], grid);
+  if (tid < ncols && w.start < w.end) {
+    const int r = find_req(s.prefix, B, w.start), h = tid / Q, t = tid % Q;
+    const __nv_bfloat16* q = p.q_head[h] + (static_cast<int64_t>(r) * Q + t) * p.q_row_stride;
+    prefetch_l2(q);
+    prefetch_l2(q + kHeadDim - 8);  // a 256-byte row may span two lines
+  }
   pdl_wait();
   pdl_launch_dependents();
   CPIDX_TRACE_STAMP(tid == 0, kTWaited);
-
-  // ---- 1. Owned pages per request and their prefix sum (every CTA computes the same). -----
-  const int B = p.num_reqs;
-  {
-    const int per = (B + kThreads - 1) / kThreads;  // contiguous chunk per thread
-    const int r0 = tid * per < B ? tid * per : B, r1 = r0 + per < B ? r0 + per : B;
-    int64_t sum = 0;
-    for (int r = r0; r < r1; ++r) {
-      const int32_t len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
-      const int64_t own = owned_blocks(request_blocks(len, p.max_blocks), p.world, p.rank);
-      s.prefix[r + 1] = own;
-      sum += own;
-    }
-    int64_t incl = sum;
-    for (int d = 1; d < 32; d *= 2) {
-      const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
-    __shared__ int64_t warp_tot[kThreads / 32];
-    if (lane == 31) warp_tot[warp] = incl;
-    if (tid < 16) s.misc[tid] = 0;
-    if (tid < NT * 8) { s.cnt[tid] = 0; s.tau[tid] = kPadKey; }
-    if (tid < stages) { mbar_init(&s.full[tid], 1); mbar_init(&s.empty[tid], kConsumerWarps); }
-    if (tid == 0) fence_barrier_init();
-    __syncthreads();
-    int64_t run = incl - sum;
-    for (int w = 0; w < warp; ++w) run += warp_tot[w];
-    if (tid == 0) s.prefix[0] = 0;
-    for (int r = r0; r < r1; ++r) {
-      run += s.prefix[r + 1];
-      s.prefix[r + 1] = run;
-    }
-    __syncthreads();
+  bool changed = false;
+  for (int r = r0; r < r1; ++r) {
+    changed |= owned_pages(p, __ldcg(p.seq_lens + r), &err) != s.prefix[r + 1] - s.prefix[r];
+  }
+  if (__syncthreads_or(changed)) {
+    pages_prefix<kThreads>(p, s.prefix, r0, r1);
+    w = work_range(p, s.prefix[B], grid);
   }
   CPIDX_TRACE_STAMP(tid == 0, kTPrefix);
   if (blockIdx.x == 0 && err) atomicOr(p.error_flag, err);
   err = 0;
-  const int64_t total = s.prefix[B];
-  // Split path (small steps): one key per (column, page) to p.split_keys, selection left to
-  // select_topk; every CTA that has a page takes one. Fused path: at least kMinPagesPerCta.
-  const bool split = total <= p.split_max_pages;
-  const int64_t g_eff = split ? (total < grid ? total : grid) : fused_ctas(total, grid);
-  const int64_t start = blockIdx.x < g_eff ? blockIdx.x * total / g_eff : 0;
-  const int64_t end = blockIdx.x < g_eff ? (blockIdx.x + 1) * total / g_eff : 0;
+  const int64_t total = s.prefix[B], g_eff = w.ctas, start = w.start, end = w.end;
+  const bool split = w.split;
 
   if (warp == kConsumerWarps) {  // ---- the producer warp ------------------------------------
     produce<kDType>(p, s, start, end, stages, &err);

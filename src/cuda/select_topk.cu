@@ -4,14 +4,18 @@
 // this kernel picks each (request, column)'s top K. Fused path: score_topk selected per CTA, and
 // this kernel merges the ordered lists of every request that spans CTAs (the same selection over
 // the request's slots of `partial`: the union of the CTAs' top K holds the request's top K).
-// One CTA per item: the keys are read once from L2, the
-// K-th largest is found by an MSD radix select on the 64-bit keys (8 bits a pass, usually 3-4
-// passes on real scores), and the <= K winners are ordered by rank counting. Short lists
-// (<= kThreads keys) skip the radix passes and are ranked directly.
+// One CTA per item. Lists of <= 128 keys are ordered by rank counting directly. Longer ones:
+// the K-th largest key by an MSD radix select on the 64-bit keys (8 bits a pass, usually 3-4
+// passes on real scores), then the <= K winners ranked. Keys are kept in registers up to 2048
+// per list; longer lists (the split path at 1 x 1M, merges of many CTAs' lists) are re-read
+// from L2 every pass, 8 independent loads in flight per thread.
+// NOTE: a tournament threshold (each thread's largest key, then the K-th largest of those) was
+// measured ~1 us slower than the radix passes at 512-2048 keys (docs/perf/README.md, v7).
 // Keys are distinct (the block id is in the low bits); kPadKey marks an invisible block and is
 // never selected: a list with fewer than K real keys is padded, as the fused path pads.
 #include "device_utils.cuh"
 #include "kernels.h"
+#include "page_order.cuh"
 #include "sparse_table.cuh"
 
 namespace cpidx {
@@ -19,51 +23,25 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kPerThread = 8;  // keys kept in registers; longer lists are re-read from L2
+constexpr int kPerThread = 8;   // keys kept in registers; longer lists are re-read from L2
+constexpr int kUnroll = 8;      // L2 loads in flight per thread when re-reading
 constexpr int kBins = 256;
+constexpr int kCand = kThreads;  // winners gathered for ranking (<= max(K, kRankDirect))
+// Lists up to this long are ranked directly. NOTE: rank counting reads every key once per key
+// (serial shared-memory loads): measured 1.4 us faster than the radix passes at 32 keys, equal
+// at 128, 2-3 us slower at 256 (docs/perf/README.md, v7).
+constexpr int kRankDirect = 128;
 
 struct SelectSmem {
   int64_t* prefix;                 // [num_reqs + 1] (dynamic): flattened page offset per request
   int hist[kBins];
-  Key chosen[kMaxTopK];            // the winners, unordered
+  Key cand[kCand];                 // the winners, unordered
   Key sorted[kMaxTopK];            // the winners, descending, padded with kPadKey
   int count;                       // winners gathered so far
   Key prefix_bits;                 // radix select state: the K-th key's high bits found so far
   int need;                        // winners still to find below prefix_bits' bin
   int done;
 };
-
-__device__ __forceinline__ int64_t owned_pages(const ScoreTopkParams& p, int r) {
-  int32_t unused = 0;
-  const int32_t len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &unused);
-  const int64_t blocks = cdiv(len, kBlockSize);
-  return owned_blocks(blocks < p.max_blocks ? blocks : p.max_blocks, p.world, p.rank);
-}
-
-// prefix[r] = pages of requests before r (the same flattening as score_topk).
-__device__ void request_prefix(const ScoreTopkParams& p, SelectSmem& s) {
-  const int B = p.num_reqs, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int per = (B + kThreads - 1) / kThreads;
-  const int r0 = tid * per < B ? tid * per : B, r1 = r0 + per < B ? r0 + per : B;
-  int64_t sum = 0;
-  for (int r = r0; r < r1; ++r) sum += owned_pages(p, r);
-  int64_t incl = sum;
-  for (int d = 1; d < 32; d *= 2) {
-    const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += v;
-  }
-  __shared__ int64_t warp_tot[kThreads / 32];
-  if (lane == 31) warp_tot[warp] = incl;
-  __syncthreads();
-  int64_t run = incl - sum;
-  for (int w = 0; w < warp; ++w) run += warp_tot[w];
-  for (int r = r0; r < r1; ++r) {
-    s.prefix[r] = run;
-    run += owned_pages(p, r);
-  }
-  if (tid == kThreads - 1) s.prefix[B] = run;
-  __syncthreads();
-}
 
 // The digit of the K-th largest key among those matching the prefix: bins are scanned from the
 // top by warp 0 (8 bins per lane); the bin holding it becomes part of the prefix and `need`
@@ -96,6 +74,60 @@ __device__ void pick_bin(SelectSmem& s, int shift) {
   }
 }
 
+// Calls f(key) for this thread's keys of keys[0..n): registers when they fit, else L2
+// loads kUnroll at a time.
+template <typename F>
+__device__ __forceinline__ void for_each_key(const Key* keys, int64_t n, bool in_regs,
+                                             const Key (&mine)[kPerThread], F&& f) {
+  const int tid = threadIdx.x;
+  if (in_regs) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) f(mine[j]);
+    return;
+  }
+  const auto* src = reinterpret_cast<const unsigned long long*>(keys);
+  for (int64_t i0 = tid; i0 < n; i0 += static_cast<int64_t>(kThreads) * kUnroll) {
+    Key v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = i0 + static_cast<int64_t>(u) * kThreads;
+      v[u] = i < n ? __ldcg(src + i) : kPadKey;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) f(v[u]);
+  }
+}
+
+// The exact K-th largest real key by MSD radix select (1 when fewer than K keys are real).
+template <typename Each>
+__device__ Key radix_kth(int K, SelectSmem& s, Each&& each) {
+  const int tid = threadIdx.x;
+  if (tid == 0) { s.prefix_bits = 0; s.need = K; s.done = 0; }
+  __syncthreads();
+  Key mask = 0;
+  for (int shift = 56; shift >= 0 && !s.done; shift -= 8) {
+    for (int b = tid; b < kBins; b += kThreads) s.hist[b] = 0;
+    __syncthreads();
+    const Key want = s.prefix_bits;
+    // NOTE: warp-aggregating these increments (__match_any_sync per key) was measured slower,
+    // up to 2x at 1 x 64K, Q=4 (docs/perf/README.md, v7).
+    each([&](Key k) {
+      if (k != kPadKey && (k & mask) == want) atomicAdd(&s.hist[(k >> shift) & 0xFF], 1);
+    });
+    __syncthreads();
+    if (tid < 32) {
+      if (tid == 0) s.done = 1;  // stays set if fewer than `need` real keys are left
+      __syncwarp();
+      pick_bin(s, shift);
+    }
+    __syncthreads();
+    mask |= Key{0xFF} << shift;
+  }
+  // No bin held the K-th key only when fewer than K keys are real: prefix_bits stayed 0 and
+  // every real key wins.
+  return s.prefix_bits > 1 ? s.prefix_bits : 1;
+}
+
 // Selects and orders the top K of keys[0..n) (read from L2) into s.sorted.
 __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   const int tid = threadIdx.x;
@@ -107,53 +139,19 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
     mine[j] = in_regs && i < n ? __ldcg(reinterpret_cast<const unsigned long long*>(keys) + i)
                                : kPadKey;
   }
-  auto key_at = [&](int j, int64_t i) -> Key {  // the j-th key of this thread, index i
-    return in_regs ? mine[j] : __ldcg(reinterpret_cast<const unsigned long long*>(keys) + i);
-  };
-  const int64_t chunks = in_regs ? kPerThread : (n + kThreads - 1) / kThreads;
-  if (tid == 0) { s.count = 0; s.prefix_bits = 0; s.need = K; s.done = 0; }
+  auto each = [&](auto&& f) { for_each_key(keys, n, in_regs, mine, f); };
+  // Keys >= lower win: every real key of a short list, else the K largest.
+  const Key lower = n > kRankDirect ? radix_kth(K, s, each) : 1;
+  if (tid == 0) s.count = 0;
   __syncthreads();
-
-  // Threshold: the K-th largest real key (or 1 when fewer than K are real: take them all).
-  Key lower = 1;
-  if (n > K) {
-    Key mask = 0;
-    for (int shift = 56; shift >= 0 && !s.done; shift -= 8) {
-      for (int b = tid; b < kBins; b += kThreads) s.hist[b] = 0;
-      __syncthreads();
-      const Key want = s.prefix_bits;
-      for (int64_t j = 0; j < chunks; ++j) {
-        const int64_t i = tid + j * kThreads;
-        if (i >= n) break;
-        const Key k = key_at(static_cast<int>(in_regs ? j : 0), i);
-        if (k != kPadKey && (k & mask) == want) atomicAdd(&s.hist[(k >> shift) & 0xFF], 1);
-      }
-      __syncthreads();
-      if (tid < 32) {
-        if (tid == 0) s.done = 1;  // stays set if fewer than `need` real keys are left
-        __syncwarp();
-        pick_bin(s, shift);
-      }
-      __syncthreads();
-      mask |= Key{0xFF} << shift;
-    }
-    // No bin held the K-th key only when fewer than K keys are real: prefix_bits stayed 0 and
-    // every real key wins.
-    lower = s.prefix_bits > 1 ? s.prefix_bits : 1;
-  }
-  // Gather the winners (keys >= lower; at most K of them, all distinct), then order them.
-  for (int64_t j = 0; j < chunks; ++j) {
-    const int64_t i = tid + j * kThreads;
-    if (i >= n) break;
-    const Key k = key_at(static_cast<int>(in_regs ? j : 0), i);
+  each([&](Key k) {
     if (k != kPadKey && k >= lower) {
       const int at = atomicAdd(&s.count, 1);
-      if (at < K) s.chosen[at] = k;
+      if (at < kCand) s.cand[at] = k;
     }
-  }
+  });
   __syncthreads();
-  const int count = s.count < K ? s.count : K;
-  block_rank_topk(s.chosen, count, K, s.sorted);
+  block_rank_topk(s.cand, s.count < kCand ? s.count : kCand, K, s.sorted);
   __syncthreads();
 }
 
@@ -164,8 +162,11 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
   __syncthreads();
   const int Q = p.query_len, K = p.topk, ncols = p.num_heads * Q, B = p.num_reqs;
   const int64_t n_rows = static_cast<int64_t>(B) * Q;
-  // Before the wait: only the step's inputs (seq_lens), never score_topk's outputs.
-  request_prefix(p, s);
+  // Before the wait: only the step's inputs (seq_lens), never score_topk's outputs. score_topk
+  // let this grid launch after its own wait, so the lengths it used are the ones read here.
+  int r0 = 0, r1 = 0;
+  thread_requests<kThreads>(B, &r0, &r1);
+  pages_prefix<kThreads>(p, s.prefix, r0, r1);
   pdl_wait();
   pdl_launch_dependents();
   const int64_t total = s.prefix[B];

@@ -119,7 +119,9 @@ TEST_F(MultiGpu, CommunicatorBasics) {
 TEST_F(MultiGpu, RandomBatchesEqualPlainBitwise) {
   std::mt19937 rng(31);
   int seed = 1000;
-  // T=4: two owned heads per rank; T=2: one; T=1: replicated on both ranks.
+  // T=4: two owned heads per rank; T=2: one; T=1: replicated on both ranks. A rank's query is a
+  // slice of one [n, T, D] tensor: strided for T=4 and T=2 (cp_decode packs it before the
+  // gather), contiguous for T=1 (gathered in place).
   for (int T : {4, 2, 1}) {
     for (int Q : {1, 4}) {
       // Short requests where one rank owns no block, a padding request, long ones.
