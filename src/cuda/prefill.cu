@@ -103,6 +103,36 @@ __device__ __forceinline__ int64_t row_position(const PrefillParams& p, const Pr
   return p.max_seq_len - 1;
 }
 
+// The pages a tile's split scores. The tile's last token sees V blocks (positions clamped to
+// max_seq_len); they are cut into at most S key ranges of >= kPrefillMinPagesPerSplit pages, and
+// split `split` scores pages [b0, b1) (empty for the splits left over). first_pos is the tile's
+// first position, clamped alike: pages wholly at or before it need no causal mask.
+struct SplitPages {
+  int64_t b0, b1, first_pos;
+};
+__device__ __forceinline__ SplitPages split_pages(const PrefillParams& p, const PrefillTile& tile,
+                                                  int split, int S) {
+  const int64_t last = int64_t{tile.pos0} + tile.ntok - 1;
+  const int64_t V = visible_blocks(last < p.max_seq_len ? last : p.max_seq_len - 1);
+  const int64_t s_eff = min(int64_t{S}, cdiv(V, kPrefillMinPagesPerSplit));
+  SplitPages r;
+  r.b0 = split < s_eff ? split * V / s_eff : 0;
+  r.b1 = split < s_eff ? (split + 1) * V / s_eff : 0;
+  r.first_pos = tile.pos0 < p.max_seq_len ? tile.pos0 : p.max_seq_len - 1;
+  return r;
+}
+
+// Tile row `row`'s ordered list (K keys `stride` apart in shared memory) as split `split`'s
+// candidates: partial[split][token][head][K], merged by prefill_merge_kernel.
+__device__ __forceinline__ void store_split_list(const PrefillParams& p, const PrefillTile& tile,
+                                                 int split, int row, const Key* list,
+                                                 int stride) {
+  const int t = row / p.num_heads, h = row % p.num_heads;
+  Key* dst = p.partial + ((int64_t{split} * p.num_tokens + tile.tok0 + t) * p.num_heads + h) *
+                             p.topk;
+  for (int i = 0; i < p.topk; ++i) dst[i] = list[i * stride];
+}
+
 // The A fragments of this thread's quad rows for all 128 dims: qa[mt][rh][j] holds dims
 // [32 j + 8 c4, +8) of row warp*32 + 16 mt + 8 rh + g. Dims are permuted identically in A and B
 // (k-slot 2c4 <-> dims +0..1, k-slot 2c4+8 <-> dims +2..3 of each half-uint4), so one 16-byte
@@ -231,12 +261,8 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
   const int own_row = warp * 32 + (c4 >> 1) * 16 + (c4 & 1) * 8 + g;
   const int64_t own_pos = pick(c4, pos), own_visible = visible_blocks(own_pos);
 
-  const int64_t last = int64_t{tile.pos0} + tile.ntok - 1;
-  const int64_t first_pos = tile.pos0 < p.max_seq_len ? tile.pos0 : p.max_seq_len - 1;
-  const int64_t V = visible_blocks(last < p.max_seq_len ? last : p.max_seq_len - 1);
-  const int64_t s_eff = min(int64_t{S}, cdiv(V, kPrefillMinPagesPerSplit));
-  const int64_t b0 = split < s_eff ? split * V / s_eff : 0;
-  const int64_t b1 = split < s_eff ? (split + 1) * V / s_eff : 0;
+  const SplitPages range = split_pages(p, tile, split, S);
+  const int64_t first_pos = range.first_pos, b0 = range.b0, b1 = range.b1;
 
   Key* list = reinterpret_cast<Key*>(smem + lay.lists_off) + tid;
   for (int i = 0; i < K; ++i) list[i * kPrefillThreads] = kPadKey;
@@ -297,12 +323,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
     }
     cp_async_wait(0);  // nothing may land in shared memory after the CTA exits
   }
-  if (own_pos >= 0) {
-    const int t = own_row / p.num_heads, h = own_row % p.num_heads;
-    Key* dst = p.partial +
-               ((int64_t{split} * p.num_tokens + tile.tok0 + t) * p.num_heads + h) * K;
-    for (int i = 0; i < K; ++i) dst[i] = list[i * kPrefillThreads];
-  }
+  if (own_pos >= 0) store_split_list(p, tile, split, own_row, list, kPrefillThreads);
   if (err) atomicOr(p.error_flag, err);
 }
 
@@ -411,12 +432,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int32_t own_pos = owner ? (c4 == 0 ? pos[0] : pos[1]) : -1;
   const int32_t own_visible = static_cast<int32_t>(visible_blocks(own_pos));
 
-  const int64_t last = int64_t{tile.pos0} + tile.ntok - 1;
-  const int32_t first_pos = tile.pos0 < p.max_seq_len ? tile.pos0 : p.max_seq_len - 1;
-  const int64_t V = visible_blocks(last < p.max_seq_len ? last : p.max_seq_len - 1);
-  const int64_t s_eff = min(int64_t{S}, cdiv(V, kPrefillMinPagesPerSplit));
-  const int32_t b0 = static_cast<int32_t>(split < s_eff ? split * V / s_eff : 0);
-  const int32_t b1 = static_cast<int32_t>(split < s_eff ? (split + 1) * V / s_eff : 0);
+  const SplitPages range = split_pages(p, tile, split, S);
+  const int32_t first_pos = static_cast<int32_t>(range.first_pos);
+  const int32_t b0 = static_cast<int32_t>(range.b0), b1 = static_cast<int32_t>(range.b1);
 
   Key* list = reinterpret_cast<Key*>(smem + lay.lists_off) + own_row;
   if (owner)
@@ -526,12 +544,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     offer(b);
     cp_async_wait(0);  // nothing may land in shared memory after the CTA exits
   }
-  if (own_pos >= 0) {
-    const int t = own_row / p.num_heads, h = own_row % p.num_heads;
-    Key* dst = p.partial +
-               ((int64_t{split} * p.num_tokens + tile.tok0 + t) * p.num_heads + h) * K;
-    for (int i = 0; i < K; ++i) dst[i] = list[i * kPrefillRows];
-  }
+  if (own_pos >= 0) store_split_list(p, tile, split, own_row, list, kPrefillRows);
   if (err) atomicOr(p.error_flag, err);
 #else
   (void)p;

@@ -186,6 +186,16 @@ inline std::vector<int32_t> gpu_decode(const DecodeData& d, const cpidx::Selecti
   return ids.download();
 }
 
+// A CUDA graph of one plain decode of every head of `b` into `ids` ([T][n][K]), for replays after
+// the batch's device inputs change in place.
+inline std::unique_ptr<CapturedGraph> capture_decode(cpidx::Decoder& dec, const DeviceBatch& b,
+                                                     DeviceVec<int32_t>& ids, int topk) {
+  const int64_t n = b.host.rows();
+  return std::make_unique<CapturedGraph>([&dec, &b, &ids, n, topk](cudaStream_t stream) {
+    return dec.decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * topk, topk}, nullptr, stream);
+  });
+}
+
 // Context-parallel rank work of P simulated ranks on one GPU (the exchanges are device copies):
 // returns the ids of every global head [T][n][K], assembled from each head's owner rank.
 inline std::vector<int32_t> gpu_cp_simulated(const DecodeData& d, const cpidx::Selection& sel,

@@ -292,13 +292,9 @@ TEST(GpuDecode, GraphReplayCrossesBetweenPaths) {
   std::unique_ptr<cpidx::Decoder> dec;
   ASSERT_TRUE(cpidx::Decoder::create(config, 0, &dec).is_ok());
   ASSERT_EQ(dec->plan().split_max_pages, 100);
-  const int64_t n = d.rows();
-  DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));
-  CapturedGraph graph([&](cudaStream_t stream) {
-    return dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk}, nullptr,
-                       stream);
-  });
-  ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
+  DeviceVec<int32_t> ids(static_cast<size_t>(4 * d.rows() * sel.topk));
+  const std::unique_ptr<CapturedGraph> graph = capture_decode(*dec, b, ids, sel.topk);
+  ASSERT_TRUE(graph->status().is_ok()) << graph->status().to_string();
   // Pages: 257 (fused), 100 (split, at the threshold), 101 (fused), 2 (split), 155 (fused).
   for (const std::vector<int32_t>& lens :
        {std::vector<int32_t>{bound, bound, 5, 0}, {99 * 128, 128, 0, 0}, {99 * 128, 129, 0, 0},
@@ -306,7 +302,7 @@ TEST(GpuDecode, GraphReplayCrossesBetweenPaths) {
     d.seq_lens = lens;
     b.seq_lens.upload(d.seq_lens);
     ids.poison();
-    CUDA_OK(graph.replay());
+    CUDA_OK(graph->replay());
     const std::vector<int32_t> got = ids.download();
     const CompareResult r = compare_ids(d, sel, got, cpu_decode(d, sel));
     EXPECT_EQ(r.bad_rows, 0) << "lens[0] " << lens[0] << ", lens[1] " << lens[1] << ": "
@@ -323,13 +319,9 @@ void graph_replay_follows_new_lengths_and_tables() {
   DeviceBatch b(d);
   std::unique_ptr<cpidx::Decoder> dec;
   ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
-  const int64_t n = d.rows();
-  DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));
-  CapturedGraph graph([&](cudaStream_t stream) {
-    return dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk}, nullptr,
-                       stream);
-  });
-  ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
+  DeviceVec<int32_t> ids(static_cast<size_t>(4 * d.rows() * sel.topk));
+  const std::unique_ptr<CapturedGraph> graph = capture_decode(*dec, b, ids, sel.topk);
+  ASSERT_TRUE(graph->status().is_ok()) << graph->status().to_string();
   for (int step = 0; step < 6; ++step) {
     // New lengths (some padding requests: a smaller real batch) and a reshuffled table.
     DecodeData& h = d;
@@ -340,7 +332,7 @@ void graph_replay_follows_new_lengths_and_tables() {
     b.seq_lens.upload(h.seq_lens);
     b.block_table.upload(h.block_table);
     ids.poison();
-    CUDA_OK(graph.replay());
+    CUDA_OK(graph->replay());
     const std::vector<int32_t> got = ids.download();
     const CompareResult r = compare_ids(h, sel, got, cpu_decode(h, sel));
     EXPECT_EQ(r.bad_rows, 0) << "step " << step << ": " << r.first_bad;
