@@ -223,10 +223,13 @@ class IndexerCPDecode:
         n, L, T, P, R = local_q.shape[0], self.local_heads, self.total_heads, \
             self.world_size, self.replicas
         D = local_q.shape[-1]
-        q = self._q_local[: n * L * D].view(n, L, D)
-        q.copy_(local_q)
+        if local_q.is_contiguous() and local_q.dtype == torch.bfloat16:
+            q = local_q  # gathered in place, as cp_decode does
+        else:
+            q = self._q_local[: n * L * D].view(n, L, D)
+            q.copy_(local_q)
         gathered = self._q_gathered[: P * n * L * D]
-        dist.all_gather_into_tensor(gathered, q.view(-1), group=self._pg)
+        dist.all_gather_into_tensor(gathered, q.reshape(-1), group=self._pg)
         # Replicated ranks carry the same head; keep the first of each group.
         owners = gathered.view(P, n, L, D)[::R]
         full = self._q_full[: n * T * D].view(n, T, D)

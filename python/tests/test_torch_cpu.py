@@ -82,12 +82,17 @@ def _gloo_rank(rank, world, port, T, results):
                                    group=dist.group.WORLD, device="cpu")
         assert cp.exchange == "torch"
         L, off = cp.local_heads, cp.head_offset
-        out = torch.full((L, b.rows, 6), 77, dtype=torch.int32)
-        cp(q[:, off: off + L].contiguous(), k, bt, sl, 2, out, scale=b.scale)
         plain = torch.zeros((T, b.rows, 6), dtype=torch.int32)
         cpidx.decode_topk(q, k, bt, sl, 2, plain, scale=b.scale, topk=6, init_blocks=1,
                           local_blocks=1, max_seq_len=1536)
-        results[rank] = bool(torch.equal(out, plain[off: off + L]))
+        ok = True
+        # The rank's heads as their own tensor (gathered in place) and as a strided slice of all
+        # heads (copied to a contiguous buffer first when T > 1).
+        for local_q in (q[:, off: off + L].contiguous(), q[:, off: off + L]):
+            out = torch.full((L, b.rows, 6), 77, dtype=torch.int32)
+            cp(local_q, k, bt, sl, 2, out, scale=b.scale)
+            ok = ok and bool(torch.equal(out, plain[off: off + L]))
+        results[rank] = ok
     finally:
         dist.destroy_process_group()
 
