@@ -2,10 +2,11 @@
 //  - score_topk: one pass over a rank's shard of the paged index cache; every key page is read
 //    once by the bulk-copy engine and scored on tensor cores against all (head, query-token)
 //    columns of its request; block max, causal mask, forcing and the shard top-K are fused.
-//  - select_topk: the second kernel of the split path (small shapes): score_topk writes one key per
-//    (column, owned block) to an L2-resident buffer instead of selecting, and this kernel picks
-//    each (request, column)'s top K by radix select, one CTA per item. Which path runs is decided
-//    on the device from the step's page count, so one captured graph serves every batch.
+//  - select_topk: the kernel after score_topk, one CTA per (request, column). Split path (small
+//    steps): score_topk writes one key per (column, owned block) to an L2-resident buffer instead
+//    of selecting, and this kernel picks each item's top K. Fused path: it merges the per-CTA
+//    lists of the requests that spanned CTAs. Which path runs is decided on the device from the
+//    step's page count, so one captured graph serves every batch.
 //  - merge_topk: P candidate lists of K keys per (owned head, row) -> final ids (+ sparse table).
 #pragma once
 
@@ -108,8 +109,8 @@ cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const Score
                               cudaStream_t stream);
 // Sets l->select_grid and the selection kernel's shared-memory cap (needs l->max_reqs).
 cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l);
-// The split path's selection; launched after every score_topk (it returns at once when the step
-// took the fused path).
+// The selection after every score_topk: the split path's top K, or the fused path's merge of the
+// requests that spanned CTAs.
 cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& l,
                                cudaStream_t stream);
 // Columns (heads x query tokens) padded as the kernels lay them out: 8, 16, 32 or 64.

@@ -141,14 +141,18 @@ inline Path& test_path() {
 inline const char* path_name(Path p) {
   return p == Path::kFused ? "fused" : p == Path::kSplit ? "split" : "auto";
 }
-// Sets the path for the helpers while in scope.
-struct UsePath {
-  explicit UsePath(Path p) : prev(test_path()) { test_path() = p; }
-  ~UsePath() { test_path() = prev; }
-  UsePath(const UsePath&) = delete;
-  UsePath& operator=(const UsePath&) = delete;
-  Path prev;
+
+// Sets a test-wide choice (the static that `Get` returns) while in scope, then restores it.
+template <typename T, T& (*Get)()>
+struct ScopedChoice {
+  explicit ScopedChoice(T v) : prev(Get()) { Get() = v; }
+  ~ScopedChoice() { Get() = prev; }
+  ScopedChoice(const ScopedChoice&) = delete;
+  ScopedChoice& operator=(const ScopedChoice&) = delete;
+  T prev;
 };
+// Sets the path for the helpers while in scope.
+using UsePath = ScopedChoice<Path, test_path>;
 
 inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selection& sel,
                                       int world = 1, int rank = 0, int max_tokens = 0) {

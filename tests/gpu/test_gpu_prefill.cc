@@ -37,13 +37,7 @@ PrefillKernel& test_kernel() {
   static PrefillKernel kernel = PrefillKernel::kAuto;
   return kernel;
 }
-struct UseKernel {
-  explicit UseKernel(PrefillKernel k) : prev(test_kernel()) { test_kernel() = k; }
-  ~UseKernel() { test_kernel() = prev; }
-  UseKernel(const UseKernel&) = delete;
-  UseKernel& operator=(const UseKernel&) = delete;
-  PrefillKernel prev;
-};
+using UseKernel = ScopedChoice<PrefillKernel, test_kernel>;
 
 // mma.sync always; wgmma where a Prefiller can be built with it (Hopper, sm_90a build).
 const std::vector<PrefillKernel>& test_kernels() {
