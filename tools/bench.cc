@@ -379,7 +379,8 @@ int run_bench(int argc, char** argv) {
               "stepP = the whole context-parallel step on P real GPUs (one CUDA graph per GPU, both\n"
               "exchanges included; one thread per GPU), with the two exchanges alone (xchg_us) and\n"
               "the shard floor (cache bytes / P / 4.5 TB/s) beside it; --exchange picks NCCL, the\n"
-              "peer communicator (one-shot LL stores over peer access) or both (one row each).\n"
+              "peer communicator (one-shot LL stores over peer access; the keys through its device\n"
+              "channel, or by its all_gather with peer-gather) or several (one row each).\n"
               "Each shape: calls over input sets rotated past the L2, captured in one CUDA graph;\n"
               "median replay / calls (us: timed from the first event as PEER_H200.md does, so the\n"
               "host's graph launch latency is in it; gpu_us: the stream held until the replay is\n"
@@ -393,7 +394,10 @@ int run_bench(int argc, char** argv) {
       .add("replays", &replays, "timed graph replays per shape")
       .add("pool-mb", &pool_mb, "MiB of random key pages to draw from")
       .add("pdl", &pdl, "launch with programmatic dependent launch")
-      .add("exchange", &exchange, "stepP exchanges: NCCL, peer stores, or both", {"nccl", "peer", "both"})
+      .add("exchange", &exchange,
+           "stepP exchanges: NCCL, peer stores (keys through the device channel), peer-gather "
+           "(keys by a peer all_gather, then the merge), both (nccl + peer) or all",
+           {"nccl", "peer", "peer-gather", "both", "all"})
       .add("split-pages", &split_pages,
            "steps with at most this many pages per rank take the split path (-1: automatic, "
            "0: fused path only)")
@@ -441,8 +445,10 @@ int run_bench(int argc, char** argv) {
       for (int64_t b : reqs) {
         for (int64_t c : contexts) {
           if (md.kind == "step") {
-            for (const char* ex : {"nccl", "peer"}) {
-              if (exchange != "both" && exchange != ex) continue;
+            for (const std::string ex : {"nccl", "peer", "peer-gather"}) {
+              const bool on = exchange == ex || exchange == "all" ||
+                              (exchange == "both" && ex != "peer-gather");
+              if (!on) continue;
               StepShape ss;
               ss.world = md.x;
               ss.reqs = static_cast<int>(b);
@@ -452,16 +458,17 @@ int run_bench(int argc, char** argv) {
               if (!step_bench) {
                 step_bench = std::make_unique<StepBench>(pool_mb, dtype, pdl);
                 std::printf("# %s: whole step on %d GPUs (us) vs the shard floor; xchg_us = the two "
-                            "all-gathers alone; exch = NCCL or peer stores\n# %s\n",
+                            "all_gathers of its payloads alone; exch = NCCL, peer (keys through the device channel) "
+                            "or peer-gather\n# %s\n",
                             m.c_str(), ss.world, StepBench::environment().c_str());
-                std::printf("%-7s %5s %4s %4s %8s %3s %6s %10s %9s %9s %9s %9s %9s  %s\n", "mode",
+                std::printf("%-7s %11s %4s %4s %8s %3s %6s %10s %9s %9s %9s %9s %9s  %s\n", "mode",
                             "exch", "ranks", "reqs", "context", "Q", "calls", "cache_MB", "us",
                             "floor_us", "floor+10", "xchg_us", "GB/s", "check");
               }
               StepResult r = step_bench->run(ss, static_cast<int>(replays));
               all_ok = all_ok && r.check == "ok";
-              std::printf("%-7s %5s %4d %4d %8lld %3d %6d %10.1f %9.1f %9.1f %9.1f %9.2f %9.0f  %s\n",
-                          m.c_str(), ex, ss.world, ss.reqs, static_cast<long long>(ss.context),
+              std::printf("%-7s %11s %4d %4d %8lld %3d %6d %10.1f %9.1f %9.1f %9.1f %9.2f %9.0f  %s\n",
+                          m.c_str(), ex.c_str(), ss.world, ss.reqs, static_cast<long long>(ss.context),
                           ss.qlen, r.calls, r.cache_mb, r.us, r.floor_us, r.floor_us + 10,
                           r.exchange_us, r.gbps, r.check.c_str());
               std::fflush(stdout);

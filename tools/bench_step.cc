@@ -176,6 +176,7 @@ struct StepBench::Impl {
     c.max_query_len = sh.qlen;
     c.cache_dtype = dtype == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
     c.programmatic_launch = pdl;
+    c.fused_exchange = sh.exchange != "peer-gather";
     return c;
   }
 
@@ -436,7 +437,8 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
   }
 
   auto& nccl = im.comms[P];
-  if (nccl.empty() && sh.exchange != "peer") {
+  const bool peer = sh.exchange == "peer" || sh.exchange == "peer-gather";
+  if (nccl.empty() && !peer) {
     std::vector<int> devices;
     for (int r = 0; r < P; ++r) devices.push_back(r);
     Status st;
@@ -447,7 +449,7 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
     }
   }
   std::vector<std::unique_ptr<Communicator>>* comms_of_shape = &nccl;
-  if (sh.exchange == "peer") {
+  if (peer) {
 #if defined(CPIDX_WITH_PEER)
     Geometry g;
     if (Status st = make_geometry(kHeads, P, 0, &g); !st.is_ok()) {

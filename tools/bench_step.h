@@ -15,7 +15,7 @@ struct StepShape {
   int reqs = 1;
   int64_t context = 8192;
   int qlen = 1;
-  std::string exchange = "nccl";  // "nccl" or "peer"
+  std::string exchange = "nccl";  // "nccl", "peer" or "peer-gather" (no device channel)
 };
 
 struct StepResult {

@@ -14,6 +14,8 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace cpidx {
 
+struct DeviceChannel;  // cpidx/device_channel.h
+
 enum class MemorySpace { kHost, kDevice };
 
 class Communicator {
@@ -32,6 +34,10 @@ class Communicator {
   // returns kCommError naming `what` and the values on a mismatch, on every rank.
   virtual Status check_agree(long long value, const char* what);
   virtual Status barrier() = 0;
+  // A channel the library's kernels exchange through directly (cpidx/device_channel.h), or
+  // nullptr. The peer communicator has one; cp_decode then fuses its key gather into its
+  // selection and merge kernels.
+  virtual const DeviceChannel* device_channel() const { return nullptr; }
 };
 
 // P communicators whose ranks are threads of this process (one communicator per thread).

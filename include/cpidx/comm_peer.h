@@ -37,7 +37,8 @@ constexpr int32_t kPeerErrorTimeout = 1;
 //    access, ranks on different hosts, IPC refused) or kInvalidArgument (bad device, sizes that
 //    differ between ranks), naming the rank and the reason: fall back to NCCL then.
 // Allocates, once, peer-mapped receive buffers (2 parities x P ranks x the payload in 16-byte
-// lines of 8 payload bytes: about 4 x P x max_bytes_per_rank) and a few device words. A waiting
+// lines of 8 payload bytes: about 4 x P x max_bytes_per_rank), the same again for its device
+// channel (below), and a few device words. A waiting
 // rank gives up after `timeout_seconds` and raises kPeerErrorTimeout in its error word (below)
 // instead of hanging. The caller's current device is restored. On failure returns nullptr and
 // sets *status; *status is ok otherwise.
@@ -64,6 +65,10 @@ Status clear_peer_error_flag(Communicator& comm, cudaStream_t stream);
 //    gathers in one stream order (one stream, or streams joined by events), as with NCCL.
 //    A rank may run at most one gather ahead of a peer: the kernel enforces it by waiting.
 //  - check_agree() and barrier() forward to the bootstrap communicator.
+//  - device_channel() (cpidx/device_channel.h) is a second set of peer-mapped lines of the same
+//    capacity, which cp_decode writes from its selection kernel and polls from its merge kernel:
+//    the key gather costs no kernel of its own (DecodeConfig::fused_exchange). Its timeouts
+//    raise the same error word.
 //  - Destruction: make sure no gather is in flight (synchronise the streams). When any peer is
 //    in another process, the destructor is collective: it closes the IPC mappings, then waits in
 //    bootstrap.barrier() before freeing its buffers, so every rank must destroy its communicator

@@ -44,6 +44,11 @@ struct DecodeConfig {
   // Persistent scoring CTAs per SM: 0 lets the library choose (two, each with the deepest page
   // pipeline that fits both); 1 gives one CTA a deeper pipeline. For tuning and benchmarks.
   int scoring_ctas_per_sm = 0;
+  // cp_decode with a communicator that offers a device channel (the peer communicator): the
+  // selection kernel stores the shard's keys straight into every rank's channel and the merge
+  // polls them, so the key gather runs no kernel of its own. false: all_gather, then merge (the
+  // only route for other communicators, or payloads above the channel's capacity).
+  bool fused_exchange = true;
 };
 
 // Launch facts chosen at construction (for reports and benchmarks).
@@ -85,7 +90,10 @@ class Decoder {
 
   // The whole context-parallel step over a device communicator: gather the local queries
   // `local` ([n, L, D]), score all heads on this rank's shard, gather the keys, merge the owned
-  // heads into `out` ([L, n, K]). Every rank must call it with the same batch shape.
+  // heads into `out` ([L, n, K]). Every rank must call it with the same batch shape. With a
+  // communicator's device channel (fused_exchange) the key gather runs inside the selection and
+  // merge kernels; a rank whose peer never sends its keys then gives up after the channel's
+  // timeout, raising the communicator's error word.
   Status cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
                    const SparseTableOutput* table, cudaStream_t stream);
 

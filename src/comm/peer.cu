@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "cpidx/comm_peer.h"
+#include "cpidx/device_channel.h"
+#include "ll_line.cuh"
 
 namespace cpidx {
 namespace {
@@ -31,10 +33,8 @@ namespace {
 // allowed size gives.
 constexpr int kThreads = 256;
 constexpr int kMaxCtas = 32;
-// Every 512 calls of a CTA (two consecutive calls, one per parity) it also writes the current
-// epoch into the lines of its region it does not use, so no line keeps an epoch older than
-// ~512 calls and a 32-bit epoch can never match a stale line after it wraps (NCCL's LL cleaning).
-constexpr uint32_t kCleanMask = 255;
+static_assert(DeviceChannel::kMaxRanks >= kPeerMaxRanks, "the channel serves every peer world");
+static_assert(ll::kTimeoutBit == kPeerErrorTimeout, "one timeout bit for gathers and the channel");
 
 struct PeerGatherParams {
   const unsigned char* send;                // [bytes]
@@ -50,35 +50,6 @@ struct PeerGatherParams {
   int cap;    // lines per (region, parity, source)
   int rank, world;
 };
-
-// NOTE: one 16-byte store of two 8-byte elements, each {payload 4 B, epoch 4 B} (little endian).
-// Each 64-bit element of a vector access is single-copy atomic, so a reader that sees the
-// epoch in an element also sees that element's payload: the line needs no fence and no flag.
-// .relaxed.sys makes the store and the polling load morally strong at system scope (they are
-// the same location seen from two GPUs), so the reader eventually observes it.
-__device__ __forceinline__ void store_line(unsigned long long* p, unsigned long long lo,
-                                           unsigned long long hi) {
-  asm volatile("st.relaxed.sys.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi)
-               : "memory");
-}
-
-__device__ __forceinline__ void load_line(const unsigned long long* p, unsigned long long& lo,
-                                          unsigned long long& hi) {
-  asm volatile("ld.relaxed.sys.global.v2.b64 {%0, %1}, [%2];"
-               : "=l"(lo), "=l"(hi)
-               : "l"(p)
-               : "memory");
-}
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ int32_t read_error(const int32_t* error) {
-  return *reinterpret_cast<const volatile int32_t*>(error);
-}
 
 // Payload line `line` of a buffer of `bytes` bytes, zero-padded past the end.
 template <bool kAligned>
@@ -123,19 +94,15 @@ __global__ void __launch_bounds__(kThreads) peer_all_gather_kernel(const PeerGat
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
   __shared__ uint32_t s_count;
-  __shared__ int s_abort;
   const int c = blockIdx.x, tid = threadIdx.x;
   if (tid == 0) {
     s_count = p.counters[c];  // written by this CTA's previous call, an earlier kernel
-    s_abort = (read_error(p.error) & kPeerErrorTimeout) != 0;
   }
   __syncthreads();
   const uint32_t count = s_count;
-  bool give_up = s_abort != 0;       // a rank already timed out: stop waiting (results undefined)
   const uint32_t epoch = count + 1;  // 0 only after 2^32 calls, when no line holds 0 any more
-  const unsigned long long flag = static_cast<unsigned long long>(epoch) << 32;
   const int parity = static_cast<int>(count & 1);
-  const bool clean = ((count >> 1) & kCleanMask) == kCleanMask;
+  const bool clean = ll::clean_round(count);
   const int lo = c * p.chunk;
   const int n = max(0, min(p.lines - lo, p.chunk));
   // u64 offset of (region c, parity, source) in any rank's buffer.
@@ -149,54 +116,32 @@ __global__ void __launch_bounds__(kThreads) peer_all_gather_kernel(const PeerGat
   const size_t out_slot = slot(p.rank);
   for (int j = tid; j < n; j += kThreads) {
     const unsigned long long v = load_payload<kAligned>(p.send, p.bytes, lo + j);
-    const unsigned long long a = (v & 0xffffffffull) | flag, b = (v >> 32) | flag;
     for (int q = 0; q < p.world; ++q) {
-      if (q != p.rank) store_line(p.bufs[q] + out_slot + 2 * static_cast<size_t>(j), a, b);
+      if (q != p.rank) ll::store_element(p.bufs[q] + out_slot + 2 * static_cast<size_t>(j), v, epoch);
     }
     if (copy_own) store_payload<kAligned>(own, p.bytes, lo + j, v);
   }
   if (clean) {
     for (int j = n + tid; j < p.cap; j += kThreads) {
       for (int q = 0; q < p.world; ++q) {
-        if (q != p.rank) store_line(p.bufs[q] + out_slot + 2 * static_cast<size_t>(j), flag, flag);
+        if (q != p.rank) ll::store_element(p.bufs[q] + out_slot + 2 * static_cast<size_t>(j), 0, epoch);
       }
     }
   }
 
   // 2. Wait for every peer's lines of this call in this rank's own buffer, then unpack them.
-  // Bounded: after timeout_ns (globaltimer) raise the error word and stop waiting; also stop
-  // when another CTA or thread raised it.
-  unsigned long long start = 0;
-  unsigned int polls = 0;
+  // Bounded: after timeout_ns raise the error word and stop waiting (also when another CTA,
+  // thread or rank raised it; a rank that already timed out does not wait at all).
+  ll::Waiter waiter(p.error, p.timeout_ns);
   const unsigned long long* in = p.bufs[p.rank];
-  for (int src = 0; src < p.world && !give_up; ++src) {
+  for (int src = 0; src < p.world && !waiter.gave_up; ++src) {
     if (src == p.rank) continue;
     const unsigned long long* lines = in + slot(src);
     unsigned char* out = p.recv + static_cast<size_t>(src) * p.bytes;
     for (int j = tid; j < n; j += kThreads) {
-      unsigned long long a, b;
-      for (;;) {
-        load_line(lines + 2 * static_cast<size_t>(j), a, b);
-        if (static_cast<uint32_t>(a >> 32) == epoch && static_cast<uint32_t>(b >> 32) == epoch) {
-          break;
-        }
-        if ((++polls & 1023u) == 0) {
-          const unsigned long long now = global_ns();
-          if (start == 0) {
-            start = now;
-          } else if (now - start > p.timeout_ns) {
-            atomicOr(p.error, kPeerErrorTimeout);
-            give_up = true;
-            break;
-          }
-          if (read_error(p.error) & kPeerErrorTimeout) {
-            give_up = true;
-            break;
-          }
-        }
-      }
-      if (give_up) break;
-      store_payload<kAligned>(out, p.bytes, lo + j, (a & 0xffffffffull) | (b << 32));
+      unsigned long long v;
+      if (!waiter.wait(lines + 2 * static_cast<size_t>(j), epoch, &v)) break;
+      store_payload<kAligned>(out, p.bytes, lo + j, v);
     }
   }
 
@@ -237,6 +182,18 @@ struct BufferShape {
     return static_cast<size_t>(regions) * 2 * world * static_cast<size_t>(cap) * 16;
   }
 };
+
+// The device channel (cpidx/device_channel.h) follows the gather regions in the same buffer (one
+// IPC handle maps both): [2 parities][world][capacity lines] of 16 bytes, capacity =
+// ceil(max_bytes / 8), so any payload all_gather accepts also fits the channel.
+size_t channel_capacity(size_t max_bytes) { return cdiv(max_bytes, 8); }
+size_t channel_bytes(size_t max_bytes, int world) {
+  return 2 * static_cast<size_t>(world) * channel_capacity(max_bytes) * 16;
+}
+// Device words: the gather CTAs' call counters [kMaxCtas], the error word, then the channel's
+// uses and arrivals.
+constexpr int kErrorWord = kMaxCtas, kChannelCalls = kMaxCtas + 1, kChannelArrivals = kMaxCtas + 2;
+constexpr int kWords = kMaxCtas + 3;
 BufferShape buffer_shape(size_t max_bytes) {
   const size_t max_lines = cdiv(max_bytes, 8);
   BufferShape b;
@@ -328,7 +285,7 @@ class PeerCommunicator final : public Communicator {
     BufferShape shape;
     unsigned long long timeout_ns = 0;
     void* buffer = nullptr;     // own receive buffer
-    void* words = nullptr;      // counters [kMaxCtas] then the error word
+    void* words = nullptr;      // kWords device words (counters, error, channel)
     std::vector<void*> peers;   // [world]: each rank's buffer as mapped here
     std::vector<void*> opened;  // IPC mappings to close
     // Some rank lives in another process. The same on every rank: with two processes or more,
@@ -340,14 +297,24 @@ class PeerCommunicator final : public Communicator {
       : bootstrap_(bootstrap), parts_(std::move(parts)) {
     auto* words = static_cast<uint32_t*>(parts_.words);
     base_.counters = words;
-    base_.error = reinterpret_cast<int32_t*>(words + kMaxCtas);
+    base_.error = reinterpret_cast<int32_t*>(words + kErrorWord);
+    const size_t channel_at = parts_.shape.bytes(parts_.world);
     for (int q = 0; q < parts_.world; ++q) {
-      base_.bufs[q] = static_cast<unsigned long long*>(parts_.peers[static_cast<size_t>(q)]);
+      auto* buffer = static_cast<unsigned char*>(parts_.peers[static_cast<size_t>(q)]);
+      base_.bufs[q] = reinterpret_cast<unsigned long long*>(buffer);
+      channel_.buffers[q] = reinterpret_cast<unsigned long long*>(buffer + channel_at);
     }
     base_.cap = parts_.shape.cap;
     base_.rank = parts_.rank;
     base_.world = parts_.world;
     base_.timeout_ns = parts_.timeout_ns;
+    channel_.calls = words + kChannelCalls;
+    channel_.arrivals = words + kChannelArrivals;
+    channel_.error = base_.error;
+    channel_.capacity = static_cast<int64_t>(channel_capacity(parts_.max_bytes));
+    channel_.timeout_ns = parts_.timeout_ns;
+    channel_.rank = parts_.rank;
+    channel_.world = parts_.world;
   }
 
   ~PeerCommunicator() override { release(bootstrap_, parts_); }
@@ -417,12 +384,15 @@ class PeerCommunicator final : public Communicator {
   }
   Status barrier() override { return bootstrap_.barrier(); }
 
+  const DeviceChannel* device_channel() const override { return &channel_; }
+
   int32_t* error_word() const { return base_.error; }
 
  private:
   Communicator& bootstrap_;
   Parts parts_;
   PeerGatherParams base_{};
+  DeviceChannel channel_{};
 };
 
 // This rank's part of the set-up before anything is exchanged: device, sizes, buffers.
@@ -441,8 +411,9 @@ Status set_up_local(int device, size_t max_bytes, double timeout_seconds, PeerIn
   PEER_CUDA(cudaSetDevice(device));
   PEER_CUDA(cudaDeviceGetPCIBusId(info->bus_id, sizeof(info->bus_id), device));
   parts->shape = buffer_shape(max_bytes);
-  const size_t buffer_bytes = parts->shape.bytes(parts->world);
-  const size_t word_bytes = (kMaxCtas + 1) * sizeof(uint32_t);
+  const size_t buffer_bytes =
+      parts->shape.bytes(parts->world) + channel_bytes(max_bytes, parts->world);
+  const size_t word_bytes = kWords * sizeof(uint32_t);
   PEER_CUDA(cudaMalloc(&parts->buffer, buffer_bytes));
   PEER_CUDA(cudaMalloc(&parts->words, word_bytes));
   PEER_CUDA(cudaMemset(parts->buffer, 0, buffer_bytes));

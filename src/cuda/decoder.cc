@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "cpidx/comm.h"
+#include "cpidx/device_channel.h"
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
 #include "cpidx/workspace.h"
@@ -130,10 +132,12 @@ struct Decoder::Impl {
   }
 
   // The merge launch alone; callers have validated its arguments.
-  Status launch_merge(const Key* gathered, const DecodeInputs& batch, const TopkOutput& out,
-                      const SparseTableOutput* table, cudaStream_t stream) const {
+  Status launch_merge(const Key* gathered, const DeviceChannel* channel, const DecodeInputs& batch,
+                      const TopkOutput& out, const SparseTableOutput* table,
+                      cudaStream_t stream) const {
     cuda::MergeParams m;
     m.gathered = gathered;
+    if (channel != nullptr) m.channel = *channel;
     m.world = cfg.world_size;
     m.total_heads = cfg.total_heads;
     m.n = batch.num_rows();
@@ -275,7 +279,7 @@ Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const Topk
               "num_reqs * query_len (" << batch.num_rows() << ") exceeds max_tokens ("
                                        << impl_->cfg.max_tokens << ")");
   CPIDX_RETURN_IF_ERROR(impl_->check_outputs(out, impl_->geo.local_heads, batch, table));
-  return impl_->launch_merge(gathered, batch, out, table, stream);
+  return impl_->launch_merge(gathered, nullptr, batch, out, table, stream);
 }
 
 Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
@@ -311,7 +315,9 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   const auto* query = reinterpret_cast<const __nv_bfloat16*>(local.query);
   const __nv_bfloat16* q_send = query;
   auto* q_recv = im.at<__nv_bfloat16>(im.layout.q_recv);
-  if (local.q_head_stride != kHeadDim || local.q_row_stride != static_cast<int64_t>(L) * kHeadDim) {
+  const bool contiguous = local.q_row_stride == static_cast<int64_t>(L) * kHeadDim &&
+                          (L == 1 || local.q_head_stride == kHeadDim);
+  if (!contiguous) {
     auto* packed = im.at<__nv_bfloat16>(im.layout.q_send);
     CPIDX_CUDA_TRY(cuda::launch_pack_queries(query, local.q_row_stride, local.q_head_stride, n, L,
                                              packed, stream));
@@ -333,12 +339,21 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   Key* keys_send = im.at<Key>(im.layout.keys_send);
   Key* keys_recv = im.at<Key>(im.layout.keys_recv);
   p.keys = keys_send;
-  CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
 
-  // 4. Gather the keys; 5. merge the owned heads.
-  const size_t k_bytes = static_cast<size_t>(T) * n * im.cfg.sel.topk * sizeof(Key);
-  CPIDX_RETURN_IF_ERROR(comm.all_gather(keys_send, keys_recv, k_bytes, stream));
-  return im.launch_merge(keys_recv, local, out, table, stream);  // validated above
+  // 4. Gather the keys; 5. merge the owned heads. Through the communicator's device channel when
+  // it has one (select_topk stores, merge_topk polls: no gather kernel), else all_gather.
+  const int64_t k_lines = static_cast<int64_t>(T) * n * im.cfg.sel.topk;
+  const DeviceChannel* channel = im.cfg.fused_exchange ? comm.device_channel() : nullptr;
+  if (channel != nullptr && channel->world == P && channel->rank == im.cfg.rank &&
+      k_lines <= channel->capacity) {
+    p.channel = *channel;
+    CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
+    return im.launch_merge(nullptr, channel, local, out, table, stream);  // validated above
+  }
+  CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
+  CPIDX_RETURN_IF_ERROR(
+      comm.all_gather(keys_send, keys_recv, static_cast<size_t>(k_lines) * sizeof(Key), stream));
+  return im.launch_merge(keys_recv, nullptr, local, out, table, stream);  // validated above
 }
 
 bool gpu_available() {

@@ -7,7 +7,8 @@
 //    of selecting, and this kernel picks each item's top K. Fused path: it merges the per-CTA
 //    lists of the requests that spanned CTAs. Which path runs is decided on the device from the
 //    step's page count, so one captured graph serves every batch.
-//  - merge_topk: P candidate lists of K keys per (owned head, row) -> final ids (+ sparse table).
+//  - merge_topk: P candidate lists of K keys per (owned head, row) -> final ids (+ sparse table),
+//    read from the gathered keys or polled from a device channel that select_topk wrote.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,6 +16,7 @@
 #include <stdint.h>
 
 #include "cpidx/contract.h"
+#include "cpidx/device_channel.h"
 #include "cpidx/params.h"
 
 namespace cpidx {
@@ -53,6 +55,10 @@ struct ScoreTopkParams {
   int64_t ids_head_stride = 0, ids_row_stride = 0;
   SparseTableArgs table;                  // optional, H == 1 and ids mode only
   Key* keys = nullptr;                    // [H, n, K] contiguous (exchange payload)
+  // Fused key exchange (channel.world > 0): select_topk also stores every (head, row)'s K keys
+  // (those score_topk finished from `keys`) into the channel's line (h * n + row) * K + i on
+  // every rank, for merge_topk to poll.
+  DeviceChannel channel;
 
   // Workspace.
   Key* partial = nullptr;                 // [H * Q][num_slots][K]: per-(CTA, request) lists
@@ -117,7 +123,8 @@ cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& 
 int padded_columns(int heads_x_q);
 
 struct MergeParams {
-  const Key* gathered = nullptr;   // [world, total_heads, n, K]
+  const Key* gathered = nullptr;   // [world, total_heads, n, K]; or, when channel.world > 0,
+  DeviceChannel channel;           // the same keys polled from the channel (select_topk's stores)
   int world = 1, total_heads = 0;
   int64_t n = 0;
   int topk = 16;

@@ -1,6 +1,8 @@
 // src/cuda/merge.cu: the context-parallel merge (one warp per (owned head, row) ranks the P*K
-// gathered candidate keys; exact because every shard kept a full K) with the optional fused
-// sparse table, and the packing of strided local queries into the all-gather payload.
+// candidate keys, gathered or polled from a device channel; exact because every shard kept a
+// full K) with the optional fused sparse table, and the packing of strided local queries into
+// the all-gather payload.
+#include "channel.cuh"
 #include "device_utils.cuh"
 #include "kernels.h"
 #include "sparse_table.cuh"
@@ -12,40 +14,61 @@ namespace {
 constexpr int kMergeWarps = 4;
 constexpr int kMaxCand = 8 * kMaxTopK;  // world <= 8 ranks x K keys
 
+// One warp: (owned head j, row)'s P * K candidate keys (gathered, or polled from the channel),
+// ranked to the top K, written as ids (+ the sparse-table row).
+__device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t uses, Key* cand,
+                           Key* best, int* count, int lane) {
+  const int K = p.topk;
+  if (lane == 0) *count = 0;
+  __syncwarp();
+  ll::Waiter waiter(p.channel.error, p.channel.timeout_ns);  // used with a channel only
+  for (int x = lane; x < p.world * K; x += 32) {
+    const int w = x / K, i = x % K;
+    const int64_t at = ((p.head_offset + j) * p.n + row) * K + i;  // in source w's payload
+    const Key k = p.channel.world > 0
+                      ? channel_get(p.channel, uses, w, at, waiter)
+                      : p.gathered[static_cast<int64_t>(w) * p.total_heads * p.n * K + at];
+    if (k != kPadKey) cand[atomicAdd(count, 1)] = k;
+  }
+  __syncwarp();
+  warp_rank_topk(cand, *count, K, best, lane);
+  __syncwarp();
+  int32_t* out = p.ids + j * p.ids_head_stride + row * p.ids_row_stride;
+  for (int i = lane; i < K; i += 32) out[i] = best[i] == kPadKey ? -1 : key_block(best[i]);
+  if (p.table.table) {  // L == 1
+    const int req = static_cast<int>(row / p.query_len), t = static_cast<int>(row % p.query_len);
+    int32_t err = 0;
+    const int32_t seq_len = clamp_seq_len(p.seq_lens[req], p.max_seq_len, &err);
+    write_sparse_row(p.table, best, K, req, row, static_cast<int64_t>(seq_len) - p.query_len + t,
+                     lane);
+  }
+}
+
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_topk_kernel(const MergeParams p) {
   __shared__ Key cand[kMergeWarps][kMaxCand];
   __shared__ Key best[kMergeWarps][kMaxTopK];
   __shared__ int count[kMergeWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  pdl_wait();
+  // Fused exchange: the keys arrive in the channel, stored by every rank's select_topk; this grid
+  // polls for them as soon as this rank's select_topk let it launch (its use count read), and
+  // waits for that grid only before it ends (stream order for whatever follows).
+  const bool channel = p.channel.world > 0;
+  uint32_t uses = 0;
+  if (channel) {
+    uses = channel_uses(p.channel);
+    __syncthreads();  // every thread read the count before it may change
+    if (threadIdx.x == 0) channel_arrive(p.channel, uses);
+  } else {
+    pdl_wait();
+  }
   pdl_launch_dependents();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + warp;
-  if (item >= p.local_heads * p.n) return;  // warp-uniform
-  const int j = static_cast<int>(item / p.n);
-  const int64_t row = item % p.n;
-  const int K = p.topk;
-  if (lane == 0) count[warp] = 0;
-  __syncwarp();
-  for (int x = lane; x < p.world * K; x += 32) {
-    const int w = x / K, i = x % K;
-    const Key k = p.gathered[((static_cast<int64_t>(w) * p.total_heads + p.head_offset + j) * p.n +
-                              row) * K + i];
-    if (k != kPadKey) cand[warp][atomicAdd(&count[warp], 1)] = k;
+  if (item < p.local_heads * p.n) {  // warp-uniform
+    const int j = static_cast<int>(item / p.n);
+    const int64_t row = item % p.n;
+    merge_item(p, j, row, uses, cand[warp], best[warp], &count[warp], lane);
   }
-  __syncwarp();
-  warp_rank_topk(cand[warp], count[warp], K, best[warp], lane);
-  __syncwarp();
-  int32_t* out = p.ids + j * p.ids_head_stride + row * p.ids_row_stride;
-  for (int i = lane; i < K; i += 32) {
-    out[i] = best[warp][i] == kPadKey ? -1 : key_block(best[warp][i]);
-  }
-  if (p.table.table) {  // L == 1
-    const int req = static_cast<int>(row / p.query_len), t = static_cast<int>(row % p.query_len);
-    int32_t err = 0;
-    const int32_t seq_len = clamp_seq_len(p.seq_lens[req], p.max_seq_len, &err);
-    write_sparse_row(p.table, best[warp], K, req, row,
-                     static_cast<int64_t>(seq_len) - p.query_len + t, lane);
-  }
+  if (channel) pdl_wait();
 }
 
 __global__ void pack_queries_kernel(const __nv_bfloat16* src, int64_t row_stride,
@@ -67,8 +90,9 @@ __global__ void pack_queries_kernel(const __nv_bfloat16* src, int64_t row_stride
 cudaError_t launch_merge_topk(const MergeParams& p, cudaStream_t stream) {
   if (p.world * p.topk > kMaxCand || p.topk > kMaxTopK) return cudaErrorInvalidValue;
   const int64_t items = p.local_heads * p.n;
-  if (items == 0) return cudaSuccess;
-  const int64_t blocks = (items + kMergeWarps - 1) / kMergeWarps;
+  if (items == 0 && p.channel.world == 0) return cudaSuccess;
+  // With a channel at least one CTA runs: the readers' arrival counts the use.
+  const int64_t blocks = items == 0 ? 1 : (items + kMergeWarps - 1) / kMergeWarps;
   return launch_with_pdl(p.pdl, merge_topk_kernel, dim3(static_cast<unsigned>(blocks)),
                          dim3(kMergeWarps * 32), 0, stream, p);
 }

@@ -9,10 +9,14 @@
 // passes on real scores), then the <= K winners ranked. Keys are kept in registers up to 2048
 // per list; longer lists (the split path at 1 x 1M, merges of many CTAs' lists) are re-read
 // from L2 every pass, 8 independent loads in flight per thread.
+// NOTE: merging the fused path's lists as ordered lists (each key that can still win counts
+// the larger keys of the other lists by binary search in shared memory) was measured 27-36 us
+// slower at 8 x 1M and equal at 8 x 256K (docs/perf/README.md, v8); not used.
 // NOTE: a tournament threshold (each thread's largest key, then the K-th largest of those) was
 // measured ~1 us slower than the radix passes at 512-2048 keys (docs/perf/README.md, v7).
 // Keys are distinct (the block id is in the low bits); kPadKey marks an invisible block and is
 // never selected: a list with fewer than K real keys is padded, as the fused path pads.
+#include "channel.cuh"
 #include "device_utils.cuh"
 #include "kernels.h"
 #include "page_order.cuh"
@@ -26,11 +30,12 @@ constexpr int kThreads = 256;
 constexpr int kPerThread = 8;   // keys kept in registers; longer lists are re-read from L2
 constexpr int kUnroll = 8;      // L2 loads in flight per thread when re-reading
 constexpr int kBins = 256;
-constexpr int kCand = kThreads;  // winners gathered for ranking (<= max(K, kRankDirect))
 // Lists up to this long are ranked directly. NOTE: rank counting reads every key once per key
 // (serial shared-memory loads): measured 1.4 us faster than the radix passes at 32 keys, equal
 // at 128, 2-3 us slower at 256 (docs/perf/README.md, v7).
 constexpr int kRankDirect = 128;
+constexpr int kCand = kRankDirect;  // winners gathered for ranking: <= max(K, kRankDirect)
+static_assert(kCand >= kMaxTopK, "a long list's K winners must fit the candidate buffer");
 
 struct SelectSmem {
   int64_t* prefix;                 // [num_reqs + 1] (dynamic): flattened page offset per request
@@ -158,22 +163,31 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
 __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTopkParams p) {
   __shared__ SelectSmem s;
   extern __shared__ int64_t prefix_smem[];
+  const int Q = p.query_len, K = p.topk, ncols = p.num_heads * Q, B = p.num_reqs;
+  const int64_t n_rows = static_cast<int64_t>(B) * Q, items = static_cast<int64_t>(B) * ncols;
+  // The grid is sized for the largest step; CTAs without an item leave at once, so the next
+  // kernel (launched when every CTA has triggered or exited) and this grid's end come sooner.
+  // NOTE: measured ~1 us off the 2-GPU step at 1 x 8K and 8 x 8K (docs/perf/README.md, v8).
+  if (blockIdx.x >= items) return;
+  const int ctas = static_cast<int>(items < static_cast<int64_t>(gridDim.x) ? items : gridDim.x);
   if (threadIdx.x == 0) s.prefix = prefix_smem;
   __syncthreads();
-  const int Q = p.query_len, K = p.topk, ncols = p.num_heads * Q, B = p.num_reqs;
-  const int64_t n_rows = static_cast<int64_t>(B) * Q;
   // Before the wait: only the step's inputs (seq_lens), never score_topk's outputs. score_topk
   // let this grid launch after its own wait, so the lengths it used are the ones read here.
   int r0 = 0, r1 = 0;
   thread_requests<kThreads>(B, &r0, &r1);
   pages_prefix<kThreads>(p, s.prefix, r0, r1);
   pdl_wait();
+  // Fused exchange: the channel's use count is read before merge_topk may launch (it counts the
+  // use once every reader arrived).
+  const bool channel = p.channel.world > 0;
+  const uint32_t uses = channel ? channel_uses(p.channel) : 0;
   pdl_launch_dependents();
   const int64_t total = s.prefix[B];
   const bool split = total <= p.split_max_pages;
   const int64_t g_eff = fused_ctas(total, p.fused_grid);
 
-  for (int64_t item = blockIdx.x; item < static_cast<int64_t>(B) * ncols; item += gridDim.x) {
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int r = static_cast<int>(item / ncols), col = static_cast<int>(item % ncols);
     const int h = col / Q, t = col % Q;
     const int64_t row = static_cast<int64_t>(r) * Q + t;
@@ -182,15 +196,25 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
       select_item(p.split_keys + col * p.split_max_pages + first, n, K, s);
     } else {
       // Requests without pages or scored by one CTA alone were finished by score_topk (the
-      // conditions are uniform across the CTA).
-      if (n == 0) continue;
-      const int64_t c0 = cta_of(first, total, g_eff), c1 = cta_of(first + n - 1, total, g_eff);
-      if (c0 == c1) continue;
-      select_item(p.partial + partial_index(col, c0 + r, p.num_slots, K), (c1 - c0 + 1) * K, K, s);
+      // conditions are uniform across the CTA): with a channel, their keys are sent from here.
+      const int64_t c0 = n == 0 ? 0 : cta_of(first, total, g_eff);
+      const int64_t c1 = n == 0 ? 0 : cta_of(first + n - 1, total, g_eff);
+      if (c0 == c1) {
+        for (int i = threadIdx.x; channel && i < K; i += kThreads) {
+          const int64_t j = (h * n_rows + row) * K + i;
+          channel_put(p.channel, uses, j, p.keys[j]);
+        }
+        continue;
+      }
+      const Key* lists = p.partial + partial_index(col, c0 + r, p.num_slots, K);
+      const int64_t m = c1 - c0 + 1;
+      select_item(lists, m * K, K, s);
     }
     for (int i = threadIdx.x; i < K; i += kThreads) {
       const Key key = s.sorted[i];
-      if (p.keys) {
+      if (channel) {
+        channel_put(p.channel, uses, (h * n_rows + row) * K + i, key);
+      } else if (p.keys) {
         p.keys[(h * n_rows + row) * K + i] = key;
       } else {
         p.ids[h * p.ids_head_stride + row * p.ids_row_stride + i] =
@@ -205,6 +229,7 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
     }
     __syncthreads();  // s.sorted is rewritten by the next item
   }
+  if (channel) channel_clean(p.channel, uses, items * K, ctas);  // lines = H * n_rows * K
 }
 
 }  // namespace

@@ -75,13 +75,14 @@ struct RankResult {
 // One rank's cp_decode of `d` on `device` through `comm` (eager, then synchronised). With
 // `num_reqs` >= 0 the rank claims that many requests instead (to test disagreeing ranks).
 inline RankResult cp_rank(Communicator& comm, int device, const DecodeData& d,
-                          const Selection& sel, int num_reqs = -1) {
+                          const Selection& sel, int num_reqs = -1, bool fused_exchange = true) {
   RankResult res;
   DeviceScope scope(device);
   DeviceBatch b(d);
   std::unique_ptr<cpidx::Decoder> dec;
-  res.status = cpidx::Decoder::create(config_for(d, sel, comm.world_size(), comm.rank()), device,
-                                      &dec);
+  cpidx::DecodeConfig cfg = config_for(d, sel, comm.world_size(), comm.rank());
+  cfg.fused_exchange = fused_exchange;
+  res.status = cpidx::Decoder::create(cfg, device, &dec);
   if (!res.status.is_ok()) {
     comm.check_agree(-1, kRowsAgreement);  // the peers fail instead of waiting for this rank
     return res;
@@ -134,12 +135,14 @@ inline void expect_rank_matches(const RankResult& r, const std::vector<int32_t>&
 // its own thread or process).
 class GraphRank {
  public:
-  GraphRank(Communicator& comm, int device, const DecodeData& d, const Selection& sel)
+  GraphRank(Communicator& comm, int device, const DecodeData& d, const Selection& sel,
+            bool fused_exchange = true)
       : comm_(comm), device_(device), sel_(sel) {
     DeviceScope scope(device);
     batch_ = std::make_unique<DeviceBatch>(d);
-    status_ = cpidx::Decoder::create(config_for(d, sel, comm.world_size(), comm.rank()), device,
-                                     &dec_);
+    cpidx::DecodeConfig cfg = config_for(d, sel, comm.world_size(), comm.rank());
+    cfg.fused_exchange = fused_exchange;
+    status_ = cpidx::Decoder::create(cfg, device, &dec_);
     EXPECT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
     if (!status_.is_ok()) return;
     geo_ = dec_->geometry();
@@ -273,12 +276,13 @@ inline void on_threads(int world, const std::function<void(int)>& fn) {
 // == the plain decode on GPU 0, bitwise. Returns the ranks' results.
 inline std::vector<RankResult> expect_threads_cp_equals_plain(
     const std::vector<Communicator*>& comms, const DecodeData& d, const Selection& sel,
-    const std::string& what) {
+    const std::string& what, bool fused_exchange = true) {
   const int world = static_cast<int>(comms.size());
   const std::vector<int32_t> plain = plain_decode_on(0, d, sel);
   std::vector<RankResult> results(static_cast<size_t>(world));
   on_threads(world, [&](int r) {
-    results[static_cast<size_t>(r)] = cp_rank(*comms[static_cast<size_t>(r)], r, d, sel);
+    results[static_cast<size_t>(r)] =
+        cp_rank(*comms[static_cast<size_t>(r)], r, d, sel, -1, fused_exchange);
   });
   for (const RankResult& res : results) expect_rank_matches(res, plain, d.rows(), sel.topk, what);
   return results;
@@ -290,11 +294,13 @@ inline std::vector<RankResult> expect_threads_cp_equals_plain(
 // compared with the plain decode. Returns the number of checks made.
 inline int replay_threads_cp_graphs(const std::vector<Communicator*>& comms, DecodeData& d,
                                     const Selection& sel, std::mt19937& rng, int32_t bound,
-                                    int replays, int check_every, const std::string& what) {
+                                    int replays, int check_every, const std::string& what,
+                                    bool fused_exchange = true) {
   const int world = static_cast<int>(comms.size());
   std::vector<std::unique_ptr<GraphRank>> ranks;
   for (int r = 0; r < world; ++r) {
-    ranks.push_back(std::make_unique<GraphRank>(*comms[static_cast<size_t>(r)], r, d, sel));
+    ranks.push_back(std::make_unique<GraphRank>(*comms[static_cast<size_t>(r)], r, d, sel,
+                                                fused_exchange));
   }
   std::vector<Status> warm(static_cast<size_t>(world)), cap(static_cast<size_t>(world));
   on_threads(world, [&](int r) {

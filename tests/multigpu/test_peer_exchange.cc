@@ -2,8 +2,10 @@
 // its all_gather returns NCCL's bytes for 1 B .. 256 KiB (in place, out of place, misaligned),
 // 1000 back-to-back gathers in one CUDA graph with payloads that change on every call (the
 // device epochs and parities), mixed sizes in one graph, cp_decode through it equal to the plain
-// decode bitwise (eager and 1000 graph replays), an NCCL bootstrap, and the failure paths: a
-// peer that never arrives raises the error word instead of hanging, refused sizes and worlds.
+// decode bitwise (eager and 1000 graph replays; keys through the device channel, through
+// all_gather, and both interleaved), an NCCL bootstrap, and the failure paths: a peer that never
+// arrives (at a gather, or with its keys in the channel) raises the error word instead of
+// hanging, refused sizes and worlds.
 // Every test skips cleanly with fewer than 2 GPUs.
 #include <gtest/gtest.h>
 
@@ -245,6 +247,53 @@ TEST_F(PeerExchange, CpDecodeGraphReplay1000WithChangingInputs) {
   expect_error_words_clear("cp_decode graph");
 }
 
+// The key gather through the communicator's all_gather instead of its device channel: the
+// route of every other communicator, and of payloads above the channel's capacity.
+TEST_F(PeerExchange, CpDecodeWithoutTheChannelEqualsPlainBitwise) {
+  std::mt19937 rng(79);
+  int seed = 5050;
+  for (int T : {4, 1}) {
+    for (int Q : {1, 4}) {
+      DecodeData d = random_decode(seed++, T, Q, lengths(rng, 6, 50000, true), 50000);
+      expect_threads_cp_equals_plain(peer_ptrs(), d, sel_of(16),
+                                     "gather T=" + std::to_string(T) + " Q=" + std::to_string(Q),
+                                     /*fused_exchange=*/false);
+    }
+  }
+  expect_error_words_clear("cp_decode without the channel");
+}
+
+// Steps through the channel and through all_gather on one communicator, interleaved (two
+// Decoders per rank, 2 x 40 steps: the channel's parities and epochs advance across the gathers'),
+// every step compared with the plain decode.
+TEST_F(PeerExchange, ChannelAndGatherStepsInterleave) {
+  std::mt19937 rng(81);
+  const int steps = 40;
+  std::vector<DecodeData> batches;
+  for (int i = 0; i < steps; ++i) {
+    const int T = i % 3 == 0 ? 1 : 4, Q = 1 + i % 2;
+    batches.push_back(random_decode(5200 + i, T, Q, lengths(rng, 1 + i % 5, 30000, true), 30000));
+  }
+  std::vector<std::vector<RankResult>> fused(steps, std::vector<RankResult>(kWorld)),
+      gathered(steps, std::vector<RankResult>(kWorld));
+  on_threads(kWorld, [&](int r) {
+    for (int i = 0; i < steps; ++i) {
+      Communicator& comm = *peers_[static_cast<size_t>(r)];
+      fused[i][r] = cp_rank(comm, r, batches[i], sel_of(16), -1, true);
+      gathered[i][r] = cp_rank(comm, r, batches[i], sel_of(16), -1, false);
+    }
+  });
+  for (int i = 0; i < steps && !HasFailure(); ++i) {
+    const std::vector<int32_t> plain = plain_decode_on(0, batches[i], sel_of(16));
+    for (int r = 0; r < kWorld; ++r) {
+      const std::string what = "step " + std::to_string(i);
+      expect_rank_matches(fused[i][r], plain, batches[i].rows(), 16, what + " channel");
+      expect_rank_matches(gathered[i][r], plain, batches[i].rows(), 16, what + " gather");
+    }
+  }
+  expect_error_words_clear("interleaved");
+}
+
 TEST_F(PeerExchange, NcclCommunicatorAsBootstrap) {
   std::vector<Status> st;
   Comms peers = make_peers(nccl_, 4096, &st);  // handles staged through device memory
@@ -295,6 +344,53 @@ TEST_F(PeerExchange, MissingPeerRaisesTheErrorWordInsteadOfHanging) {
             cudaSuccess);
   EXPECT_EQ(word, 0);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  peers.clear();
+}
+
+// Rank 1 joins the query gather of rank 0's step but never sends its keys: rank 0's merge must
+// give up after the timeout with the error word raised, not hang.
+TEST_F(PeerExchange, MissingKeysInTheChannelRaiseTheErrorWordInsteadOfHanging) {
+  Comms boot = cpidx::make_thread_communicators(kWorld);
+  std::vector<Status> st;
+  Comms peers = make_peers(boot, 64 << 10, &st, /*timeout_seconds=*/0.25);
+  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
+  std::mt19937 rng(83);
+  DecodeData d = random_decode(5300, 2, 1, lengths(rng, 3, 20000, true), 20000);
+  const int64_t q_bytes = d.rows() * 1 * cpidx::kHeadDim * 2;  // one local head per rank
+  std::vector<Status> result(kWorld);
+  double seconds = 0;
+  on_threads(kWorld, [&](int r) {
+    Communicator& comm = *peers[static_cast<size_t>(r)];
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    if (r == 1) {  // the query gather alone
+      DeviceVec<uint8_t> q(static_cast<size_t>(kWorld * q_bytes));
+      result[r] = comm.all_gather(q.ptr + q_bytes, q.ptr, static_cast<size_t>(q_bytes), stream);
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    } else {
+      DeviceBatch b(d);
+      cpidx::DecodeConfig cfg = config_for(d, sel_of(16), kWorld, r);
+      cfg.check_agreement = false;  // rank 1 has no Decoder to agree with
+      std::unique_ptr<cpidx::Decoder> dec;
+      result[r] = cpidx::Decoder::create(cfg, r, &dec);
+      if (result[r].is_ok()) {
+        DeviceVec<int32_t> ids(static_cast<size_t>(d.rows() * 16));
+        const auto t0 = std::chrono::steady_clock::now();
+        result[r] = dec->cp_decode(comm, b.inputs(0, 1),
+                                   cpidx::TopkOutput{ids.ptr, d.rows() * 16, 16}, nullptr, stream);
+        EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+    }
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  });
+  for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(result[r].is_ok()) << result[r].to_string();
+  int32_t word = 0;
+  DeviceScope scope(0);
+  ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(*peers[0]), 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(word & cpidx::kPeerErrorTimeout, cpidx::kPeerErrorTimeout);
+  EXPECT_LT(seconds, 5.0) << "the merge should give up after about one timeout";
   peers.clear();
 }
 
