@@ -158,27 +158,36 @@ __device__ __forceinline__ void load_queries(const PrefillParams& p, const Prefi
 // chunks) then hit all 32 banks once.
 __device__ __forceinline__ int swizzled(int r, int c) { return r * kRowBytes16 + ((c ^ ((r & 1) << 2)) << 4); }
 
-template <DType kDType>
+// The mma.sync kernel's compute-page layout, for the page helpers below.
+struct MmaPageLayout {
+  static constexpr int kThreads = kPrefillThreads;
+  __device__ static int at(int r, int c) { return swizzled(r, c); }
+};
+
+// One page's copies into a stage: bf16 goes straight to the compute layout, fp8 lands raw (and
+// is widened later). Layout: at(row, chunk) and the CTA's kThreads.
+template <DType kDType, typename Layout>
 __device__ __forceinline__ void issue_page(const PrefillParams& p, const int32_t* bt_row,
                                            int64_t block, uint8_t* stage, int32_t* err) {
   using PB = PageBytes<kDType>;
   const int64_t page = clamp_page(bt_row[block], p.num_pages, err);
   const uint8_t* src = static_cast<const uint8_t*>(p.cache) + page * PB::kPage;
-  for (int q = threadIdx.x; q < PB::kChunks; q += kPrefillThreads) {
-    // bf16 goes straight to the compute layout; fp8 lands raw and is widened later.
-    constexpr int kPerRow = PB::kRow / 16;
-    uint8_t* dst = kDType == DType::kBF16 ? stage + swizzled(q / kPerRow, q % kPerRow) : stage + q * 16;
+  static_assert(kDType != DType::kBF16 || PB::kRow == 16 * 16, "a bf16 row is 16 chunks");
+  for (int q = threadIdx.x; q < PB::kChunks; q += Layout::kThreads) {
+    uint8_t* dst = kDType == DType::kBF16 ? stage + Layout::at(q >> 4, q & 15) : stage + q * 16;
     cp_async16(dst, src + q * 16);
   }
 }
 
-// fp8 page (raw) -> bf16 compute page (swizzled); each 16-byte fp8 chunk is two bf16 chunks.
+// fp8 page (raw) -> bf16 compute page in Layout; each 16-byte fp8 chunk is two bf16 chunks.
+template <typename Layout>
 __device__ __forceinline__ void widen_page(const uint8_t* raw, uint8_t* out) {
-  for (int q = threadIdx.x; q < PageBytes<DType::kFP8E4M3>::kChunks; q += kPrefillThreads) {
+  for (int q = threadIdx.x; q < PageBytes<DType::kFP8E4M3>::kChunks; q += Layout::kThreads) {
     const int r = q >> 3, c = q & 7;
     const uint4 v = *reinterpret_cast<const uint4*>(raw + q * 16);
-    *reinterpret_cast<uint4*>(out + swizzled(r, 2 * c)) = fp8x8_to_bf16x8(make_uint2(v.x, v.y));
-    *reinterpret_cast<uint4*>(out + swizzled(r, 2 * c + 1)) = fp8x8_to_bf16x8(make_uint2(v.z, v.w));
+    *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c)) = fp8x8_to_bf16x8(make_uint2(v.x, v.y));
+    *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c + 1)) =
+        fp8x8_to_bf16x8(make_uint2(v.z, v.w));
   }
 }
 
@@ -275,7 +284,9 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
     uint8_t* ring = smem + lay.stages_off;
     constexpr int kPage = PageBytes<kDType>::kPage;
     for (int s = 0; s < stages - 1; ++s) {
-      if (b0 + s < b1) issue_page<kDType>(p, bt_row, b0 + s, ring + s * kPage, &err);
+      if (b0 + s < b1) {
+        issue_page<kDType, MmaPageLayout>(p, bt_row, b0 + s, ring + s * kPage, &err);
+      }
       cp_async_commit();
     }
     for (int64_t b = b0; b < b1; ++b) {
@@ -283,12 +294,13 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
       cp_async_wait(stages - 2);  // this thread's copies of page b have landed
       __syncthreads();            // everyone's have, and everyone is done with page b - 1
       if (b + stages - 1 < b1) {
-        issue_page<kDType>(p, bt_row, b + stages - 1, ring + ((i + stages - 1) % stages) * kPage, &err);
+        issue_page<kDType, MmaPageLayout>(p, bt_row, b + stages - 1,
+                                          ring + ((i + stages - 1) % stages) * kPage, &err);
       }
       cp_async_commit();
       const uint8_t* page = ring + (i % stages) * kPage;
       if constexpr (kDType == DType::kFP8E4M3) {
-        widen_page(page, smem + lay.convert_off);
+        widen_page<MmaPageLayout>(page, smem + lay.convert_off);
         __syncthreads();
         page = smem + lay.convert_off;
       }
@@ -358,28 +370,11 @@ struct WgmmaSmem {
   }
 };
 
-template <DType kDType>
-__device__ __forceinline__ void issue_page_sw128(const PrefillParams& p, const int32_t* bt_row,
-                                                 int64_t block, uint8_t* stage, int32_t* err) {
-  using PB = PageBytes<kDType>;
-  const int64_t page = clamp_page(bt_row[block], p.num_pages, err);
-  const uint8_t* src = static_cast<const uint8_t*>(p.cache) + page * PB::kPage;
-  for (int q = threadIdx.x; q < PB::kChunks; q += kWgThreads) {
-    // bf16 goes straight to the compute layout (16 chunks per row); fp8 lands raw.
-    uint8_t* dst = kDType == DType::kBF16 ? stage + sw128(q >> 4, q & 15) : stage + q * 16;
-    cp_async16(dst, src + q * 16);
-  }
-}
-
-// fp8 page (raw) -> bf16 compute page (swizzled); each 16-byte fp8 chunk is two bf16 chunks.
-__device__ __forceinline__ void widen_page_sw128(const uint8_t* raw, uint8_t* out) {
-  for (int q = threadIdx.x; q < PageBytes<DType::kFP8E4M3>::kChunks; q += kWgThreads) {
-    const int r = q >> 3, c = q & 7;
-    const uint4 v = *reinterpret_cast<const uint4*>(raw + q * 16);
-    *reinterpret_cast<uint4*>(out + sw128(r, 2 * c)) = fp8x8_to_bf16x8(make_uint2(v.x, v.y));
-    *reinterpret_cast<uint4*>(out + sw128(r, 2 * c + 1)) = fp8x8_to_bf16x8(make_uint2(v.z, v.w));
-  }
-}
+// The wgmma kernel's compute-page layout.
+struct Sw128PageLayout {
+  static constexpr int kThreads = kWgThreads;
+  __device__ static int at(int r, int c) { return sw128(r, c); }
+};
 
 // A fragments of rows row0 and row0 + 8 in natural dim order: qa[s] feeds k-step s (dims
 // [16 s, 16 s + 16)): {row0 dims 2c4..+1, row0+8 the same, row0 dims 8+2c4..+1, row0+8 the
@@ -447,7 +442,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     uint8_t* ring = smem + lay.stages_off;
     constexpr int kPage = PageBytes<kDType>::kPage;
     for (int s = 0; s < stages - 1; ++s) {
-      if (b0 + s < b1) issue_page_sw128<kDType>(p, bt_row, b0 + s, ring + s * kPage, &err);
+      if (b0 + s < b1) {
+        issue_page<kDType, Sw128PageLayout>(p, bt_row, b0 + s, ring + s * kPage, &err);
+      }
       cp_async_commit();
     }
     // Per page b: wait for the MMA, reduce the accumulators to the two rows' block maxima, then
@@ -465,7 +462,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       __syncthreads();  // everyone's have, and every warpgroup is done with page b - 1
       const uint8_t* page = ring + (i % stages) * kPage;
       if constexpr (kDType == DType::kFP8E4M3) {
-        widen_page_sw128(page, smem + lay.convert_off);
+        widen_page<Sw128PageLayout>(page, smem + lay.convert_off);
         fence_proxy_async_smem();
         __syncthreads();
         page = smem + lay.convert_off;
@@ -483,8 +480,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       wgmma_commit();
       // Page b + stages - 1 into the slot of page b - 1, free since the barrier.
       if (b + stages - 1 < b1) {
-        issue_page_sw128<kDType>(p, bt_row, b + stages - 1,
-                                 ring + ((i + stages - 1) % stages) * kPage, &err);
+        issue_page<kDType, Sw128PageLayout>(p, bt_row, b + stages - 1,
+                                            ring + ((i + stages - 1) % stages) * kPage, &err);
       }
       cp_async_commit();
     };

@@ -347,6 +347,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
         }
       }
     }
+    CPIDX_TRACE_STAMP(tid == 0 && split && x + 1 == end, kTLastPage);  // split: no segment end
     if (split || (x + 1 != s.prefix[r + 1] && x + 1 != end)) continue;
 
     // ---- 4. End of this CTA's part of request r: finish it, or leave its list for the merge.
