@@ -48,8 +48,9 @@ __device__ __forceinline__ Key channel_get(const DeviceChannel& c, uint32_t uses
   return waiter.wait(c.buffers[c.rank] + at, uses + 1, &v) ? v : kPadKey;
 }
 
-// A reader CTA is done with use `uses` (one thread per CTA, after the CTA's reads): the last of
-// the grid to arrive resets the arrivals and counts the use.
+// A reader CTA has read `uses` (one thread per CTA, once all its threads have): the last CTA
+// of the grid to arrive resets the arrivals and counts the use. The next use's kernels run after
+// this grid (stream order), so the CTAs' later reads of this use's lines need no arrival.
 __device__ __forceinline__ void channel_arrive(const DeviceChannel& c, uint32_t uses) {
   __threadfence();
   if (atomicAdd(c.arrivals, 1u) == gridDim.x - 1) {
