@@ -458,8 +458,8 @@ int run_bench(int argc, char** argv) {
               if (!step_bench) {
                 step_bench = std::make_unique<StepBench>(pool_mb, dtype, pdl);
                 std::printf("# %s: whole step on %d GPUs (us) vs the shard floor; xchg_us = the two "
-                            "all_gathers of its payloads alone; exch = NCCL, peer (keys through the device channel) "
-                            "or peer-gather\n# %s\n",
+                            "all_gathers of its payloads alone; exch = NCCL, peer (keys through "
+                            "the device channel) or peer-gather\n# %s\n",
                             m.c_str(), ss.world, StepBench::environment().c_str());
                 std::printf("%-7s %11s %4s %4s %8s %3s %6s %10s %9s %9s %9s %9s %9s  %s\n", "mode",
                             "exch", "ranks", "reqs", "context", "Q", "calls", "cache_MB", "us",
@@ -468,7 +468,8 @@ int run_bench(int argc, char** argv) {
               StepResult r = step_bench->run(ss, static_cast<int>(replays));
               all_ok = all_ok && r.check == "ok";
               std::printf("%-7s %11s %4d %4d %8lld %3d %6d %10.1f %9.1f %9.1f %9.1f %9.2f %9.0f  %s\n",
-                          m.c_str(), ex.c_str(), ss.world, ss.reqs, static_cast<long long>(ss.context),
+                          m.c_str(), ex.c_str(), ss.world, ss.reqs,
+                          static_cast<long long>(ss.context),
                           ss.qlen, r.calls, r.cache_mb, r.us, r.floor_us, r.floor_us + 10,
                           r.exchange_us, r.gbps, r.check.c_str());
               std::fflush(stdout);

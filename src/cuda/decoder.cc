@@ -344,16 +344,18 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   // it has one (select_topk stores, merge_topk polls: no gather kernel), else all_gather.
   const int64_t k_lines = static_cast<int64_t>(T) * n * im.cfg.sel.topk;
   const DeviceChannel* channel = im.cfg.fused_exchange ? comm.device_channel() : nullptr;
-  if (channel != nullptr && channel->world == P && channel->rank == im.cfg.rank &&
-      k_lines <= channel->capacity) {
-    p.channel = *channel;
-    CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
-    return im.launch_merge(nullptr, channel, local, out, table, stream);  // validated above
+  if (channel != nullptr && (channel->world != P || channel->rank != im.cfg.rank ||
+                             k_lines > channel->capacity)) {
+    channel = nullptr;
   }
+  if (channel != nullptr) p.channel = *channel;
   CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
-  CPIDX_RETURN_IF_ERROR(
-      comm.all_gather(keys_send, keys_recv, static_cast<size_t>(k_lines) * sizeof(Key), stream));
-  return im.launch_merge(keys_recv, nullptr, local, out, table, stream);  // validated above
+  if (channel == nullptr) {
+    CPIDX_RETURN_IF_ERROR(
+        comm.all_gather(keys_send, keys_recv, static_cast<size_t>(k_lines) * sizeof(Key), stream));
+  }
+  return im.launch_merge(channel == nullptr ? keys_recv : nullptr, channel, local, out, table,
+                         stream);  // validated above
 }
 
 bool gpu_available() {

@@ -206,9 +206,7 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
         }
         continue;
       }
-      const Key* lists = p.partial + partial_index(col, c0 + r, p.num_slots, K);
-      const int64_t m = c1 - c0 + 1;
-      select_item(lists, m * K, K, s);
+      select_item(p.partial + partial_index(col, c0 + r, p.num_slots, K), (c1 - c0 + 1) * K, K, s);
     }
     for (int i = threadIdx.x; i < K; i += kThreads) {
       const Key key = s.sorted[i];
