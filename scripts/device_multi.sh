@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # scripts/device_multi.sh: one call on the 2-GPU machine: build, the multi-GPU tests (one process
 # with a thread per GPU, then mpirun -np 2: NCCL and the peer communicator), the whole-step
-# benchmark with both exchanges, and the 2-GPU soak with each exchange (issue #7). Every stage is
+# benchmark with both exchanges (threads, then one process per GPU under mpirun), the demo under
+# mpirun, and the 2-GPU soak with each exchange (issue #7). Every stage is
 # time-boxed against one deadline (DEADLINE seconds, default 500) so the call fits the device
-# budget; at most 9 files land under $OUT. WITH_SINGLE=1 also runs the single-GPU suite first.
+# budget; at most 8 files land under $OUT (the bench and demo
+# logs in step2.log; the soak prints its JSON into soak.log). WITH_SINGLE=1 also runs the single-GPU suite first.
 # Knobs: STEP_REQS, STEP_CTX (bench shapes), SOAK_STEPS (default 100000 per exchange).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -14,7 +16,7 @@ DEADLINE=${DEADLINE:-500}
 box() { local left=$((DEADLINE - SECONDS)); [ "$left" -lt "$1" ] && echo $((left > 10 ? left : 10)) || echo "$1"; }
 
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv; nvidia-smi topo -m; } \
-  > "$OUT/machine.txt" 2>&1
+  > "$OUT/build.log" 2>&1
 gtest_src=()
 [ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
 targets=(cpidx_tool cpidx_multigpu_tests cpidx_multigpu_mpi_tests)
@@ -23,7 +25,7 @@ echo "== build (${targets[*]})"
 { cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" &&
   timeout "$(box 300)" cmake --build build-device -j"$(nproc)" --target "${targets[@]}"; } \
-  > "$OUT/build.log" 2>&1 || { grep -E "error|Error" -A3 "$OUT/build.log" | head -60; exit 1; }
+  >> "$OUT/build.log" 2>&1 || { grep -E "error|Error" -A3 "$OUT/build.log" | head -60; exit 1; }
 echo "build done at ${SECONDS}s"
 
 rc=0
@@ -49,14 +51,29 @@ timeout "$(box 150)" build-device/cpidx bench --modes step2 --exchange both \
   --json "$OUT/step2.json" > "$OUT/step2.log" 2>&1; b=$?
 cat "$OUT/step2.log"; echo "step2 rc=$b (${SECONDS}s)"
 
+echo "== whole step and demo under mpirun (one process per GPU; peer and NCCL)"
+timeout "$(box 120)" mpirun -np 2 --oversubscribe -x NCCL_NVLS_ENABLE=0 build-device/cpidx bench \
+  --modes step2 --exchange both --reqs "${STEP_REQS:-1,8,64}" --contexts "${STEP_CTX:-8K,128K}" \
+  --qlens 1 --json "$OUT/step2_mpi.json" > "$OUT/step2_mpi.log" 2>&1; bm=$?
+grep -E "^step2|one process per GPU" "$OUT/step2_mpi.log"; echo "step2 mpi rc=$bm (${SECONDS}s)"
+cat "$OUT/step2_mpi.log" >> "$OUT/step2.log"; rm -f "$OUT/step2_mpi.log"
+dm=0
+for ex in nccl peer; do
+  timeout "$(box 60)" mpirun -np 2 --oversubscribe -x NCCL_NVLS_ENABLE=0 build-device/cpidx demo \
+    --context 65536 --exchange $ex >> "$OUT/step2.log" 2>&1 || dm=1
+done
+grep -E "^gpu selection|one MPI process per GPU" "$OUT/step2.log"; echo "demo mpi rc=$dm (${SECONDS}s)"
+
 echo "== soak: ${SOAK_STEPS:-100000} steps per exchange (T=4, Q 1..2, up to 8 x 16K)"
 s=0
+soak_json=$(mktemp)
 for ex in peer nccl; do
   timeout "$(box 150)" build-device/cpidx soak --exchange $ex --steps "${SOAK_STEPS:-100000}" \
-    --json "$OUT/soak_$ex.json" >> "$OUT/soak.log" 2>&1; r=$?
+    --json "$soak_json" >> "$OUT/soak.log" 2>&1; r=$?
   [ $r -eq 124 ] && echo "soak $ex: killed by the time box (see soak.log)" >> "$OUT/soak.log"
   echo "soak $ex rc=$r (${SECONDS}s)"; [ $r -ne 0 ] && s=1
 done
 grep -E '"status"' "$OUT/soak.log" | cut -c1-400
 
-[ $rc -eq 0 ] && [ $m -eq 0 ] && [ $mm -eq 0 ] && [ $b -eq 0 ] && [ $s -eq 0 ]
+[ $rc -eq 0 ] && [ $m -eq 0 ] && [ $mm -eq 0 ] && [ $b -eq 0 ] && [ $bm -eq 0 ] && [ $dm -eq 0 ] &&
+  [ $s -eq 0 ]

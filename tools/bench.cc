@@ -3,6 +3,8 @@
 // (all heads on a 1/P shard + merge; P ranks simulated on one GPU). Each shape's calls over
 // several input sets (rotated past the L2) are captured in one CUDA graph; the median replay
 // over the call count is the time. A correctness column checks set 0 against the CPU reference.
+// Under mpirun (`mpirun -np P cpidx bench --modes stepP`) each process is one rank of the real
+// step on its own GPU, and rank 0 prints.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -17,6 +19,7 @@
 #include "bench_step.h"
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
+#include "mpi_session.h"
 #include "random_bits.h"
 #include "subcommands.h"
 
@@ -377,7 +380,8 @@ int run_bench(int argc, char** argv) {
               "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
               "cpP = context-parallel rank work at P ranks (all 4 heads on a 1/P shard + merge);\n"
               "stepP = the whole context-parallel step on P real GPUs (one CUDA graph per GPU, both\n"
-              "exchanges included; one thread per GPU), with the two exchanges alone (xchg_us) and\n"
+              "exchanges included; one thread per GPU, or one process per GPU under\n"
+              "`mpirun -np P`, where only stepP modes run), with the two exchanges alone (xchg_us) and\n"
               "the shard floor (cache bytes / P / 4.5 TB/s) beside it; --exchange picks NCCL, the\n"
               "peer communicator (one-shot LL stores over peer access; the keys through its device\n"
               "channel, or by its all_gather with peer-gather) or several (one row each).\n"
@@ -434,6 +438,23 @@ int run_bench(int argc, char** argv) {
     std::fprintf(stderr, "cpidx bench: no usable GPU\n");
     return kExitFailed;
   }
+  // Under mpirun: one rank per process, stepP modes only (the same verdict on every rank).
+  MpiSession session;
+  std::unique_ptr<Communicator> processes;
+  if (launched_by_mpi()) {
+    for (const Mode& md : mode_list) {
+      if (md.kind != "step") {
+        std::fprintf(stderr, "cpidx bench: under mpirun only stepP modes run (one process per "
+                     "GPU); '%s' is a single-process mode\n", md.name.c_str());
+        return kExitUsage;
+      }
+    }
+    if (Status s = session.start(&argc, &argv, &processes); !s.is_ok()) {
+      std::fprintf(stderr, "cpidx bench: %s\n", s.to_string().c_str());
+      return kExitUsage;
+    }
+  }
+  const bool printer = processes == nullptr || processes->rank() == 0;
   std::unique_ptr<Bench> bench;          // created for the first plain / cp shape
   std::unique_ptr<StepBench> step_bench;  // created for the first step shape
   std::vector<Result> results;
@@ -456,23 +477,31 @@ int run_bench(int argc, char** argv) {
               ss.qlen = static_cast<int>(q);
               ss.exchange = ex;
               if (!step_bench) {
-                step_bench = std::make_unique<StepBench>(pool_mb, dtype, pdl);
+                step_bench = std::make_unique<StepBench>(pool_mb, dtype, pdl, processes.get());
+              }
+              if (printer && step_results.empty()) {
                 std::printf("# %s: whole step on %d GPUs (us) vs the shard floor; xchg_us = the two "
                             "all_gathers of its payloads alone; exch = NCCL, peer (keys through "
-                            "the device channel) or peer-gather\n# %s\n",
-                            m.c_str(), ss.world, StepBench::environment().c_str());
+                            "the device channel) or peer-gather\n# %s; %s\n",
+                            m.c_str(), ss.world, StepBench::environment().c_str(),
+                            processes ? "one process per GPU (mpirun): the slowest rank's median "
+                                        "of back-to-back replays"
+                                      : "one process, a thread per GPU: GPU 0's events after "
+                                        "every GPU's replay");
                 std::printf("%-7s %11s %4s %4s %8s %3s %6s %10s %9s %9s %9s %9s %9s  %s\n", "mode",
                             "exch", "ranks", "reqs", "context", "Q", "calls", "cache_MB", "us",
                             "floor_us", "floor+10", "xchg_us", "GB/s", "check");
               }
               StepResult r = step_bench->run(ss, static_cast<int>(replays));
               all_ok = all_ok && r.check == "ok";
-              std::printf("%-7s %11s %4d %4d %8lld %3d %6d %10.1f %9.1f %9.1f %9.1f %9.2f %9.0f  %s\n",
-                          m.c_str(), ex.c_str(), ss.world, ss.reqs,
-                          static_cast<long long>(ss.context),
-                          ss.qlen, r.calls, r.cache_mb, r.us, r.floor_us, r.floor_us + 10,
-                          r.exchange_us, r.gbps, r.check.c_str());
-              std::fflush(stdout);
+              if (printer) {
+                std::printf(
+                    "%-7s %11s %4d %4d %8lld %3d %6d %10.1f %9.1f %9.1f %9.1f %9.2f %9.0f  %s\n",
+                    m.c_str(), ex.c_str(), ss.world, ss.reqs, static_cast<long long>(ss.context),
+                    ss.qlen, r.calls, r.cache_mb, r.us, r.floor_us, r.floor_us + 10,
+                    r.exchange_us, r.gbps, r.check.c_str());
+                std::fflush(stdout);
+              }
               step_results.emplace_back(ss, r);
             }
             continue;
@@ -505,7 +534,7 @@ int run_bench(int argc, char** argv) {
       }
     }
   }
-  if (!json.empty()) {
+  if (!json.empty() && printer) {
     std::FILE* f = std::fopen(json.c_str(), "w");
     if (!f) { std::fprintf(stderr, "cannot write %s\n", json.c_str()); return kExitFailed; }
     cudaDeviceProp prop;
@@ -536,7 +565,8 @@ int run_bench(int argc, char** argv) {
                    static_cast<long long>(r.q_bytes), static_cast<long long>(r.k_bytes),
                    r.check.c_str(), i + 1 < step_results.size() ? "," : "");
     }
-    std::fprintf(f, "], \"environment\": \"%s\"}\n", StepBench::environment().c_str());
+    std::fprintf(f, "], \"environment\": \"%s\", \"step_processes\": \"%s\"}\n",
+                 StepBench::environment().c_str(), processes ? "mpi" : "threads");
     std::fclose(f);
   }
   return all_ok ? kExitOk : kExitFailed;

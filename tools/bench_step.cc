@@ -5,6 +5,9 @@
 // all-gathers alone. Set 0 is checked bitwise against the plain decode on GPU 0. The exchanges
 // run through NCCL (make_nccl_communicators_single_process) or the peer communicator
 // (make_peer_communicator over thread communicators, sized for the shape's larger gather).
+// Under mpirun each process is one rank on its own GPU (tools/rank_comm.h makes its NCCL or
+// peer communicator over MPI); each times its own replays, launched back to back after a
+// barrier so the ranks run in step, and the step's time is the slowest rank's median.
 #include "bench_step.h"
 
 #include <cstdlib>
@@ -23,6 +26,7 @@
 #include "cpidx/comm_nccl.h"
 #include "cpidx/indexer.h"
 #include "random_bits.h"
+#include "rank_comm.h"
 #if defined(CPIDX_WITH_PEER)
 #include "cpidx/comm_peer.h"
 #endif
@@ -46,9 +50,9 @@ std::string StepBench::environment() {
 #if !(defined(CPIDX_WITH_CUDA) && defined(CPIDX_WITH_NCCL))
 
 struct StepBench::Impl {};
-StepBench::StepBench(int64_t, std::string, bool) {}
+StepBench::StepBench(int64_t, std::string, bool, Communicator*) {}
 StepBench::~StepBench() = default;
-std::string StepBench::unavailable(int) {
+std::string StepBench::unavailable(int) const {
   return "this build has no NCCL communicator (needs CUDA and NCCL)";
 }
 StepResult StepBench::run(const StepShape&, int) {
@@ -125,6 +129,12 @@ struct RankState {
 struct StepBench::Impl {
   std::string dtype;
   bool pdl = true;
+  // Under MPI: the host communicator of the processes (not owned), this process's GPU, and its
+  // device communicators (the peer one with the payload bound it was made for).
+  Communicator* processes = nullptr;
+  int process_device = 0;
+  std::unique_ptr<Communicator> process_nccl, process_peer;
+  size_t process_peer_max = 0;
   int64_t page_bytes = 0, pool_pages = 0;
   std::vector<uint16_t> h_pool;  // the same random pages on every GPU
   std::vector<void*> pools;      // [device], uploaded by that device's thread on first use
@@ -135,6 +145,8 @@ struct StepBench::Impl {
   std::map<int, size_t> peer_max;
 
   ~Impl() {
+    process_peer.reset();  // collective across the processes (IPC): every rank gets here
+    process_nccl.reset();
     peers.clear();
     peer_boot.clear();
     comms.clear();
@@ -180,16 +192,17 @@ struct StepBench::Impl {
     return c;
   }
 
-  // Everything local to rank r before its first collective.
-  Status set_up(RankState& rs, const StepShape& sh, const std::vector<HostSet>& hsets, int r) {
-    rs.device = r;
-    STEP_CUDA(cudaSetDevice(r));
-    if (pools[static_cast<size_t>(r)] == nullptr) {
-      STEP_CUDA(cudaMalloc(&pools[static_cast<size_t>(r)], h_pool.size() * 2));
-      STEP_CUDA(cudaMemcpy(pools[static_cast<size_t>(r)], h_pool.data(), h_pool.size() * 2,
-                           cudaMemcpyHostToDevice));
+  // Everything local to rank r (on GPU `device`) before its first collective.
+  Status set_up(RankState& rs, const StepShape& sh, const std::vector<HostSet>& hsets, int r,
+                int device) {
+    rs.device = device;
+    STEP_CUDA(cudaSetDevice(device));
+    void*& pool = pools[static_cast<size_t>(device)];
+    if (pool == nullptr) {
+      STEP_CUDA(cudaMalloc(&pool, h_pool.size() * 2));
+      STEP_CUDA(cudaMemcpy(pool, h_pool.data(), h_pool.size() * 2, cudaMemcpyHostToDevice));
     }
-    CPIDX_RETURN_IF_ERROR(Decoder::create(config(sh, sh.world, r), r, &rs.dec));
+    CPIDX_RETURN_IF_ERROR(Decoder::create(config(sh, sh.world, r), device, &rs.dec));
     rs.geo = rs.dec->geometry();
     STEP_CUDA(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
     for (const HostSet& h : hsets) {
@@ -224,12 +237,13 @@ struct StepBench::Impl {
     return Status::ok();
   }
 
-  // Rank r's thread: set up, warm up, check run, then capture the step and exchange graphs.
-  // Every failure after the first collective is one all ranks see (the agreement in cp_decode).
+  // Rank r's thread or process: set up, warm up, check run, then capture the step and exchange
+  // graphs. Every failure after the first collective is one all ranks see (the agreement in
+  // cp_decode).
   void rank_work(RankState& rs, Communicator& comm, const StepShape& sh,
-                 const std::vector<HostSet>& hsets, int calls_per_set) {
+                 const std::vector<HostSet>& hsets, int calls_per_set, int device) {
     const int r = comm.rank();
-    Status local = set_up(rs, sh, hsets, r);
+    Status local = set_up(rs, sh, hsets, r, device);
     if (!local.is_ok()) {
       comm.check_agree(-1, kRowsAgreement);  // the peers' first cp_decode fails, no hang
       rs.status = local;
@@ -238,7 +252,7 @@ struct StepBench::Impl {
     const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
     const TopkOutput out{rs.ids, n * kTopk, kTopk};
     auto step = [&](const DeviceSet& s) {
-      DecodeInputs in = inputs(sh, s, r, 0, rs.geo.local_heads);
+      DecodeInputs in = inputs(sh, s, device, 0, rs.geo.local_heads);
       in.query = s.local_query;
       in.q_row_stride = static_cast<int64_t>(rs.geo.local_heads) * kHeadDim;
       return rs.dec->cp_decode(comm, in, out, nullptr, rs.stream);
@@ -330,41 +344,178 @@ struct StepBench::Impl {
     return st;
   }
 
+  // The plain decode of all heads for set 0 on rank state `rs`'s GPU: [T][n][K].
+  Status plain_ids(const StepShape& sh, const RankState& rs, std::vector<int32_t>* plain) {
+    const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
+    plain->assign(static_cast<size_t>(kHeads * n * kTopk), -1);
+    STEP_CUDA(cudaSetDevice(rs.device));
+    std::unique_ptr<Decoder> dec;
+    CPIDX_RETURN_IF_ERROR(Decoder::create(config(sh, 1, 0), rs.device, &dec));
+    int32_t* ids = nullptr;
+    STEP_CUDA(cudaMalloc(&ids, plain->size() * 4));
+    Status s = dec->decode(inputs(sh, rs.sets[0], rs.device, 0, kHeads),
+                           TopkOutput{ids, n * kTopk, kTopk}, nullptr, rs.stream);
+    cudaError_t e = cudaStreamSynchronize(rs.stream);
+    if (e == cudaSuccess) {
+      e = cudaMemcpy(plain->data(), ids, plain->size() * 4, cudaMemcpyDeviceToHost);
+    }
+    cudaFree(ids);
+    CPIDX_RETURN_IF_ERROR(s);
+    return cuda_ok(e, "plain decode");
+  }
+
+  // Rows of one rank's owned heads (ids [L][n][K]) that differ from the plain ids, bitwise.
+  static int64_t bad_rows(int64_t n, const Geometry& geo, const int32_t* ids,
+                          const std::vector<int32_t>& plain) {
+    int64_t bad = 0;
+    for (int j = 0; j < geo.local_heads; ++j) {
+      for (int64_t row = 0; row < n; ++row) {
+        const int32_t* got = ids + (j * n + row) * kTopk;
+        const int32_t* want = plain.data() + ((geo.head_offset + j) * n + row) * kTopk;
+        if (!std::equal(got, got + kTopk, want)) ++bad;
+      }
+    }
+    return bad;
+  }
+
   // Set 0: every rank's owned heads against the plain decode of all heads on GPU 0, bitwise.
   std::string check(const StepShape& sh, std::vector<RankState>& ranks) {
     const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
-    std::vector<int32_t> plain(static_cast<size_t>(kHeads * n * kTopk));
+    std::vector<int32_t> plain;
+    if (Status st = plain_ids(sh, ranks[0], &plain); !st.is_ok()) return "plain: " + st.message();
+    int64_t bad = 0;
+    for (const RankState& rs : ranks) bad += bad_rows(n, rs.geo, rs.ids0.data(), plain);
+    return bad == 0 ? "ok" : "FAIL(" + std::to_string(bad) + ")";
+  }
+
+  // Under MPI: this process's replays, launched back to back after a barrier (the exchanges keep
+  // the ranks in step; the first 3 are warm-up), each timed between consecutive events on its
+  // own GPU. Returns the slowest rank's median replay / calls, in µs, on every rank.
+  Status time_process(RankState& rs, bool exchange, int replays, int calls, double* us) {
+    std::vector<cudaEvent_t> marks(static_cast<size_t>(replays + 4), nullptr);
     Status st = [&]() -> Status {
-      STEP_CUDA(cudaSetDevice(0));
-      std::unique_ptr<Decoder> dec;
-      CPIDX_RETURN_IF_ERROR(Decoder::create(config(sh, 1, 0), 0, &dec));
-      int32_t* ids = nullptr;
-      STEP_CUDA(cudaMalloc(&ids, plain.size() * 4));
-      Status s = dec->decode(inputs(sh, ranks[0].sets[0], 0, 0, kHeads),
-                             TopkOutput{ids, n * kTopk, kTopk}, nullptr, ranks[0].stream);
-      cudaError_t e = cudaStreamSynchronize(ranks[0].stream);
-      if (e == cudaSuccess) e = cudaMemcpy(plain.data(), ids, plain.size() * 4, cudaMemcpyDeviceToHost);
-      cudaFree(ids);
-      CPIDX_RETURN_IF_ERROR(s);
-      return cuda_ok(e, "plain decode on GPU 0");
+      STEP_CUDA(cudaSetDevice(rs.device));
+      for (cudaEvent_t& e : marks) STEP_CUDA(cudaEventCreate(&e));
+      CPIDX_RETURN_IF_ERROR(processes->barrier());
+      STEP_CUDA(cudaEventRecord(marks[0], rs.stream));
+      for (int i = 0; i < replays + 3; ++i) {
+        STEP_CUDA(cudaGraphLaunch(exchange ? rs.xchg_exec : rs.step_exec, rs.stream));
+        STEP_CUDA(cudaEventRecord(marks[static_cast<size_t>(i + 1)], rs.stream));
+      }
+      STEP_CUDA(cudaStreamSynchronize(rs.stream));
+      std::vector<float> times;
+      for (int i = 3; i < replays + 3; ++i) {
+        float ms = 0;
+        STEP_CUDA(cudaEventElapsedTime(&ms, marks[static_cast<size_t>(i)],
+                                       marks[static_cast<size_t>(i + 1)]));
+        times.push_back(ms);
+      }
+      std::sort(times.begin(), times.end());
+      *us = times[times.size() / 2] * 1e3 / calls;
+      return Status::ok();
     }();
-    if (!st.is_ok()) return "plain: " + st.message();
-    int64_t bad_rows = 0;
-    for (const RankState& rs : ranks) {
-      for (int j = 0; j < rs.geo.local_heads; ++j) {
-        for (int64_t row = 0; row < n; ++row) {
-          const int32_t* got = rs.ids0.data() + (j * n + row) * kTopk;
-          const int32_t* want = plain.data() + ((rs.geo.head_offset + j) * n + row) * kTopk;
-          if (!std::equal(got, got + kTopk, want)) ++bad_rows;
+    for (cudaEvent_t e : marks) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    // Every rank takes part whatever happened here; a failed rank reports a negative time.
+    const double mine = st.is_ok() ? *us : -1.0;
+    std::vector<double> all(static_cast<size_t>(processes->world_size()));
+    CPIDX_RETURN_IF_ERROR(processes->all_gather(&mine, all.data(), sizeof(double), nullptr));
+    CPIDX_RETURN_IF_ERROR(st);
+    for (double t : all) {
+      if (t < 0) return Status(StatusCode::kCommError, "another rank failed to time its replays");
+    }
+    *us = *std::max_element(all.begin(), all.end());
+    return Status::ok();
+  }
+
+  // Under MPI: this process's device communicator for the shape, made (collectively) on first
+  // use; the peer one again when a larger payload needs it.
+  Status process_comm(const StepShape& sh, size_t need, Communicator** comm) {
+    const bool peer = sh.exchange != "nccl";
+    std::unique_ptr<Communicator>& c = peer ? process_peer : process_nccl;
+    const size_t bound = std::max<size_t>(need, 64 << 10);
+    if (c == nullptr || (peer && process_peer_max < need)) {
+      c.reset();  // every rank's old one goes before the new ones are made
+      CPIDX_RETURN_IF_ERROR(make_process_communicator(*processes, process_device,
+                                                      peer ? "peer" : "nccl", bound, &c));
+      if (peer) process_peer_max = bound;
+    }
+    *comm = c.get();
+    return Status::ok();
+  }
+
+  // Under MPI: this process's rank of the shape; rank 0 checks every rank's set-0 ids.
+  void run_process(const StepShape& sh, int replays, const std::vector<HostSet>& hsets,
+                   int calls_per_set, size_t need, StepResult* res) {
+    const int64_t n = static_cast<int64_t>(sh.reqs) * sh.qlen;
+    Communicator* comm = nullptr;
+    if (Status st = process_comm(sh, need, &comm); !st.is_ok()) {
+      res->check = sh.exchange + ": " + st.message();
+      return;
+    }
+    RankState rs;
+    rank_work(rs, *comm, sh, hsets, calls_per_set, process_device);
+    // Every rank's status and ids reach every rank (same byte counts, failed or not).
+    const int P = processes->world_size();
+    const int32_t ok = rs.status.is_ok() ? 1 : 0;
+    std::vector<int32_t> oks(static_cast<size_t>(P));
+    Geometry geo;
+    make_geometry(kHeads, P, 0, &geo);  // local_heads is the same on every rank
+    const size_t count = static_cast<size_t>(geo.local_heads * n * kTopk);
+    rs.ids0.resize(count, -2);
+    std::vector<int32_t> all_ids(count * static_cast<size_t>(P));
+    Status st = processes->all_gather(&ok, oks.data(), sizeof(int32_t), nullptr);
+    if (st.is_ok()) {
+      st = processes->all_gather(rs.ids0.data(), all_ids.data(), count * 4, nullptr);
+    }
+    if (st.is_ok() && !rs.status.is_ok()) st = rs.status;
+    for (int r = 0; r < P && st.is_ok(); ++r) {
+      if (oks[static_cast<size_t>(r)] == 0) {
+        st = Status(StatusCode::kCommError, "rank " + std::to_string(r) + " failed its step");
+      }
+    }
+    if (!st.is_ok()) {
+      res->check = "rank " + std::to_string(processes->rank()) + ": " + st.message();
+      rs.release();
+      return;
+    }
+    res->q_bytes = n * geo.local_heads * kHeadDim * 2;
+    res->k_bytes = static_cast<int64_t>(kHeads) * n * kTopk * static_cast<int64_t>(sizeof(Key));
+    // Rank 0's plain decode decides; its count of bad rows reaches every rank (-1: it failed).
+    int64_t bad = 0;
+    std::string plain_error;
+    if (processes->rank() == 0) {
+      std::vector<int32_t> plain;
+      if (Status ps = plain_ids(sh, rs, &plain); !ps.is_ok()) {
+        bad = -1;
+        plain_error = ps.message();
+      } else {
+        for (int r = 0; r < P; ++r) {
+          Geometry g;
+          make_geometry(kHeads, P, r, &g);
+          bad += bad_rows(n, g, all_ids.data() + count * static_cast<size_t>(r), plain);
         }
       }
     }
-    return bad_rows == 0 ? "ok" : "FAIL(" + std::to_string(bad_rows) + ")";
+    std::vector<int64_t> verdicts(static_cast<size_t>(P));
+    st = processes->all_gather(&bad, verdicts.data(), sizeof(int64_t), nullptr);
+    bad = st.is_ok() ? verdicts[0] : -1;
+    res->check = bad == 0 ? "ok"
+                 : bad > 0 ? "FAIL(" + std::to_string(bad) + ")"
+                           : "plain: " + (plain_error.empty() ? st.message() : plain_error);
+    st = time_process(rs, false, replays, res->calls, &res->us);
+    if (st.is_ok()) st = time_process(rs, true, replays, res->calls, &res->exchange_us);
+    if (!st.is_ok()) res->check = "timing: " + st.message();
+    rs.release();
   }
 };
 
-StepBench::StepBench(int64_t pool_mb, std::string dtype, bool pdl) : impl_(new Impl) {
+StepBench::StepBench(int64_t pool_mb, std::string dtype, bool pdl, Communicator* processes)
+    : impl_(new Impl) {
   Impl& im = *impl_;
+  im.processes = processes;
+  if (processes != nullptr) im.process_device = process_device(*processes);
   im.dtype = std::move(dtype);
   im.pdl = pdl;
   im.page_bytes = im.dtype == "fp8" ? kPageBytesBf16 / 2 : kPageBytesBf16;
@@ -386,10 +537,14 @@ StepBench::StepBench(int64_t pool_mb, std::string dtype, bool pdl) : impl_(new I
 
 StepBench::~StepBench() = default;
 
-std::string StepBench::unavailable(int world) {
+std::string StepBench::unavailable(int world) const {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   if (world < 2) return "stepP needs P >= 2";
+  if (impl_->processes != nullptr && impl_->processes->world_size() != world) {
+    return "step" + std::to_string(world) + " under mpirun needs -np " + std::to_string(world) +
+           " (one process per GPU), got " + std::to_string(impl_->processes->world_size());
+  }
   if (count < world) {
     return "step" + std::to_string(world) + " needs " + std::to_string(world) + " GPUs, found " +
            std::to_string(count);
@@ -436,6 +591,21 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
     fill_random_bf16(h.query, rng());
   }
 
+  // The larger of the two gathers' payloads per rank (queries [n, L, D], keys [T, n, K]).
+  Geometry g;
+  if (Status st = make_geometry(kHeads, P, 0, &g); !st.is_ok()) {
+    res.check = st.message();
+    return res;
+  }
+  const size_t need = std::max<size_t>(static_cast<size_t>(n) * g.local_heads * kHeadDim * 2,
+                                       static_cast<size_t>(kHeads) * n * kTopk * sizeof(Key));
+  if (im.processes != nullptr) {
+    im.run_process(sh, replays, hsets, calls_per_set, need, &res);
+    res.gbps = res.us > 0 ? shard_bytes / (res.us * 1e-6) / 1e9 : 0;
+    cudaSetDevice(im.process_device);
+    return res;
+  }
+
   auto& nccl = im.comms[P];
   const bool peer = sh.exchange == "peer" || sh.exchange == "peer-gather";
   if (nccl.empty() && !peer) {
@@ -451,13 +621,6 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
   std::vector<std::unique_ptr<Communicator>>* comms_of_shape = &nccl;
   if (peer) {
 #if defined(CPIDX_WITH_PEER)
-    Geometry g;
-    if (Status st = make_geometry(kHeads, P, 0, &g); !st.is_ok()) {
-      res.check = st.message();
-      return res;
-    }
-    const size_t need = std::max<size_t>(static_cast<size_t>(n) * g.local_heads * kHeadDim * 2,
-                                         static_cast<size_t>(kHeads) * n * kTopk * sizeof(Key));
     auto& peers = im.peers[P];
     if (peers.empty() || im.peer_max[P] < need) {
       peers.clear();  // every rank's old one goes before the new ones are made
@@ -495,7 +658,7 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
     for (int r = 0; r < P; ++r) {
       threads.emplace_back([&, r] {
         im.rank_work(ranks[static_cast<size_t>(r)], *comms[static_cast<size_t>(r)], sh, hsets,
-                     calls_per_set);
+                     calls_per_set, r);
       });
     }
     for (std::thread& t : threads) t.join();

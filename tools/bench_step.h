@@ -1,12 +1,15 @@
 // tools/bench_step.h: `cpidx bench --modes stepP`: the whole context-parallel step on P real GPUs
-// (one host thread per GPU, inside one CUDA graph per GPU, both exchanges included), and the
-// exchange alone (two all-gathers of the step's payload sizes), timed across all the GPUs. The
-// exchanges go through NCCL or the peer communicator (cpidx/comm_peer.h).
+// (one host thread per GPU, or one process per GPU under mpirun; inside one CUDA graph per GPU,
+// both exchanges included), and the exchange alone (two all-gathers of the step's payload
+// sizes), timed across all the GPUs. The exchanges go through NCCL or the peer communicator
+// (cpidx/comm_peer.h).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
+
+#include "cpidx/comm.h"
 
 namespace cpidx::tools {
 
@@ -31,13 +34,16 @@ struct StepResult {
 
 class StepBench {
  public:
-  StepBench(int64_t pool_mb, std::string dtype, bool pdl);
+  // `processes`: under mpirun, the host communicator of the processes (this process is one rank
+  // on GPU rank % devices; not owned, must outlive the bench); nullptr: one thread per GPU.
+  // Under MPI every process must call run() with the same shapes in the same order.
+  StepBench(int64_t pool_mb, std::string dtype, bool pdl, Communicator* processes = nullptr);
   ~StepBench();
   StepBench(const StepBench&) = delete;
   StepBench& operator=(const StepBench&) = delete;
 
   // Empty when this build and machine can run a step of `world` GPUs; else why not.
-  static std::string unavailable(int world);
+  std::string unavailable(int world) const;
   // "NCCL 2.28.3 (library), ...; NCCL_GRAPH_MIXING_SUPPORT=unset; NCCL_NVLS_ENABLE=0"
   static std::string environment();
 

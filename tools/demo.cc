@@ -40,6 +40,7 @@ struct DemoOptions {
   bool mpi = false;
   bool gpu = true;    // also run the GPU path when a GPU is present
   bool gpus = false;  // the context-parallel step on P real GPUs through NCCL
+  std::string exchange = "nccl";  // the GPU step's exchange under MPI: nccl or peer
   bool ranks_given = false;  // --ranks was on the command line
 };
 
@@ -383,7 +384,32 @@ int run_mpi(const DemoOptions& o, int* argc, char*** argv, const SyntheticConfig
   }
   std::vector<int32_t> verdicts(static_cast<size_t>(P));
   s = comm->all_gather(&verdict, verdicts.data(), sizeof(int32_t), nullptr);
-  return s.is_ok() ? verdicts[0] : kExitFailed;
+  if (!s.is_ok() || !o.gpu) return s.is_ok() ? verdicts[0] : kExitFailed;
+
+  // The GPU step is collective: every rank takes it or none, so the ranks agree on the fewest
+  // GPUs any of them sees (0 in a CPU build or without a GPU).
+  const int32_t gpus = gpu_available() ? gpu_count() : 0;
+  std::vector<int32_t> counts(static_cast<size_t>(P));
+  if (Status g = comm->all_gather(&gpus, counts.data(), sizeof(int32_t), nullptr); !g.is_ok()) {
+    std::fprintf(stderr, "cpidx demo: rank %d: %s\n", rank, g.to_string().c_str());
+    return kExitFailed;
+  }
+  const int fewest = *std::min_element(counts.begin(), counts.end());
+  if (fewest == 0) return verdicts[0];  // no GPU: the CPU report is the demo, as with threads
+  const bool built = o.exchange == "peer" ? built_with_peer() : built_with_nccl();
+  if (fewest < P || !built) {
+    if (printer && fewest < P) {
+      std::printf("# GPU step skipped: %d GPU%s on this host for %d MPI processes (it needs one "
+                  "GPU per process)\n", fewest, fewest == 1 ? "" : "s", P);
+    } else if (printer) {
+      std::printf("# GPU step skipped: --exchange %s, but this cpidx was built without %s\n",
+                  o.exchange.c_str(), o.exchange == "peer" ? "the peer communicator" : "NCCL");
+    }
+    std::fflush(stdout);
+    return verdicts[0];
+  }
+  progress(printer, "GPU decode and context-parallel step, one process per GPU");
+  return std::max<int>(verdicts[0], run_demo_gpu_mpi(*comm, step, sel, o.exchange, plain));
 }
 
 }  // namespace
@@ -396,12 +422,13 @@ int run_demo(int argc, char** argv) {
               "top-K blocks twice: context-parallel over --ranks ranks (threads, or one MPI\n"
               "process per rank under mpirun) and plain on all heads. Checks that both select\n"
               "identical ids in identical order and reports, per rank, the index-cache bytes read\n"
-              "and the time of each stage. With a GPU (CUDA build, not under MPI) it then runs\n"
-              "the plain GPU decode and the context-parallel step (P real GPUs through NCCL, or P\n"
-              "ranks simulated on GPU 0) with CUDA-event stage times, and checks GPU ids against\n"
-              "the CPU reference (near-ties within 1e-3 allowed) and context-parallel against\n"
-              "plain GPU (bitwise). Exit code 0 when everything agrees, 1 when not, 2 on bad\n"
-              "flags.");
+              "and the time of each stage. With a GPU (CUDA build) it then runs the plain GPU\n"
+              "decode and the context-parallel step (threads: P real GPUs through NCCL, or P\n"
+              "ranks simulated on GPU 0; under mpirun: one process per GPU through --exchange,\n"
+              "skipped with fewer GPUs than processes) with CUDA-event stage times, and checks\n"
+              "GPU ids against the CPU reference (near-ties within 1e-3 allowed) and\n"
+              "context-parallel against plain GPU (bitwise). Exit code 0 when everything agrees,\n"
+              "1 when not, 2 on bad flags.");
   flags.add("heads", &o.heads, "index heads T")
       .add("ranks", &o.ranks, "tensor-parallel ranks P, run as threads (under MPI: the processes)")
       .add("requests", &o.requests, "decode requests in the batch")
@@ -419,18 +446,15 @@ int run_demo(int argc, char** argv) {
       .add("gpus", &o.gpus,
            "run the GPU context-parallel step on P real GPUs through NCCL, one thread per GPU; "
            "without it, real GPUs only when P equals the GPU count, else P ranks simulated on "
-           "GPU 0");
+           "GPU 0 (threads only: under MPI each process always runs on its own GPU)")
+      .add("exchange", &o.exchange,
+           "the GPU step's exchange under MPI (threads use NCCL): NCCL, or the peer "
+           "communicator (one host, peer access)",
+           {"nccl", "peer"});
   if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   o.ranks_given = flags.is_set("ranks");
   if (std::string e = check_options(o); !e.empty()) {
     std::fprintf(stderr, "cpidx demo: %s\n", e.c_str());
-    return kExitUsage;
-  }
-  if (o.gpus && (!built_with_nccl() || o.ranks < 2 || gpu_count() < o.ranks || !o.gpu)) {
-    std::fprintf(stderr, "cpidx demo: --gpus needs a build with NCCL, --ranks >= 2, --gpu and "
-                 "at least --ranks GPUs (NCCL %s, --ranks=%lld, %d GPUs)\n",
-                 built_with_nccl() ? "built" : "not built", static_cast<long long>(o.ranks),
-                 gpu_count());
     return kExitUsage;
   }
   SyntheticConfig config;
@@ -457,6 +481,19 @@ int run_demo(int argc, char** argv) {
       return kExitUsage;
     }
     return run_mpi(o, &argc, &argv, config, sel);
+  }
+  if (o.gpus && (!built_with_nccl() || o.ranks < 2 || gpu_count() < o.ranks || !o.gpu)) {
+    std::fprintf(stderr, "cpidx demo: --gpus needs a build with NCCL, --ranks >= 2, --gpu and "
+                 "at least --ranks GPUs (NCCL %s, --ranks=%lld, %d GPUs)\n",
+                 built_with_nccl() ? "built" : "not built", static_cast<long long>(o.ranks),
+                 gpu_count());
+    return kExitUsage;
+  }
+  if (o.exchange != "nccl") {
+    std::fprintf(stderr, "cpidx demo: --exchange=%s works under mpirun only (one process per "
+                 "GPU); with ranks as threads the GPU step exchanges through NCCL\n",
+                 o.exchange.c_str());
+    return kExitUsage;
   }
   return run_threads(o, config, sel);
 }

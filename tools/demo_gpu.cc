@@ -1,6 +1,7 @@
-// tools/demo_gpu.cc: the GPU part of `cpidx demo`: the plain GPU decode on GPU 0 and the
-// context-parallel step on P GPUs through NCCL (one thread per GPU; stages timed one by one with
-// CUDA events, then the library's whole cp_decode) or P ranks simulated on GPU 0, then the checks.
+// tools/demo_gpu.cc: the GPU part of `cpidx demo`: the plain GPU decode on the first GPU and the
+// context-parallel step on P GPUs (one thread per GPU through NCCL, or one MPI process per GPU
+// through NCCL or the peer communicator; stages timed one by one with CUDA events, then the
+// library's whole cp_decode) or P ranks simulated on GPU 0, then the checks.
 #include "demo_gpu.h"
 
 #include <cstdio>
@@ -19,8 +20,12 @@
 
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
+#include "rank_comm.h"
 #if defined(CPIDX_WITH_NCCL)
 #include "cpidx/comm_nccl.h"
+#endif
+#if defined(CPIDX_WITH_PEER)
+#include "cpidx/comm_peer.h"
 #endif
 #endif
 
@@ -30,7 +35,12 @@ namespace cpidx::tools {
 
 int gpu_count() { return 0; }
 bool built_with_nccl() { return false; }
+bool built_with_peer() { return false; }
 int run_demo_gpu(const SyntheticStep&, const Selection&, int, bool, const std::vector<int32_t>&) {
+  return kExitOk;
+}
+int run_demo_gpu_mpi(Communicator&, const SyntheticStep&, const Selection&, const std::string&,
+                     const std::vector<int32_t>&) {
   return kExitOk;
 }
 
@@ -43,6 +53,14 @@ int gpu_count() {
 
 bool built_with_nccl() {
 #if defined(CPIDX_WITH_NCCL)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool built_with_peer() {
+#if defined(CPIDX_WITH_PEER)
   return true;
 #else
   return false;
@@ -172,22 +190,24 @@ struct GpuRank {
 
 struct GpuPlain {
   Status status;
+  int device = 0;
   double ms = 0;
   int32_t device_errors = 0;
   std::vector<int32_t> ids;  // [T][n][K]
 };
 
-// The plain decode of all heads on GPU 0: one warm-up call, one timed call.
-GpuPlain run_plain(const SyntheticStep& s, const Selection& sel) {
+// The plain decode of all heads on `device`: one warm-up call, one timed call.
+GpuPlain run_plain(const SyntheticStep& s, const Selection& sel, int device = 0) {
   GpuPlain res;
+  res.device = device;
   const int T = s.config.total_heads;
   const int64_t n = s.num_rows();
   res.status = [&]() -> Status {
-    DEMO_CUDA(cudaSetDevice(0));
+    DEMO_CUDA(cudaSetDevice(device));
     DeviceStep d;
     CPIDX_RETURN_IF_ERROR(d.upload(s));
     std::unique_ptr<Decoder> dec;
-    CPIDX_RETURN_IF_ERROR(Decoder::create(config_of(s, sel, 1, 0), 0, &dec));
+    CPIDX_RETURN_IF_ERROR(Decoder::create(config_of(s, sel, 1, 0), device, &dec));
     DeviceBuffer ids;
     const size_t count = static_cast<size_t>(T * n * sel.topk);
     CPIDX_RETURN_IF_ERROR(ids.alloc(count * 4));
@@ -268,17 +288,17 @@ std::vector<GpuRank> run_simulated(const SyntheticStep& s, const Selection& sel,
   return ranks;
 }
 
-#if defined(CPIDX_WITH_NCCL)
-// One rank of the real step, on GPU `comm.rank()`, from its own thread. The stages run one by
-// one with events between them (gather q; score + top-k of all heads on this rank's shard, from
-// this GPU's copy of the queries, identical to the gathered ones; gather keys; merge), then the
-// library's cp_decode as one call. A rank that fails before its first collective still takes
-// part in the agreement the peers wait in.
-GpuRank real_rank(Communicator& comm, const SyntheticStep& s, const Selection& sel) {
+// One rank of the real step, on GPU `device` (the device of `comm`), from its own thread or
+// process. The stages run one by one with events between them (gather q; score + top-k of all
+// heads on this rank's shard, from this GPU's copy of the queries, identical to the gathered ones;
+// gather keys; merge), then the library's cp_decode as one call. A rank that fails before its
+// first collective still takes part in the agreement the peers wait in.
+GpuRank real_rank(Communicator& comm, int device, const SyntheticStep& s, const Selection& sel) {
   GpuRank rep;
   const int P = comm.world_size(), T = s.config.total_heads, K = sel.topk;
   const int64_t n = s.num_rows();
-  rep.rank = rep.device = comm.rank();
+  rep.rank = comm.rank();
+  rep.device = device;
   DeviceStep d;
   std::unique_ptr<Decoder> dec;
   DeviceBuffer q_local, q_recv, keys_send, keys_recv, ids_stage, ids_cp;
@@ -338,6 +358,18 @@ GpuRank real_rank(Communicator& comm, const SyntheticStep& s, const Selection& s
   keep(dec->cp_decode(comm, local, out_cp, nullptr, tl.stream));
   keep(tl.mark(5));
   keep(cuda_ok(cudaStreamSynchronize(tl.stream), "cudaStreamSynchronize"));
+#if defined(CPIDX_WITH_PEER)
+  // A peer wait that timed out leaves undefined ids behind: fail the rank, naming the cause.
+  if (int32_t* word = peer_error_flag(comm); word != nullptr && st.is_ok()) {
+    int32_t bits = 0;
+    keep(cuda_ok(cudaMemcpy(&bits, word, 4, cudaMemcpyDeviceToHost),
+                 "cudaMemcpy (peer error word)"));
+    if (bits != 0) {
+      keep(Status(StatusCode::kCommError, "peer communicator: error word " +
+                                              std::to_string(bits) + " (a peer wait timed out)"));
+    }
+  }
+#endif
   if (st.is_ok()) {
     rep.gather_q_ms = tl.ms(0, 1);
     rep.score_ms = tl.ms(1, 2);
@@ -354,6 +386,7 @@ GpuRank real_rank(Communicator& comm, const SyntheticStep& s, const Selection& s
   return rep;
 }
 
+#if defined(CPIDX_WITH_NCCL)
 std::vector<GpuRank> run_real(const SyntheticStep& s, const Selection& sel, int P) {
   std::vector<GpuRank> ranks(static_cast<size_t>(P));
   std::vector<int> devices;
@@ -367,7 +400,8 @@ std::vector<GpuRank> run_real(const SyntheticStep& s, const Selection& sel, int 
   }
   std::vector<std::thread> threads;
   for (int r = 0; r < P; ++r) {
-    threads.emplace_back([&, r] { ranks[static_cast<size_t>(r)] = real_rank(*comms[r], s, sel); });
+    threads.emplace_back(
+        [&, r] { ranks[static_cast<size_t>(r)] = real_rank(*comms[r], r, s, sel); });
   }
   for (std::thread& t : threads) t.join();
   return ranks;
@@ -418,37 +452,39 @@ void print_ms(double ms, int width) {
   }
 }
 
-}  // namespace
-
-int run_demo_gpu(const SyntheticStep& step, const Selection& sel, int ranks, bool real_gpus,
-                 const std::vector<int32_t>& cpu_plain_ids) {
-  const int P = ranks, T = step.config.total_heads, K = sel.topk;
-  const int64_t n = step.num_rows();
+// "# GPU: <count> x <name of `device`>; <how>", the first line of the GPU report.
+void print_gpu_header(int device, const std::string& how) {
   cudaDeviceProp prop;
-  const bool named = cudaGetDeviceProperties(&prop, 0) == cudaSuccess;
-  std::printf("#\n# GPU: %d x %s; ", gpu_count(), named ? prop.name : "CUDA device");
-#if defined(CPIDX_WITH_NCCL)
-  if (real_gpus) {
-    const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
-    std::printf("context-parallel step on GPUs 0-%d through %s, one thread per GPU "
-                "(NCCL_NVLS_ENABLE=%s)\n", P - 1, nccl_version_text().c_str(),
-                nvls ? nvls : "unset, set to 0 by cpidx");
-  }
-#endif
-  if (!real_gpus) {
-    std::printf("context-parallel rank work of %d ranks simulated on GPU 0 (exchanges are "
-                "in-place reads%s)\n", P,
-                gpu_count() >= 2 ? "; --gpus runs P ranks on P real GPUs" : "");
-  }
+  const bool named = cudaGetDeviceProperties(&prop, device) == cudaSuccess;
+  std::printf("#\n# GPU: %d x %s; %s\n", gpu_count(), named ? prop.name : "CUDA device",
+              how.c_str());
   std::fflush(stdout);
+}
 
-  const GpuPlain plain = run_plain(step, sel);
-  std::vector<GpuRank> runs;
+// What the real step exchanges through, for the header.
+std::string exchange_text(const std::string& exchange) {
+  if (exchange == "peer") return "the peer communicator";
 #if defined(CPIDX_WITH_NCCL)
-  if (real_gpus) runs = run_real(step, sel, P);
+  return nccl_version_text();
+#else
+  return "NCCL (not built)";
 #endif
-  if (!real_gpus) runs = run_simulated(step, sel, P);
+}
 
+// NCCL's NVLS setting for the header (the factories set it to 0 when unset); empty for peer.
+std::string nvls_note(const std::string& exchange) {
+  if (exchange == "peer") return {};
+  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  return std::string(" (NCCL_NVLS_ENABLE=") + (nvls ? nvls : "unset, set to 0 by cpidx") + ")";
+}
+
+// The GPU table and verdict, after the header; returns the exit code. `real_gpus`: the ranks ran
+// on their own GPUs (stage-by-stage step and cp_decode, both checked); else simulated on one.
+int print_gpu_report(const SyntheticStep& step, const Selection& sel, const GpuPlain& plain,
+                     const std::vector<GpuRank>& runs, bool real_gpus,
+                     const std::vector<int32_t>& cpu_plain_ids) {
+  const int T = step.config.total_heads, K = sel.topk;
+  const int64_t n = step.num_rows();
   std::printf("#                  -------------------- GPU time (ms, CUDA events) "
               "--------------------\n");
   std::printf("#  rank  gpu  heads   gather q  score+top-k  gather keys      merge  %s\n",
@@ -462,7 +498,7 @@ int run_demo_gpu(const SyntheticStep& step, const Selection& sel, int ranks, boo
     print_ms(r.step_ms, 9);
     std::printf("\n");
   }
-  std::printf("%7s  %3d  %5s", "plain", 0, head_span(0, T).c_str());
+  std::printf("%7s  %3d  %5s", "plain", plain.device, head_span(0, T).c_str());
   print_ms(-1, 9);
   print_ms(plain.ms, 11);
   print_ms(-1, 11);
@@ -514,6 +550,157 @@ int run_demo_gpu(const SyntheticStep& step, const Selection& sel, int ranks, boo
   }
   std::fflush(stdout);
   return failure.empty() ? kExitOk : kExitFailed;
+}
+
+// One rank's GpuRank without its ids, as fixed-size bytes for the host all_gather (the same
+// binary on every rank, so the layout agrees).
+struct GpuRankRecord {
+  int32_t status_code = 0;  // StatusCode of the rank's run
+  int32_t device_errors = 0;
+  int32_t device = 0, head_offset = 0, local_heads = 0, unused = 0;
+  double gather_q_ms = -1, score_ms = -1, gather_keys_ms = -1, merge_ms = -1, step_ms = -1;
+  char message[200] = {};  // the status message, cut to fit
+};
+
+GpuRankRecord record_of(const GpuRank& r) {
+  GpuRankRecord x;
+  x.status_code = static_cast<int32_t>(r.status.code());
+  x.device_errors = r.device_errors;
+  x.device = r.device;
+  x.head_offset = r.head_offset;
+  x.local_heads = r.local_heads;
+  x.gather_q_ms = r.gather_q_ms;
+  x.score_ms = r.score_ms;
+  x.gather_keys_ms = r.gather_keys_ms;
+  x.merge_ms = r.merge_ms;
+  x.step_ms = r.step_ms;
+  std::snprintf(x.message, sizeof(x.message), "%s", r.status.message().c_str());
+  return x;
+}
+
+// Rank `rank`'s GpuRank from its record and its [ids | stage ids] slice of `per_rank` ids each.
+GpuRank rank_of(int rank, GpuRankRecord x, const int32_t* ids, size_t per_rank, int64_t n, int K) {
+  GpuRank r;
+  x.message[sizeof(x.message) - 1] = '\0';
+  if (x.status_code != 0) r.status = Status(static_cast<StatusCode>(x.status_code), x.message);
+  r.rank = rank;
+  r.device = x.device;
+  r.head_offset = x.head_offset;
+  r.local_heads = x.local_heads;
+  r.device_errors = x.device_errors;
+  r.gather_q_ms = x.gather_q_ms;
+  r.score_ms = x.score_ms;
+  r.gather_keys_ms = x.gather_keys_ms;
+  r.merge_ms = x.merge_ms;
+  r.step_ms = x.step_ms;
+  const size_t count =
+      std::min(per_rank, static_cast<size_t>(std::max(x.local_heads, 0)) * n * K);
+  r.ids.assign(ids, ids + count);
+  r.stage_ids.assign(ids + per_rank, ids + per_rank + count);
+  return r;
+}
+
+}  // namespace
+
+int run_demo_gpu(const SyntheticStep& step, const Selection& sel, int ranks, bool real_gpus,
+                 const std::vector<int32_t>& cpu_plain_ids) {
+  const int P = ranks;
+  std::string how;
+  if (real_gpus) {
+    how = "context-parallel step on GPUs 0-" + std::to_string(P - 1) + " through " +
+          exchange_text("nccl") + ", one thread per GPU" + nvls_note("nccl");
+  } else {
+    how = "context-parallel rank work of " + std::to_string(P) + " ranks simulated on GPU 0 " +
+          "(exchanges are in-place reads" +
+          (gpu_count() >= 2 ? "; --gpus runs P ranks on P real GPUs)" : ")");
+  }
+  print_gpu_header(0, how);
+
+  const GpuPlain plain = run_plain(step, sel);
+  std::vector<GpuRank> runs;
+#if defined(CPIDX_WITH_NCCL)
+  if (real_gpus) runs = run_real(step, sel, P);
+#endif
+  if (!real_gpus) runs = run_simulated(step, sel, P);
+  return print_gpu_report(step, sel, plain, runs, real_gpus, cpu_plain_ids);
+}
+
+int run_demo_gpu_mpi(Communicator& host, const SyntheticStep& step, const Selection& sel,
+                     const std::string& exchange, const std::vector<int32_t>& cpu_plain_ids) {
+  const int P = host.world_size(), T = step.config.total_heads, K = sel.topk;
+  const int64_t n = step.num_rows();
+  const bool printer = host.rank() == 0;
+  const int device = process_device(host);
+  Geometry geo;
+  if (Status s = make_geometry(T, P, 0, &geo); !s.is_ok()) {
+    // The caller checked the geometry; the same answer on every rank, before any collective.
+    if (printer) std::fprintf(stderr, "cpidx demo: --heads: %s\n", s.to_string().c_str());
+    return kExitFailed;
+  }
+  // Every rank owns L heads, so every rank's ids have the same size.
+  const size_t per_rank = static_cast<size_t>(geo.local_heads * n * K);
+  if (printer) {
+    print_gpu_header(device, "context-parallel step on GPUs 0-" + std::to_string(P - 1) +
+                                 " through " + exchange_text(exchange) +
+                                 ", one MPI process per GPU" + nvls_note(exchange));
+  }
+  GpuPlain plain;
+  if (printer) plain = run_plain(step, sel, device);
+
+  GpuRank mine;
+  {
+    // The peer communicator's bound: the larger of the two gathers (queries [n, L, D] bf16, keys
+    // [T, n, K]), at least 64 KiB.
+    const size_t peer_bytes = std::max({static_cast<size_t>(n) * geo.local_heads * kHeadDim * 2,
+                                        static_cast<size_t>(T * n * K) * sizeof(Key),
+                                        size_t{64} << 10});
+    std::unique_ptr<Communicator> comm;
+    const Status made = make_process_communicator(host, device, exchange, peer_bytes, &comm);
+    if (made.is_ok()) {
+      mine = real_rank(*comm, device, step, sel);
+      // No gather may be in flight when the communicator goes (the peer one unmaps its buffers).
+      cudaSetDevice(device);
+      cudaDeviceSynchronize();
+    } else {
+      mine.rank = host.rank();
+      mine.device = device;
+      mine.status = made;  // every rank failed with it together: no collective left waiting
+    }
+  }  // every rank destroys its communicator here (collective for the peer one)
+
+  // Every rank sends the same byte count, a failed one its record and ids padded with -2.
+  const GpuRankRecord record = record_of(mine);
+  std::vector<int32_t> ids(2 * per_rank, -2);  // [ids | stage ids]
+  std::copy_n(mine.ids.begin(), std::min(per_rank, mine.ids.size()), ids.begin());
+  std::copy_n(mine.stage_ids.begin(), std::min(per_rank, mine.stage_ids.size()),
+              ids.begin() + static_cast<int64_t>(per_rank));
+  std::vector<GpuRankRecord> records(static_cast<size_t>(P));
+  std::vector<int32_t> all_ids(2 * per_rank * static_cast<size_t>(P));
+  Status s = host.all_gather(&record, records.data(), sizeof(GpuRankRecord), nullptr);
+  if (s.is_ok()) {
+    s = host.all_gather(ids.data(), all_ids.data(), ids.size() * sizeof(int32_t), nullptr);
+  }
+  int32_t verdict = kExitOk;
+  if (!s.is_ok()) {
+    std::fprintf(stderr, "cpidx demo: rank %d: %s\n", host.rank(), s.to_string().c_str());
+    verdict = kExitFailed;
+  } else if (printer) {
+    std::vector<GpuRank> runs;
+    for (int r = 0; r < P; ++r) {
+      runs.push_back(rank_of(r, records[static_cast<size_t>(r)],
+                             all_ids.data() + 2 * per_rank * static_cast<size_t>(r), per_rank, n,
+                             K));
+    }
+    verdict = print_gpu_report(step, sel, plain, runs, true, cpu_plain_ids);
+  }
+  // Rank 0's verdict (or a rank's failed gather) on every rank.
+  std::vector<int32_t> verdicts(static_cast<size_t>(P));
+  if (Status v = host.all_gather(&verdict, verdicts.data(), sizeof(int32_t), nullptr);
+      !v.is_ok()) {
+    std::fprintf(stderr, "cpidx demo: rank %d: %s\n", host.rank(), v.to_string().c_str());
+    return kExitFailed;
+  }
+  return *std::max_element(verdicts.begin(), verdicts.end());
 }
 
 #endif

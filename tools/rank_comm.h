@@ -1,0 +1,26 @@
+// tools/rank_comm.h: the device communicator of a rank whose ranks are processes (under
+// mpirun), for `cpidx bench` and `cpidx demo`: NCCL over a unique id made on rank 0 and handed
+// out through the host communicator, or the peer communicator bootstrapped over it (CUDA IPC).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "cpidx/comm.h"
+#include "cpidx/status.h"
+
+namespace cpidx::tools {
+
+// This process's GPU: its rank modulo the visible devices (one host, as the peer communicator
+// needs); -1 without a device.
+int process_device(const Communicator& host);
+
+// Collective over `host` (every rank calls it): the device communicator of this rank on `device`.
+// `exchange` is "nccl" or "peer" (then `peer_max_bytes` bounds a gather's payload per rank).
+// Every rank fails together (the factories agree through `host`), naming the reason; `host`
+// must outlive the result. kUnsupported when the build lacks the communicator asked for.
+Status make_process_communicator(Communicator& host, int device, const std::string& exchange,
+                                 size_t peer_max_bytes, std::unique_ptr<Communicator>* out);
+
+}  // namespace cpidx::tools
