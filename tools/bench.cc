@@ -434,21 +434,22 @@ int run_bench(int argc, char** argv) {
     }
     mode_list.push_back(md);
   }
+  // Under mpirun: one rank per process, stepP modes only (the same verdict on every rank).
+  const bool under_mpi = launched_by_mpi();
+  for (const Mode& md : mode_list) {
+    if (under_mpi && md.kind != "step") {
+      std::fprintf(stderr, "cpidx bench: under mpirun only stepP modes run (one process per "
+                   "GPU); '%s' is a single-process mode\n", md.name.c_str());
+      return kExitUsage;
+    }
+  }
   if (!gpu_available()) {
     std::fprintf(stderr, "cpidx bench: no usable GPU\n");
     return kExitFailed;
   }
-  // Under mpirun: one rank per process, stepP modes only (the same verdict on every rank).
   MpiSession session;
   std::unique_ptr<Communicator> processes;
-  if (launched_by_mpi()) {
-    for (const Mode& md : mode_list) {
-      if (md.kind != "step") {
-        std::fprintf(stderr, "cpidx bench: under mpirun only stepP modes run (one process per "
-                     "GPU); '%s' is a single-process mode\n", md.name.c_str());
-        return kExitUsage;
-      }
-    }
+  if (under_mpi) {
     if (Status s = session.start(&argc, &argv, &processes); !s.is_ok()) {
       std::fprintf(stderr, "cpidx bench: %s\n", s.to_string().c_str());
       return kExitUsage;

@@ -29,7 +29,8 @@ void print_usage(std::FILE* out) {
   for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-8s %s\n", s.name, s.summary);
   std::fprintf(out,
                "\n`cpidx <command> --help` lists a command's flags. Under MPI each process is one "
-               "rank:\n  mpirun -np 2 cpidx demo\n");
+               "rank (one per GPU for the GPU step):\n  mpirun -np 2 cpidx demo\n"
+               "  mpirun -np 2 cpidx bench --modes step2\n");
 }
 
 }  // namespace
