@@ -4,8 +4,10 @@
 Peer figures: graph-replay microseconds from ../shared/perf/PEER_H200.md (measured 2026-11-29,
 run 2): plain decode by (heads, Q, B, L) and context-parallel rank work (score + local top-k +
 merge, no exchange) by (P, Q, B, L). Prints a markdown table with our time, the ratio to the
-peer, GB/s on the rank's cache bytes and the target each row is judged by (TARGETS.md).
-Usage: compare_peer.py bench.json [--markdown]
+peer, GB/s on the rank's cache bytes and the target each row is judged by (TARGETS.md); then,
+for `--modes stepP` rows, the whole step on real GPUs against TARGETS.md item 4 (at most the
+shard floor + 10 us at B*L >= 2M tokens, at most 14 us at B=1, L=8K).
+Usage: compare_peer.py bench.json
 """
 import json
 import sys
@@ -66,17 +68,52 @@ def verdict(r, peer):
     return ""
 
 
+def context_text(context):
+    return f"{context // 1024}K" if context < M1 else f"{context // M1}M"
+
+
+def step_target(r):
+    """TARGETS.md item 4 for a whole-step row: (text, bound in us) or ("-", None)."""
+    if r["reqs"] == 1 and r["context"] == K8:
+        return "<= 14 us", 14.0
+    if r["reqs"] * r["context"] >= 2 * M1:
+        return "<= floor + 10", r["floor_us"] + 10
+    return "-", None
+
+
+def print_steps(rows, processes):
+    print(f"\nwhole step on real GPUs ({processes}):\n")
+    print("| exchange | P | B | L | Q | us | floor + 10 | two gathers alone | target | |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        text, bound = step_target(r)
+        mark = "" if bound is None or r["check"] != "ok" else ("met" if r["us"] <= bound else
+                                                               f"missed by {r['us'] - bound:.1f}")
+        if r["check"] != "ok":
+            mark = f"check: {r['check']}"
+        print(f"| {r['exchange']} | {r['world']} | {r['reqs']} | {context_text(r['context'])} | "
+              f"{r['qlen']} | {r['us']:.1f} | {r['floor_us'] + 10:.1f} | {r['exchange_us']:.2f} | "
+              f"{text} | {mark} |")
+
+
 def main():
     data = json.load(open(sys.argv[1]))
-    print("| mode | heads | P | B | L | Q | us | peer us | ratio | GB/s | target | |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in data["results"]:
+    results = data.get("results", [])
+    if results:
+        print("| mode | heads | P | B | L | Q | us | peer us | ratio | GB/s | target | |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
         peer = peer_us(r)
         ratio = f"{r['us'] / peer:.2f}" if peer else "-"
-        ctx = f"{r['context'] // 1024}K" if r["context"] < M1 else f"{r['context'] // M1}M"
-        print(f"| {r['mode']} | {r['heads']} | {r['world']} | {r['reqs']} | {ctx} | {r['qlen']} | "
+        print(f"| {r['mode']} | {r['heads']} | {r['world']} | {r['reqs']} | "
+              f"{context_text(r['context'])} | {r['qlen']} | "
               f"{r['us']:.1f} | {peer if peer else '-'} | {ratio} | {r['gbps']:.0f} | "
               f"{target(r)} | {verdict(r, peer)} |")
+    steps = data.get("step_results", [])
+    if steps:
+        processes = {"mpi": "one process per GPU", "threads": "one process, a thread per GPU"}
+        print_steps(steps, processes.get(data.get("step_processes"), "one process, a thread "
+                                         "per GPU (a JSON from before v9)"))
 
 
 if __name__ == "__main__":
