@@ -49,13 +49,19 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 }
 
 // Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
-// completing on `bar`. Streaming data: evict-first in L2.
+// completing on `bar`. Streaming data: evict-first in L2, so what the step reads again (the
+// per-CTA lists the selection merges, the tables, the queries) is not pushed out by the pages.
+// NOTE: measured 1-3 us faster than no hint on one machine, alternated builds (8 x 256K plain
+// 139.0 -> 135.6-136.0 us, the 2-GPU step at 8 x 1M 265.1-265.5 -> 262.0-262.2;
+// docs/perf/README.md, v9).
 __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
                                               uint64_t* bar) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
       : "memory");
 }
 

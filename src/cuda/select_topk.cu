@@ -15,10 +15,11 @@
 // NOTE: a tournament threshold (each thread's largest key, then the K-th largest of those) was
 // measured ~1 us slower than the radix passes at 512-2048 keys (docs/perf/README.md, v7).
 // NOTE: where an item's time goes after the wait (8 x 1M, 34 lists of 16 keys; %globaltimer
-// stamps, docs/perf/README.md, v9): the keys arrive after ~1.3 us (a DRAM round trip: the
-// scoring's stream has likely evicted them from L2), the radix passes take ~2.3, gathering and ranking the K winners ~1, the
-// store and exit ~0.7: ~5.3 us. Bounding the merge by the K-th largest of the lists' heads
-// instead of the radix passes measured no faster (A/B: 256.1-257.0 us vs 256.7-257.3, CP P=2).
+// stamps, docs/perf/README.md, v9): the keys arrived after ~1.3 us (a DRAM round trip: the
+// scoring's stream had evicted them from L2; its page copies now carry an evict-first hint,
+// v9b), the radix passes take ~2.3, gathering and ranking the K winners ~1, the store and exit
+// ~0.7: ~5.3 us. Bounding the merge by the K-th largest of the lists' heads instead of the
+// radix passes measured no faster (A/B: 256.1-257.0 us vs 256.7-257.3, CP P=2).
 // Keys are distinct (the block id is in the low bits); kPadKey marks an invisible block and is
 // never selected: a list with fewer than K real keys is padded, as the fused path pads.
 #include "channel.cuh"
