@@ -38,4 +38,11 @@ Status make_geometry(int total_heads, int world_size, int rank, Geometry* out) {
   return Status::ok();
 }
 
+CpGatherBytes cp_gather_bytes(const Geometry& geo, int64_t rows, int topk) {
+  CpGatherBytes b;
+  b.queries = static_cast<size_t>(rows) * geo.local_heads * kHeadDim * sizeof(uint16_t);
+  b.keys = static_cast<size_t>(geo.total_heads) * rows * topk * sizeof(Key);
+  return b;
+}
+
 }  // namespace cpidx

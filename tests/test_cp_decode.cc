@@ -4,6 +4,8 @@
 // input on one rank: an error on every rank, never a hang.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <string>
 #include <vector>
 
@@ -193,6 +195,64 @@ TEST(CpDecode, RejectsMismatchedGeometry) {
   for (const auto& s : status) {
     EXPECT_EQ(s.code(), cpidx::StatusCode::kInvalidArgument) << s.to_string();
     EXPECT_NE(s.message().find("geometry"), std::string::npos) << s.message();
+  }
+}
+
+// A rank's communicator that records the byte counts of its all_gathers.
+class RecordingComm final : public cpidx::Communicator {
+ public:
+  explicit RecordingComm(cpidx::Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  cpidx::MemorySpace memory_space() const override { return inner_.memory_space(); }
+  cpidx::Status all_gather(const void* send, void* recv, size_t bytes,
+                           cudaStream_t stream) override {
+    sizes.push_back(bytes);
+    return inner_.all_gather(send, recv, bytes, stream);
+  }
+  cpidx::Status check_agree(long long value, const char* what) override {
+    return inner_.check_agree(value, what);
+  }
+  cpidx::Status barrier() override { return inner_.barrier(); }
+  std::vector<size_t> sizes;
+
+ private:
+  cpidx::Communicator& inner_;
+};
+
+// cp_gather_bytes names the two payloads the step gathers, and nothing gathered is larger
+// (what a peer communicator for cp_decode must hold per rank).
+TEST(CpDecode, GatherBytesAreTheStepsPayloads) {
+  uint64_t seed = 800;
+  for (auto [T, P, Q, K] : {std::array<int, 4>{4, 2, 1, 16}, std::array<int, 4>{4, 8, 4, 16},
+                            std::array<int, 4>{8, 2, 2, 64}, std::array<int, 4>{1, 4, 1, 1}}) {
+    SCOPED_TRACE("T " + std::to_string(T) + " P " + std::to_string(P) + " Q " +
+                 std::to_string(Q) + " K " + std::to_string(K));
+    const DecodeData d = random_decode(++seed, T, Q, {0, 130, 2049}, 2560);
+    std::vector<std::vector<size_t>> sizes(static_cast<size_t>(P));
+    std::vector<cpidx::Geometry> geos(static_cast<size_t>(P));
+    std::vector<cpidx::Status> status(static_cast<size_t>(P));
+    run_ranks(P, [&](int r, cpidx::Communicator& comm) {
+      const auto i = static_cast<size_t>(r);
+      cpidx::make_geometry(T, P, r, &geos[i]);
+      IdsBuffer ids(geos[i].local_heads, d.rows(), K);
+      RecordingComm rec(comm);
+      status[i] = cpidx::ref::cp_decode(rec, geos[i],
+                                        d.inputs(geos[i].head_offset, geos[i].local_heads),
+                                        {K, 0, 1}, ids.out(), nullptr, nullptr);
+      sizes[i] = rec.sizes;
+    });
+    for (int r = 0; r < P; ++r) {
+      const auto i = static_cast<size_t>(r);
+      ASSERT_TRUE(status[i].is_ok()) << status[i].to_string();
+      const cpidx::CpGatherBytes want = cpidx::cp_gather_bytes(geos[i], d.rows(), K);
+      EXPECT_EQ(want.queries, static_cast<size_t>(d.rows()) * geos[i].local_heads * 128 * 2);
+      EXPECT_EQ(want.keys, static_cast<size_t>(T) * d.rows() * K * 8);
+      const auto& got = sizes[i];
+      EXPECT_NE(std::find(got.begin(), got.end(), want.queries), got.end()) << "rank " << r;
+      EXPECT_NE(std::find(got.begin(), got.end(), want.keys), got.end()) << "rank " << r;
+      EXPECT_EQ(*std::max_element(got.begin(), got.end()), want.larger()) << "rank " << r;
+    }
   }
 }
 

@@ -274,11 +274,10 @@ struct StepBench::Impl {
       STEP_CUDA(cudaGraphInstantiate(&rs.step_exec, rs.step_graph, 0));
 
       // The exchanges alone, with the step's payload sizes.
-      const size_t q_bytes = static_cast<size_t>(n) * rs.geo.local_heads * kHeadDim * 2;
-      const size_t k_bytes = static_cast<size_t>(kHeads) * n * kTopk * sizeof(Key);
+      const CpGatherBytes payload = cp_gather_bytes(rs.geo, n, kTopk);
       auto exchange = [&]() -> Status {
-        CPIDX_RETURN_IF_ERROR(comm.all_gather(rs.q_send, rs.q_recv, q_bytes, rs.stream));
-        return comm.all_gather(rs.k_send, rs.k_recv, k_bytes, rs.stream);
+        CPIDX_RETURN_IF_ERROR(comm.all_gather(rs.q_send, rs.q_recv, payload.queries, rs.stream));
+        return comm.all_gather(rs.k_send, rs.k_recv, payload.keys, rs.stream);
       };
       CPIDX_RETURN_IF_ERROR(exchange());
       STEP_CUDA(cudaStreamSynchronize(rs.stream));
@@ -480,8 +479,6 @@ struct StepBench::Impl {
       rs.release();
       return;
     }
-    res->q_bytes = n * geo.local_heads * kHeadDim * 2;
-    res->k_bytes = static_cast<int64_t>(kHeads) * n * kTopk * static_cast<int64_t>(sizeof(Key));
     // Rank 0's plain decode decides; its count of bad rows reaches every rank (-1: it failed).
     int64_t bad = 0;
     std::string plain_error;
@@ -591,14 +588,16 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
     fill_random_bf16(h.query, rng());
   }
 
-  // The larger of the two gathers' payloads per rank (queries [n, L, D], keys [T, n, K]).
+  // The step's two gathers' payloads per rank; a peer communicator holds the larger.
   Geometry g;
   if (Status st = make_geometry(kHeads, P, 0, &g); !st.is_ok()) {
     res.check = st.message();
     return res;
   }
-  const size_t need = std::max<size_t>(static_cast<size_t>(n) * g.local_heads * kHeadDim * 2,
-                                       static_cast<size_t>(kHeads) * n * kTopk * sizeof(Key));
+  const CpGatherBytes payload = cp_gather_bytes(g, n, kTopk);
+  const size_t need = payload.larger();
+  res.q_bytes = static_cast<int64_t>(payload.queries);
+  res.k_bytes = static_cast<int64_t>(payload.keys);
   if (im.processes != nullptr) {
     im.run_process(sh, replays, hsets, calls_per_set, need, &res);
     res.gbps = res.us > 0 ? shard_bytes / (res.us * 1e-6) / 1e9 : 0;
@@ -669,8 +668,6 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
     }
   }
   if (res.check.empty()) {
-    res.q_bytes = n * ranks[0].geo.local_heads * kHeadDim * 2;
-    res.k_bytes = static_cast<int64_t>(kHeads) * n * kTopk * static_cast<int64_t>(sizeof(Key));
     res.check = im.check(sh, ranks);
     Status st = im.time_graphs(ranks, false, replays, res.calls, &res.us);
     if (st.is_ok()) st = im.time_graphs(ranks, true, replays, res.calls, &res.exchange_us);

@@ -649,11 +649,8 @@ int run_demo_gpu_mpi(Communicator& host, const SyntheticStep& step, const Select
 
   GpuRank mine;
   {
-    // The peer communicator's bound: the larger of the two gathers (queries [n, L, D] bf16, keys
-    // [T, n, K]), at least 64 KiB.
-    const size_t peer_bytes = std::max({static_cast<size_t>(n) * geo.local_heads * kHeadDim * 2,
-                                        static_cast<size_t>(T * n * K) * sizeof(Key),
-                                        size_t{64} << 10});
+    // The peer communicator's bound: the larger of the step's two gathers, at least 64 KiB.
+    const size_t peer_bytes = std::max(cp_gather_bytes(geo, n, K).larger(), size_t{64} << 10);
     std::unique_ptr<Communicator> comm;
     const Status made = make_process_communicator(host, device, exchange, peer_bytes, &comm);
     if (made.is_ok()) {

@@ -536,9 +536,9 @@ int run_soak(int argc, char** argv) {
       return kExitFailed;
     }
   }
-  const size_t max_rows = static_cast<size_t>(o.max_reqs * o.max_qlen);
-  const size_t peer_bytes = std::max(max_rows * (kHeads / kWorld) * kHeadDim * 2,
-                                     max_rows * kHeads * kTopk * sizeof(Key));
+  Geometry geo;
+  make_geometry(kHeads, kWorld, 0, &geo);  // constants the tool was built with
+  const size_t peer_bytes = cp_gather_bytes(geo, o.max_reqs * o.max_qlen, kTopk).larger();
 
   std::vector<std::unique_ptr<Rank> > ranks;
   for (int r = 0; r < kWorld; ++r) ranks.push_back(std::make_unique<Rank>(o, h, shared, r));

@@ -5,7 +5,8 @@
 // (cpidx::comm_peer) when CUDA is on; no CUDA header is included here.
 //
 // Selection rule: use the peer communicator when all ranks are on one host with P2P access and
-// every payload fits max_bytes_per_rank; NCCL otherwise. make_peer_communicator fails cleanly
+// every payload fits max_bytes_per_rank (for cp_decode: cp_gather_bytes(geometry, max_tokens,
+// K).larger(), cpidx/contract.h); NCCL otherwise. make_peer_communicator fails cleanly
 // (a Status naming the reason, on every rank) in the other cases, so callers can fall back.
 // It never uses NVLink multicast (NVLS, cuMulticastCreate).
 #pragma once

@@ -44,6 +44,15 @@ struct Geometry {
 // Fails (naming both numbers) unless T % P == 0 (T >= P) or P % T == 0 (T < P).
 Status make_geometry(int total_heads, int world_size, int rank, Geometry* out);
 
+// What each rank contributes to cp_decode's two all-gathers (CONTRACT.md section 5) for `rows`
+// decode rows (num_reqs * query_len): its local queries [rows, L, D] bf16 and its shard's keys
+// [T, rows, K]. Size a peer communicator (comm_peer.h) with larger() at max_tokens.
+struct CpGatherBytes {
+  size_t queries = 0, keys = 0;
+  size_t larger() const { return queries > keys ? queries : keys; }
+};
+CpGatherBytes cp_gather_bytes(const Geometry& geo, int64_t rows, int topk);
+
 // ---- Positions and blocks (CONTRACT.md sections 3 and 5) ---------------------------------
 CPIDX_HD int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
