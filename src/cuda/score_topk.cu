@@ -51,33 +51,74 @@ struct SmemLayout {
   }
 };
 
+// A page is read by the consumers in 4 column chunks j (32 dims each); lane (g, c4) of a warp
+// reads 8 dims of chunk j of its rows. Rows lie a whole number of bank rows apart (256 B bf16,
+// 128 B fp8), so the lanes of one shared-memory phase (2 rows of a 16-byte load, 4 rows of an
+// 8-byte one) would hit the same banks. Each lane instead loads chunk j ^ swz in its j-th load,
+// with swz = g & kSwizzleMask: the phase's rows read different bank groups (conflict-free), and
+// unswizzle() puts every chunk back in its slot, so the MMAs see exactly the operands (and do
+// exactly the arithmetic) of a straight load.
 template <DType kDType>
 struct PageTraits;
 template <>
 struct PageTraits<DType::kBF16> {
   static constexpr int kBytes = kBlockSize * kHeadDim * 2;
   static constexpr int kRowBytes = kHeadDim * 2;
+  static constexpr int kSwizzleMask = 1;
+  using Raw = uint4;
   // 8 bf16 of token `tok`, dims [32 j + 8 c4, +8).
-  __device__ static uint4 load8(const uint8_t* page, int tok, int j, int c4) {
+  __device__ static Raw load(const uint8_t* page, int tok, int j, int c4) {
     return *reinterpret_cast<const uint4*>(page + tok * kRowBytes + j * 64 + c4 * 16);
   }
+  __device__ static uint4 widen(Raw r) { return r; }
 };
 template <>
 struct PageTraits<DType::kFP8E4M3> {
   static constexpr int kBytes = kBlockSize * kHeadDim;
   static constexpr int kRowBytes = kHeadDim;
+  static constexpr int kSwizzleMask = 3;
+  using Raw = uint2;
   __device__ static uint32_t cvt2(uint16_t two) {
     __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
     float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
     __nv_bfloat162 b = __float22bfloat162_rn(f);  // exact: e4m3 values fit bf16
     return *reinterpret_cast<uint32_t*>(&b);
   }
-  __device__ static uint4 load8(const uint8_t* page, int tok, int j, int c4) {
-    uint2 raw = *reinterpret_cast<const uint2*>(page + tok * kRowBytes + j * 32 + c4 * 8);
+  __device__ static Raw load(const uint8_t* page, int tok, int j, int c4) {
+    return *reinterpret_cast<const uint2*>(page + tok * kRowBytes + j * 32 + c4 * 8);
+  }
+  __device__ static uint4 widen(Raw raw) {
     return make_uint4(cvt2(raw.x & 0xFFFF), cvt2(raw.x >> 16), cvt2(raw.y & 0xFFFF),
                       cvt2(raw.y >> 16));
   }
 };
+
+// r[i] holds chunk i ^ swz of a group of N; afterwards r[j] holds chunk j (swz < N). Selects,
+// not branches: the lanes of a warp differ in swz.
+__device__ __forceinline__ uint4 pick(bool second, uint4 a, uint4 b) {
+  return make_uint4(second ? b.x : a.x, second ? b.y : a.y, second ? b.z : a.z, second ? b.w : a.w);
+}
+__device__ __forceinline__ uint2 pick(bool second, uint2 a, uint2 b) {
+  return make_uint2(second ? b.x : a.x, second ? b.y : a.y);
+}
+template <int N, typename Raw>
+__device__ __forceinline__ void unswizzle(Raw (&r)[N], int swz) {
+#pragma unroll
+  for (int bit = 1; bit < N; bit *= 2) {
+    const bool flip = swz & bit;
+    Raw t[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) t[j] = pick(flip, r[j], r[j ^ bit]);
+#pragma unroll
+    for (int j = 0; j < N; ++j) r[j] = t[j];
+  }
+}
+
+// The B fragment of MMA (j, half) for lane (g, c4): 4 dims of column nt * 8 + g.
+__device__ __forceinline__ uint2 query_frag(const Smem& s, int nt, int g, int j, int c4, int half) {
+  return *reinterpret_cast<const uint2*>(s.q + (nt * 8 + g) * kQStride + j * 32 + c4 * 8 +
+                                         half * 4);
+}
 
 __device__ __forceinline__ int find_req(const int64_t* prefix, int num_reqs, int64_t x) {
   int lo = 0, hi = num_reqs - 1;  // last r with prefix[r] <= x: the request holding page x
@@ -95,6 +136,11 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 // This CTA's share of a step of `total` pages. Split path (small steps): one key per (column,
 // page) to p.split_keys, selection left to select_topk; every CTA that has a page takes one.
 // Fused path: at least kMinPagesPerCta.
+// NOTE: static ranges on both paths. A run-time pool for the split path (the last quarter of
+// the pages claimed 2 at a time from an atomic cursor by CTAs done with their range) measured
+// -2 to -4.5 us at plain 8 x 256K, +1 to +1.8 us at 8 x 64K and 64 x 8K (a CTA entering the
+// pool reloads its queries after the page lands) and nothing on the 2-GPU step
+// (docs/perf/README.md, v10-pool); not kept.
 struct WorkRange {
   bool split;
   int64_t ctas, start, end;
@@ -234,26 +280,46 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   // ---- 3. Consume this CTA's pages [start, end). -------------------------------------------
   int r = find_req(s.prefix, B, start);
   int seg_req = -1;
+  // NOTE: above 16 columns (NT >= 4) the accumulators leave no registers for the swizzle's
+  // chunk groups and selects (ptxas spills): those instances load straight, bank conflicts and
+  // all, and read the query fragments from shared memory.
+  constexpr bool kSwizzle = NT <= 2;
+  const int swz = kSwizzle ? g & Page::kSwizzleMask : 0;
+  // Up to 16 columns the segment's query fragments stay in registers (16 or 32 per thread)
+  // instead of being read from shared memory on every page.
+  constexpr bool kQueryRegs = kSwizzle;
+  uint2 qreg[kQueryRegs ? 4 : 1][2][kQueryRegs ? NT : 1];
   int32_t seq_len = 0;
-  for (int64_t x = start, lp = 0; x < end; ++x, ++lp) {
+  // Moves r to the request of page x; a new segment loads its queries (all consumers).
+  auto enter = [&](int64_t x) {
     while (s.prefix[r + 1] <= x) ++r;
-    if (r != seg_req) {  // a new segment: load its queries
-      CPIDX_TRACE_CLOCK(tq);
-      seg_req = r;
-      seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
-      for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kConsumerThreads) {
-        const int col = idx / (kHeadDim / 8), chunk = idx % (kHeadDim / 8);
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (col < ncols) {
-          const int h = col / Q, t = col % Q;
-          v = *reinterpret_cast<const uint4*>(p.q_head[h] + (static_cast<int64_t>(r) * Q + t) *
-                                                                p.q_row_stride + chunk * 8);
-        }
-        *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
+    if (r == seg_req) return;
+    CPIDX_TRACE_CLOCK(tq);
+    seg_req = r;
+    seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
+    for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kConsumerThreads) {
+      const int col = idx / (kHeadDim / 8), chunk = idx % (kHeadDim / 8);
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (col < ncols) {
+        const int h = col / Q, t = col % Q;
+        v = *reinterpret_cast<const uint4*>(p.q_head[h] + (static_cast<int64_t>(r) * Q + t) *
+                                                              p.q_row_stride + chunk * 8);
       }
-      consumer_sync();
-      CPIDX_TRACE_ADD(tid == 0, kTQueries, CPIDX_TRACE_SINCE(tq));
+      *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
     }
+    consumer_sync();
+    if constexpr (kQueryRegs) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) qreg[j][half][nt] = query_frag(s, nt, g, j, c4, half);
+    }
+    CPIDX_TRACE_ADD(tid == 0, kTQueries, CPIDX_TRACE_SINCE(tq));
+  };
+  for (int64_t x = start, lp = 0; x < end; ++x, ++lp) {
+    enter(x);
     const int st = static_cast<int>(lp % stages);
     CPIDX_TRACE_CLOCK(tf);
     mbar_wait(&s.full[st], static_cast<uint32_t>((lp / stages) & 1));
@@ -264,7 +330,9 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     const uint8_t* page = s.pages + static_cast<size_t>(st) * Page::kBytes;
 
     // Tensor-core scores of this warp's 32 tokens x all columns. Dims are permuted identically
-    // in A (keys) and B (queries) so each thread reads 16 contiguous bytes per row.
+    // in A (keys) and B (queries) so each thread reads 16 contiguous bytes per row; the key
+    // loads are bank-swizzled (PageTraits). Every accumulator sees the same MMAs in the same
+    // order as a straight loop over (j, half), so the scores do not depend on the swizzle.
     float acc[2][NT][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -272,26 +340,34 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+    constexpr int kGroup = kSwizzle ? Page::kSwizzleMask + 1 : 1;  // chunks loaded together
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint4 lo[2], hi[2];
+    for (int j0 = 0; j0 < 4; j0 += kGroup) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        lo[mt] = Page::load8(page, warp * 32 + mt * 16 + g, j, c4);
-        hi[mt] = Page::load8(page, warp * 32 + mt * 16 + g + 8, j, c4);
-      }
+        typename Page::Raw lo_raw[kGroup], hi_raw[kGroup];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
+        for (int i = 0; i < kGroup; ++i) {
+          lo_raw[i] = Page::load(page, warp * 32 + mt * 16 + g, j0 + (i ^ swz), c4);
+          hi_raw[i] = Page::load(page, warp * 32 + mt * 16 + g + 8, j0 + (i ^ swz), c4);
+        }
+        unswizzle(lo_raw, swz);
+        unswizzle(hi_raw, swz);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint2 b = *reinterpret_cast<const uint2*>(s.q + (nt * 8 + g) * kQStride + j * 32 +
-                                                          c4 * 8 + half * 4);
+        for (int jj = 0; jj < kGroup; ++jj) {
+          const int j = j0 + jj;
+          const uint4 lo = Page::widen(lo_raw[jj]), hi = Page::widen(hi_raw[jj]);
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            if (half == 0)
-              mma_bf16_16816(acc[mt][nt], lo[mt].x, hi[mt].x, lo[mt].y, hi[mt].y, b.x, b.y);
-            else
-              mma_bf16_16816(acc[mt][nt], lo[mt].z, hi[mt].z, lo[mt].w, hi[mt].w, b.x, b.y);
+          for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint2 b = kQueryRegs ? qreg[kQueryRegs ? j : 0][half][kQueryRegs ? nt : 0]
+                                         : query_frag(s, nt, g, j, c4, half);
+              if (half == 0)
+                mma_bf16_16816(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+              else
+                mma_bf16_16816(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, b.x, b.y);
+            }
           }
         }
       }
