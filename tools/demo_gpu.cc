@@ -360,10 +360,9 @@ GpuRank real_rank(Communicator& comm, int device, const SyntheticStep& s, const 
   keep(cuda_ok(cudaStreamSynchronize(tl.stream), "cudaStreamSynchronize"));
 #if defined(CPIDX_WITH_PEER)
   // A peer wait that timed out leaves undefined ids behind: fail the rank, naming the cause.
-  if (int32_t* word = peer_error_flag(comm); word != nullptr && st.is_ok()) {
+  if (peer_error_flag(comm) != nullptr && st.is_ok()) {
     int32_t bits = 0;
-    keep(cuda_ok(cudaMemcpy(&bits, word, 4, cudaMemcpyDeviceToHost),
-                 "cudaMemcpy (peer error word)"));
+    keep(read_peer_error_flag(comm, &bits));
     if (bits != 0) {
       keep(Status(StatusCode::kCommError, "peer communicator: error word " +
                                               std::to_string(bits) + " (a peer wait timed out)"));

@@ -285,10 +285,10 @@ class Rank {
     cudaSetDevice(rank_);
     cudaMemcpy(&report->decoder_error, dec_->error_flag(), 4, cudaMemcpyDeviceToHost);
     cudaMemcpy(&report->plain_error, plain_->error_flag(), 4, cudaMemcpyDeviceToHost);
-    if (int32_t* w = peer_error_flag(*comm_)) {
-      cudaMemcpy(&report->peer_error, w, 4, cudaMemcpyDeviceToHost);
-    } else {
-      report->peer_error = 0;  // NCCL: no word
+    report->peer_error = 0;  // NCCL: no word
+    if (peer_error_flag(*comm_) != nullptr &&
+        !read_peer_error_flag(*comm_, &report->peer_error).is_ok()) {
+      report->peer_error = -1;  // unreadable: reported as set
     }
   }
 

@@ -54,6 +54,10 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
 int32_t* peer_error_flag(Communicator& comm);
 // Stream-ordered clear of that word (kInvalidArgument when `comm` is not a peer communicator).
 Status clear_peer_error_flag(Communicator& comm, cudaStream_t stream);
+// Blocking host read of that word into *bits (a cudaMemcpy: synchronize the streams that ran
+// the step first; never inside a capture). kInvalidArgument when `comm` is not a peer
+// communicator or `bits` is null.
+Status read_peer_error_flag(Communicator& comm, int32_t* bits);
 
 // Semantics of the peer communicator:
 //  - memory_space() is kDevice. all_gather(send, recv, bytes, stream) enqueues one kernel on

@@ -595,4 +595,13 @@ Status clear_peer_error_flag(Communicator& comm, cudaStream_t stream) {
                     "cudaMemsetAsync (peer error word)");
 }
 
+Status read_peer_error_flag(Communicator& comm, int32_t* bits) {
+  int32_t* word = peer_error_flag(comm);
+  CPIDX_CHECK(word != nullptr, "read_peer_error_flag: not a peer communicator");
+  CPIDX_CHECK(bits != nullptr, "read_peer_error_flag: bits must not be null");
+  // cudaMemcpyDefault: the word's device is found from its address, whatever device is current.
+  return cuda_check(cudaMemcpy(bits, word, sizeof(int32_t), cudaMemcpyDefault),
+                    "cudaMemcpy (peer error word)");
+}
+
 }  // namespace cpidx

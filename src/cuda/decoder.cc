@@ -323,8 +323,8 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
                                              packed, stream));
     q_send = packed;
   }
-  const size_t q_bytes = static_cast<size_t>(n) * L * kHeadDim * 2;
-  CPIDX_RETURN_IF_ERROR(comm.all_gather(q_send, q_recv, q_bytes, stream));
+  const CpGatherBytes gather = cp_gather_bytes(im.geo, n, im.cfg.sel.topk);
+  CPIDX_RETURN_IF_ERROR(comm.all_gather(q_send, q_recv, gather.queries, stream));
 
   // 2-3. Score all T heads on this rank's shard; keep ordered top-K keys. Global head h comes
   // from the lowest rank of its replica group: rank (h / L) * R, local head h % L.
@@ -342,7 +342,7 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
 
   // 4. Gather the keys; 5. merge the owned heads. Through the communicator's device channel when
   // it has one (select_topk stores, merge_topk polls: no gather kernel), else all_gather.
-  const int64_t k_lines = static_cast<int64_t>(T) * n * im.cfg.sel.topk;
+  const int64_t k_lines = static_cast<int64_t>(gather.keys / sizeof(Key));
   const DeviceChannel* channel = im.cfg.fused_exchange ? comm.device_channel() : nullptr;
   if (channel != nullptr && (channel->world != P || channel->rank != im.cfg.rank ||
                              k_lines > channel->capacity)) {
@@ -351,8 +351,7 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   if (channel != nullptr) p.channel = *channel;
   CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
   if (channel == nullptr) {
-    CPIDX_RETURN_IF_ERROR(
-        comm.all_gather(keys_send, keys_recv, static_cast<size_t>(k_lines) * sizeof(Key), stream));
+    CPIDX_RETURN_IF_ERROR(comm.all_gather(keys_send, keys_recv, gather.keys, stream));
   }
   return im.launch_merge(channel == nullptr ? keys_recv : nullptr, channel, local, out, table,
                          stream);  // validated above

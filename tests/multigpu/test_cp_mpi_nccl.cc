@@ -197,9 +197,7 @@ class MpiPeer : public MpiNccl {
   static Communicator& peer() { return *world().peer; }
   static void expect_error_word_clear(const std::string& what) {
     int32_t word = -1;
-    DeviceScope scope(device());
-    ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(peer()), 4, cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    ASSERT_TRUE(cpidx::read_peer_error_flag(peer(), &word).is_ok());
     EXPECT_EQ(word, 0) << what << ": peer error word";
   }
 };

@@ -87,10 +87,7 @@ class PeerExchange : public ::testing::Test {
   static void expect_error_words_clear(const std::string& what) {
     for (int r = 0; r < kWorld; ++r) {
       int32_t word = -1;
-      DeviceScope scope(r);
-      ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(*peers_[static_cast<size_t>(r)]), 4,
-                           cudaMemcpyDeviceToHost),
-                cudaSuccess);
+      ASSERT_TRUE(cpidx::read_peer_error_flag(*peers_[static_cast<size_t>(r)], &word).is_ok());
       EXPECT_EQ(word, 0) << what << ": rank " << r << "'s peer error word";
     }
   }
@@ -131,6 +128,14 @@ TEST_F(PeerExchange, CommunicatorBasics) {
     EXPECT_TRUE(clear[r].is_ok()) << clear[r].to_string();
   }
   EXPECT_EQ(cpidx::clear_peer_error_flag(*nccl_[0], nullptr).code(), StatusCode::kInvalidArgument);
+  int32_t word = -1;
+  EXPECT_EQ(cpidx::read_peer_error_flag(*nccl_[0], &word).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cpidx::read_peer_error_flag(*peers_[0], nullptr).code(),
+            StatusCode::kInvalidArgument);
+  // Read from another device than the word's: the copy finds the word's device by its address.
+  DeviceScope scope(kWorld - 1);
+  ASSERT_TRUE(cpidx::read_peer_error_flag(*peers_[0], &word).is_ok());
+  EXPECT_EQ(word, 0);
 }
 
 TEST_F(PeerExchange, GatherEqualsNcclFromOneByteTo256KiB) {
@@ -334,14 +339,12 @@ TEST_F(PeerExchange, MissingPeerRaisesTheErrorWordInsteadOfHanging) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   int32_t word = 0;
-  ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(*peers[0]), 4, cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  ASSERT_TRUE(cpidx::read_peer_error_flag(*peers[0], &word).is_ok());
   EXPECT_EQ(word & cpidx::kPeerErrorTimeout, cpidx::kPeerErrorTimeout);
   EXPECT_LT(seconds, 5.0) << "21 gathers without a peer should cost about one timeout";
   ASSERT_TRUE(cpidx::clear_peer_error_flag(*peers[0], stream).is_ok());
   EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(*peers[0]), 4, cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  ASSERT_TRUE(cpidx::read_peer_error_flag(*peers[0], &word).is_ok());
   EXPECT_EQ(word, 0);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
   peers.clear();
@@ -386,9 +389,7 @@ TEST_F(PeerExchange, MissingKeysInTheChannelRaiseTheErrorWordInsteadOfHanging) {
   });
   for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(result[r].is_ok()) << result[r].to_string();
   int32_t word = 0;
-  DeviceScope scope(0);
-  ASSERT_EQ(cudaMemcpy(&word, cpidx::peer_error_flag(*peers[0]), 4, cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  ASSERT_TRUE(cpidx::read_peer_error_flag(*peers[0], &word).is_ok());
   EXPECT_EQ(word & cpidx::kPeerErrorTimeout, cpidx::kPeerErrorTimeout);
   EXPECT_LT(seconds, 5.0) << "the merge should give up after about one timeout";
   peers.clear();
