@@ -434,4 +434,19 @@ TEST(PeerExchangeLimits, MoreThanEightRanksAreRefused) {
   EXPECT_NE(st.message().find("use NCCL"), std::string::npos) << st.message();
 }
 
+// No GPU needed: the error-word helpers refuse a communicator that is not a peer one, by name,
+// before any CUDA call, and leave the caller's word alone.
+TEST(PeerExchangeLimits, ErrorWordHelpersRefuseOtherCommunicators) {
+  Comms threads = cpidx::make_thread_communicators(2);
+  EXPECT_EQ(cpidx::peer_error_flag(*threads[0]), nullptr);
+  const Status clear = cpidx::clear_peer_error_flag(*threads[0], nullptr);
+  EXPECT_EQ(clear.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(clear.message().find("not a peer communicator"), std::string::npos) << clear.message();
+  int32_t word = 12345;
+  const Status read = cpidx::read_peer_error_flag(*threads[0], &word);
+  EXPECT_EQ(read.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(read.message().find("read_peer_error_flag"), std::string::npos) << read.message();
+  EXPECT_EQ(word, 12345);
+}
+
 }  // namespace
