@@ -288,38 +288,35 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   // Up to 16 columns the segment's query fragments stay in registers (16 or 32 per thread)
   // instead of being read from shared memory on every page.
   constexpr bool kQueryRegs = kSwizzle;
-  uint2 qreg[kQueryRegs ? 4 : 1][2][kQueryRegs ? NT : 1];
+  uint2 qreg[4][2][NT];  // unused (and dropped by the compiler) without kQueryRegs
   int32_t seq_len = 0;
-  // Moves r to the request of page x; a new segment loads its queries (all consumers).
-  auto enter = [&](int64_t x) {
-    while (s.prefix[r + 1] <= x) ++r;
-    if (r == seg_req) return;
-    CPIDX_TRACE_CLOCK(tq);
-    seg_req = r;
-    seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
-    for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kConsumerThreads) {
-      const int col = idx / (kHeadDim / 8), chunk = idx % (kHeadDim / 8);
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (col < ncols) {
-        const int h = col / Q, t = col % Q;
-        v = *reinterpret_cast<const uint4*>(p.q_head[h] + (static_cast<int64_t>(r) * Q + t) *
-                                                              p.q_row_stride + chunk * 8);
-      }
-      *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
-    }
-    consumer_sync();
-    if constexpr (kQueryRegs) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) qreg[j][half][nt] = query_frag(s, nt, g, j, c4, half);
-    }
-    CPIDX_TRACE_ADD(tid == 0, kTQueries, CPIDX_TRACE_SINCE(tq));
-  };
   for (int64_t x = start, lp = 0; x < end; ++x, ++lp) {
-    enter(x);
+    while (s.prefix[r + 1] <= x) ++r;
+    if (r != seg_req) {  // a new segment: load its queries
+      CPIDX_TRACE_CLOCK(tq);
+      seg_req = r;
+      seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
+      for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kConsumerThreads) {
+        const int col = idx / (kHeadDim / 8), chunk = idx % (kHeadDim / 8);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (col < ncols) {
+          const int h = col / Q, t = col % Q;
+          v = *reinterpret_cast<const uint4*>(p.q_head[h] + (static_cast<int64_t>(r) * Q + t) *
+                                                                p.q_row_stride + chunk * 8);
+        }
+        *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
+      }
+      consumer_sync();
+      if constexpr (kQueryRegs) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) qreg[j][half][nt] = query_frag(s, nt, g, j, c4, half);
+      }
+      CPIDX_TRACE_ADD(tid == 0, kTQueries, CPIDX_TRACE_SINCE(tq));
+    }
     const int st = static_cast<int>(lp % stages);
     CPIDX_TRACE_CLOCK(tf);
     mbar_wait(&s.full[st], static_cast<uint32_t>((lp / stages) & 1));
@@ -361,8 +358,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
           for (int half = 0; half < 2; ++half) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-              const uint2 b = kQueryRegs ? qreg[kQueryRegs ? j : 0][half][kQueryRegs ? nt : 0]
-                                         : query_frag(s, nt, g, j, c4, half);
+              const uint2 b = kQueryRegs ? qreg[j][half][nt] : query_frag(s, nt, g, j, c4, half);
               if (half == 0)
                 mma_bf16_16816(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
               else
