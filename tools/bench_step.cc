@@ -433,7 +433,7 @@ struct StepBench::Impl {
   Status process_comm(const StepShape& sh, size_t need, Communicator** comm) {
     const bool peer = sh.exchange != "nccl";
     std::unique_ptr<Communicator>& c = peer ? process_peer : process_nccl;
-    const size_t bound = std::max<size_t>(need, 64 << 10);
+    const size_t bound = peer_payload_bound(need);
     if (c == nullptr || (peer && process_peer_max < need)) {
       c.reset();  // every rank's old one goes before the new ones are made
       CPIDX_RETURN_IF_ERROR(make_process_communicator(*processes, process_device,
@@ -627,7 +627,7 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
       if (boot.empty()) boot = make_thread_communicators(P);
       peers.resize(static_cast<size_t>(P));
       std::vector<Status> st(static_cast<size_t>(P));
-      const size_t bound = std::max<size_t>(need, 64 << 10);
+      const size_t bound = peer_payload_bound(need);
       std::vector<std::thread> threads;
       for (int r = 0; r < P; ++r) {
         threads.emplace_back([&, r] {

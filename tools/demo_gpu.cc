@@ -648,8 +648,7 @@ int run_demo_gpu_mpi(Communicator& host, const SyntheticStep& step, const Select
 
   GpuRank mine;
   {
-    // The peer communicator's bound: the larger of the step's two gathers, at least 64 KiB.
-    const size_t peer_bytes = std::max(cp_gather_bytes(geo, n, K).larger(), size_t{64} << 10);
+    const size_t peer_bytes = peer_payload_bound(cp_gather_bytes(geo, n, K).larger());
     std::unique_ptr<Communicator> comm;
     const Status made = make_process_communicator(host, device, exchange, peer_bytes, &comm);
     if (made.is_ok()) {

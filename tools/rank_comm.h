@@ -12,6 +12,13 @@
 
 namespace cpidx::tools {
 
+// The per-rank payload bound the tools make a peer communicator with for a step whose larger
+// gather is `need` bytes (cp_gather_bytes(...).larger()): at least 64 KiB, so the small shapes
+// of a run share one communicator instead of remaking it.
+inline size_t peer_payload_bound(size_t need) {
+  return need > (size_t{64} << 10) ? need : size_t{64} << 10;
+}
+
 // This process's GPU: its rank modulo the visible devices (one host, as the peer communicator
 // needs); -1 without a device.
 int process_device(const Communicator& host);
