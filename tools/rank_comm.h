@@ -1,6 +1,6 @@
 // tools/rank_comm.h: the device communicator of a rank whose ranks are processes (under
-// mpirun), for `cpidx bench` and `cpidx demo`: NCCL over a unique id made on rank 0 and handed
-// out through the host communicator, or the peer communicator bootstrapped over it (CUDA IPC).
+// mpirun), for `cpidx bench` and `cpidx demo`: NCCL or the peer communicator (CUDA IPC), each
+// bootstrapped over the host communicator of the processes.
 #pragma once
 
 #include <cstddef>

@@ -35,6 +35,13 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
                                                      int device, Status* status,
                                                      Communicator* host_channel = nullptr);
 
+// The same, bootstrapped over `host` (a host-memory communicator of the ranks: MPI, threads),
+// which becomes the host channel: collective over `host`; rank 0 makes the unique id and `host`
+// hands it out. Every rank fails together, naming the reason, when one cannot go on (its id,
+// device or arguments refused). `host` must outlive the result.
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, int device,
+                                                     Status* status);
+
 // Wraps an existing ncclComm_t (passed as void*), for example one owned by an engine. The
 // communicator is used, never destroyed: its owner keeps it alive while the wrapper lives.
 std::unique_ptr<Communicator> adopt_nccl_communicator(void* nccl_comm, Status* status,

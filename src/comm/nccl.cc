@@ -178,6 +178,10 @@ class NcclCommunicator final : public Communicator {
   void* barrier_scratch_ = nullptr;
 };
 
+// What the ranks of make_nccl_communicator agree on through their host channel.
+constexpr const char* kWorldAgreement =
+    "NCCL communicator world size (-1: a rank refused its arguments)";
+
 // Sets *status (when given) and returns what the factories return on failure.
 template <typename T>
 T fail(Status* status, Status st, T empty) {
@@ -217,8 +221,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
   // ncclCommInitRank waits for every rank: with a host channel, a rank that refused its
   // arguments makes the others fail here instead of hanging there.
   if (host_channel != nullptr) {
-    Status agree = host_channel->check_agree(
-        local.is_ok() ? world : -1, "NCCL communicator world size (-1: a rank refused its arguments)");
+    Status agree = host_channel->check_agree(local.is_ok() ? world : -1, kWorldAgreement);
     if (!local.is_ok()) return fail(status, local, std::unique_ptr<Communicator>());
     if (!agree.is_ok()) return fail(status, agree, std::unique_ptr<Communicator>());
   } else if (!local.is_ok()) {
@@ -237,6 +240,30 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
   if (!st.is_ok()) return fail(status, st, std::unique_ptr<Communicator>());
   return std::make_unique<NcclCommunicator>(comm, /*owns=*/true, rank, world, device, host_channel,
                                             nullptr);
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, int device,
+                                                     Status* status) {
+  if (host.memory_space() != MemorySpace::kHost) {
+    return fail(status, Status(StatusCode::kInvalidArgument,
+                               "host must be a host-memory communicator (MPI, threads)"),
+                std::unique_ptr<Communicator>());
+  }
+  // Rank 0's id reaches every rank through a host all_gather (the other ranks' bytes unused).
+  Status id_status;
+  NcclUniqueId mine{};
+  if (host.rank() == 0) mine = nccl_unique_id(&id_status);
+  std::vector<char> gathered(mine.size() * static_cast<size_t>(host.world_size()));
+  Status st = host.all_gather(mine.data(), gathered.data(), mine.size(), nullptr);
+  if (!st.is_ok()) return fail(status, st, std::unique_ptr<Communicator>());
+  if (!id_status.is_ok()) {
+    // The other ranks reach the agreement in make_nccl_communicator and fail there with this one.
+    host.check_agree(-1, kWorldAgreement);
+    return fail(status, id_status, std::unique_ptr<Communicator>());
+  }
+  NcclUniqueId id{};
+  std::memcpy(id.data(), gathered.data(), id.size());
+  return make_nccl_communicator(id, host.world_size(), host.rank(), device, status, &host);
 }
 
 std::unique_ptr<Communicator> adopt_nccl_communicator(void* nccl_comm, Status* status,

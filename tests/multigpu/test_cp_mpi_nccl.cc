@@ -57,18 +57,9 @@ void set_up_world() {
   w.device = w.rank % gpus;
   w.mpi = cpidx::make_mpi_communicator(&w.status);
   if (!w.status.is_ok()) return;
-  cpidx::NcclUniqueId id{};
-  Status id_status;
-  if (w.rank == 0) id = cpidx::nccl_unique_id(&id_status);
-  MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_BYTE, 0, MPI_COMM_WORLD);
-  // A failed id on rank 0 still reaches make_nccl_communicator, whose agreement step fails
-  // every rank together.
-  if (!id_status.is_ok()) {
-    w.status = id_status;
-    w.mpi->check_agree(-1, "NCCL communicator world size (-1: a rank refused its arguments)");
-  } else {
-    w.nccl = cpidx::make_nccl_communicator(id, w.size, w.rank, w.device, &w.status, w.mpi.get());
-  }
+  // Rank 0's unique id reaches every rank over MPI; a rank that cannot go on (its id, device or
+  // arguments) makes every rank fail together.
+  w.nccl = cpidx::make_nccl_communicator(*w.mpi, w.device, &w.status);
   // Collective over MPI; every rank with an MPI communicator gets here.
   w.peer = cpidx::make_peer_communicator(*w.mpi, w.device, kPeerMaxBytes, &w.peer_status);
 }

@@ -333,4 +333,56 @@ TEST_F(MultiGpu, OneWorkspaceServesSixtyLayers) {
   }
 }
 
+// No GPU needed: a rank whose device is refused (one past the last) makes every rank of the
+// host-bootstrapped factory fail, naming the reason, instead of leaving them in ncclCommInitRank.
+TEST(NcclOverHost, RanksFailTogetherWhenOneRefusesItsDevice) {
+  std::vector<std::unique_ptr<Communicator>> hosts = cpidx::make_thread_communicators(kWorld);
+  const int bad = device_count();  // one past the last device (0 without a GPU)
+  std::vector<Status> st(kWorld);
+  std::vector<std::unique_ptr<Communicator>> made(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      const int device = r == kWorld - 1 || bad == 0 ? bad : 0;
+      const auto i = static_cast<size_t>(r);
+      made[i] = cpidx::make_nccl_communicator(*hosts[i], device, &st[i]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) {
+    const auto i = static_cast<size_t>(r);
+    EXPECT_EQ(made[i], nullptr) << "rank " << r;
+    EXPECT_FALSE(st[i].is_ok()) << "rank " << r;
+    EXPECT_FALSE(st[i].message().empty()) << "rank " << r;
+  }
+  // With a GPU, rank 0's device is fine: it fails through the agreement, and the refusing rank
+  // names its device. (Without one, every rank's device query fails on its own.)
+  if (bad > 0) {
+    EXPECT_NE(st[kWorld - 1].message().find("device must be in"), std::string::npos)
+        << st[kWorld - 1].message();
+    EXPECT_NE(st[0].message().find("NCCL communicator world size"), std::string::npos)
+        << st[0].message();
+  }
+}
+
+// A device communicator cannot bootstrap NCCL (its all_gather takes device memory).
+TEST(NcclOverHost, RefusesADeviceMemoryHost) {
+  class DeviceSpaceComm final : public Communicator {
+   public:
+    int rank() const override { return 0; }
+    int world_size() const override { return 1; }
+    cpidx::MemorySpace memory_space() const override { return cpidx::MemorySpace::kDevice; }
+    Status all_gather(const void*, void*, size_t, cudaStream_t) override {
+      ADD_FAILURE() << "no gather may run";
+      return Status::ok();
+    }
+    Status check_agree(long long, const char*) override { return Status::ok(); }
+    Status barrier() override { return Status::ok(); }
+  } device_space;
+  Status st;
+  EXPECT_EQ(cpidx::make_nccl_communicator(device_space, 0, &st), nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("host-memory communicator"), std::string::npos) << st.message();
+}
+
 }  // namespace
