@@ -5,10 +5,12 @@
 // this kernel merges the ordered lists of every request that spans CTAs (the same selection over
 // the request's slots of `partial`: the union of the CTAs' top K holds the request's top K).
 // One CTA per item. Lists of <= 128 keys are ordered by rank counting directly. Longer ones:
-// the K-th largest key by an MSD radix select on the 64-bit keys (8 bits a pass, usually 3-4
-// passes on real scores), then the <= K winners ranked. Keys are kept in registers up to 2048
-// per list; longer lists (the split path at 1 x 1M, merges of many CTAs' lists) are re-read
-// from L2 every pass, 8 independent loads in flight per thread.
+// a lower bound on the K-th largest key from 32 group maxima (one barrier-light pass), and when
+// at most 128 keys pass it, those are ranked; otherwise the K-th largest key by an MSD radix
+// select on the 64-bit keys (8 bits a pass, usually 3-4 passes on real scores), then the <= K
+// winners ranked. Keys are kept in registers up to 2048 per list; longer lists (the split path
+// at 1 x 1M, merges of many CTAs' lists) are re-read from L2 every pass, 8 independent loads in
+// flight per thread.
 // NOTE: merging the fused path's lists as ordered lists (each key that can still win counts
 // the larger keys of the other lists by binary search in shared memory) was measured 27-36 us
 // slower at 8 x 1M and equal at 8 x 256K (docs/perf/README.md, v8); not used.
@@ -42,6 +44,11 @@ constexpr int kBins = 256;
 constexpr int kRankDirect = 128;
 constexpr int kCand = kRankDirect;  // winners gathered for ranking: <= max(K, kRankDirect)
 static_assert(kCand >= kMaxTopK, "a long list's K winners must fit the candidate buffer");
+// Key groups whose maxima bound the K-th key (K <= kGroups): thread t's keys belong to group
+// t / kGroupThreads, so a group is 8 adjacent lanes of one warp.
+constexpr int kGroups = 32;
+constexpr int kGroupThreads = kThreads / kGroups;
+static_assert(kGroups * kGroupThreads == kThreads && kGroups == 32, "one warp ranks the maxima");
 
 struct SelectSmem {
   int64_t* prefix;                 // [num_reqs + 1] (dynamic): flattened page offset per request
@@ -52,6 +59,8 @@ struct SelectSmem {
   Key prefix_bits;                 // radix select state: the K-th key's high bits found so far
   int need;                        // winners still to find below prefix_bits' bin
   int done;
+  Key group_max[kGroups];          // group bound: each group's largest key
+  Key bound;                       // the K-th largest group maximum (1: no bound)
 };
 
 // The digit of the K-th largest key among those matching the prefix: bins are scanned from the
@@ -139,6 +148,49 @@ __device__ Key radix_kth(int K, SelectSmem& s, Each&& each) {
   return s.prefix_bits > 1 ? s.prefix_bits : 1;
 }
 
+// A lower bound on the K-th largest real key (K <= kGroups): the K-th largest of the groups'
+// maxima. K groups each hold a key at least that large, so at least K keys pass it; on real
+// scores about K plus a few do (each group holds n / 32 keys, strided over the list). 1 (every
+// real key) when fewer than K groups hold a real key. Also zeroes s.count.
+// Two barriers, against the radix passes' three per 8 bits whose first histograms put most keys
+// in one or two bins (their shared-memory increments serialise).
+template <typename Each>
+__device__ Key group_bound(int K, SelectSmem& s, Each&& each) {
+  const int tid = threadIdx.x;
+  Key m = kPadKey;
+  each([&](Key k) { m = k > m ? k : m; });
+#pragma unroll
+  for (int d = 1; d < kGroupThreads; d *= 2) {
+    const Key other = __shfl_xor_sync(0xffffffffu, m, d);
+    m = other > m ? other : m;
+  }
+  if (tid % kGroupThreads == 0) s.group_max[tid / kGroupThreads] = m;
+  if (tid == 0) { s.bound = 1; s.count = 0; }
+  __syncthreads();
+  if (tid < kGroups) {
+    // Real maxima are distinct (keys are), so at most one real one has rank K - 1.
+    const Key mine = s.group_max[tid];
+    int rank = 0;
+#pragma unroll 8
+    for (int j = 0; j < kGroups; ++j) rank += s.group_max[j] > mine;
+    if (rank == K - 1 && mine != kPadKey) s.bound = mine;
+  }
+  __syncthreads();
+  return s.bound;
+}
+
+// Gathers the real keys >= lower into s.cand (up to kCand; s.count counts them all). s.count
+// must be zero and visible to every thread; the caller synchronises afterwards.
+template <typename Each>
+__device__ __forceinline__ void gather_winners(Key lower, SelectSmem& s, Each&& each) {
+  each([&](Key k) {
+    if (k != kPadKey && k >= lower) {
+      const int at = atomicAdd(&s.count, 1);
+      if (at < kCand) s.cand[at] = k;
+    }
+  });
+}
+
 // Selects and orders the top K of keys[0..n) (read from L2) into s.sorted.
 __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   const int tid = threadIdx.x;
@@ -151,17 +203,23 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
                                : kPadKey;
   }
   auto each = [&](auto&& f) { for_each_key(keys, n, in_regs, mine, f); };
-  // Keys >= lower win: every real key of a short list, else the K largest.
-  const Key lower = n > kRankDirect ? radix_kth(K, s, each) : 1;
-  if (tid == 0) s.count = 0;
-  __syncthreads();
-  each([&](Key k) {
-    if (k != kPadKey && k >= lower) {
-      const int at = atomicAdd(&s.count, 1);
-      if (at < kCand) s.cand[at] = k;
-    }
-  });
-  __syncthreads();
+  // Keys >= lower win: every real key of a short list; else the K largest, gathered above the
+  // group bound when at most kCand keys pass it, above the exact K-th key (radix) otherwise.
+  Key lower = 1;
+  bool gathered = false;
+  if (n > kRankDirect && K <= kGroups) {
+    lower = group_bound(K, s, each);
+    gather_winners(lower, s, each);
+    __syncthreads();
+    gathered = s.count <= kCand;  // uniform: every thread reads it after the barrier
+  }
+  if (!gathered) {
+    if (n > kRankDirect) lower = radix_kth(K, s, each);
+    if (tid == 0) s.count = 0;
+    __syncthreads();
+    gather_winners(lower, s, each);
+    __syncthreads();
+  }
   block_rank_topk(s.cand, s.count < kCand ? s.count : kCand, K, s.sorted);
   __syncthreads();
 }

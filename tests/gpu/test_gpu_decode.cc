@@ -5,6 +5,7 @@
 // Every test skips cleanly without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 #include "gpu_util.h"
@@ -16,6 +17,7 @@ using namespace cpidx_gpu_test;
 using cpidx::DType;
 using cpidx::Selection;
 using cpidx_test::Values;
+using cpidx_test::bf16_of;
 using cpidx_test::lengths;
 using cpidx_test::random_decode;
 using cpidx_test::sel_of;
@@ -95,16 +97,49 @@ TEST(GpuDecode, Fp8CacheMatchesReference) {
 TEST(GpuDecode, TieHeavyInputsFollowContractOrder) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(17);
+  // Up to 12000 tokens (<= 94 blocks: every list is ranked directly), and up to 100000 (782
+  // blocks): there most blocks share the top score, so the selection's group bound passes about
+  // K / 32 of them: K = 4 ranks those (~100), K = 16 and 32 find too many and take the radix
+  // select, K = 33 takes it directly.
+  for (int32_t max_len : {12000, 100000}) {
+    for (int Q : {1, 4}) {
+      for (int K : {4, 16, 32, 33}) {
+        if (max_len == 12000 && (K == 32 || K == 33)) continue;
+        // Small integers: every dot product is exact, so ids must match in order, ties included.
+        DecodeData d = random_decode(500 + Q * 10 + K + max_len, 4, Q,
+                                     lengths(rng, 6, max_len, true), max_len, DType::kBF16,
+                                     Values::kTies, 1.0f);
+        const Selection sel = sel_of(K, 1, 2);
+        const std::vector<int32_t> want = cpu_decode(d, sel);
+        for (Path path : kBothPaths) {
+          UsePath use(path);
+          EXPECT_EQ(gpu_decode(d, sel), want)
+              << "L<=" << max_len << " Q=" << Q << " K=" << K << " " << path_name(path);
+        }
+      }
+    }
+  }
+}
+
+TEST(GpuDecode, EqualScoresEverywhereFollowContractOrder) {
+  SKIP_WITHOUT_GPU();
+  // Every key row the same: within a request every block scores the same, so the ids are the
+  // contract's tie order alone. The selection's group bound then passes about K / 32 of a long
+  // list's blocks: over 128 (the radix select) at 300000 tokens for every K, and at 64000 for
+  // K >= 16; under it (ranked from the bound) at 64000 for K = 4. 300000 tokens (2344 blocks)
+  // also re-read their list from L2 (over 2048 keys).
   for (int Q : {1, 4}) {
-    for (int K : {4, 16}) {
-      // Small integers: every dot product is exact, so ids must match in order, ties included.
-      DecodeData d = random_decode(500 + Q * 10 + K, 4, Q, lengths(rng, 6, 12000, true), 12000,
-                                   DType::kBF16, Values::kTies, 1.0f);
+    for (int K : {4, 16, 32}) {
+      DecodeData d = random_decode(700 + Q * 100 + K, 4, Q, {1000, 300000, 0, 64000, 129},
+                                   300000);
+      std::fill(d.cache_bf16.begin(), d.cache_bf16.end(), bf16_of(0.5f));
       const Selection sel = sel_of(K, 1, 2);
       const std::vector<int32_t> want = cpu_decode(d, sel);
       for (Path path : kBothPaths) {
         UsePath use(path);
         EXPECT_EQ(gpu_decode(d, sel), want) << "Q=" << Q << " K=" << K << " " << path_name(path);
+        EXPECT_EQ(gpu_cp_simulated(d, sel, 2), want)
+            << "CP P=2, Q=" << Q << " K=" << K << " " << path_name(path);
       }
     }
   }

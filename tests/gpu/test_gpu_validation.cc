@@ -6,6 +6,7 @@
 // (scripts/gpu_sanitize.sh). Every test skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -480,6 +481,29 @@ TEST(GpuSanitize, SmallDecodeEveryPath) {
   EXPECT_EQ(flag, cpidx::kErrSeqLenOutOfRange | cpidx::kErrPageOutOfRange);
   EXPECT_EQ(flag, cpu_err);
   EXPECT_EQ(compare_ids(d, sel, bad, ids.ids).bad_rows, 0);
+}
+
+TEST(GpuSanitize, LongListsTakeEverySelection) {
+  SKIP_WITHOUT_GPU();
+  // 157 blocks a request: past the 128 keys ranked directly, so select_topk bounds the K-th key
+  // from its group maxima (random scores), falls back to the radix select when too many keys
+  // pass the bound (every block scoring the same), or goes to it directly (K = 33 > 32 groups).
+  for (bool equal : {false, true}) {
+    for (int K : {16, 33}) {
+      const Selection sel{K, 1, 1};
+      cpidx_test::DecodeData d = random_decode(5454 + K, kT, 1, {20000, 0, 19990}, 20000);
+      if (equal) std::fill(d.cache_bf16.begin(), d.cache_bf16.end(), cpidx_test::bf16_of(0.5f));
+      const std::vector<int32_t> cpu = cpu_decode(d, sel);
+      for (Path path : kBothPaths) {
+        UsePath use(path);
+        const std::vector<int32_t> gpu = gpu_decode(d, sel);
+        EXPECT_EQ(compare_ids(d, sel, gpu, cpu).bad_rows, 0)
+            << "equal=" << equal << " K=" << K << " " << path_name(path);
+        if (equal) EXPECT_EQ(gpu, cpu) << "ties follow the contract's order exactly";
+        EXPECT_EQ(gpu_cp_simulated(d, sel, 2), gpu) << "P=2 " << path_name(path);
+      }
+    }
+  }
 }
 
 TEST(GpuSanitize, SmallSparseTable) {
