@@ -32,14 +32,21 @@ struct DecodeConfig {
   // Launch kernels with programmatic dependent launch: a step's kernels start while the
   // previous kernel in the stream drains, and wait for its results before reading anything.
   bool programmatic_launch = true;
-  // Small steps take the split path: the scoring kernel writes one key per (column, page) to an
-  // L2-resident buffer and a second kernel selects each row's top K (cheaper than the fused
-  // path's per-CTA lists and merge when there is little to stream). Chosen on the device, per
-  // step, by this rank's page count: <= split_max_pages pages take the split path.
-  // kAutoSplit: the library's choice (kDefaultSplitPages); 0: always the fused path. The buffer
-  // costs split_max_pages * 8 * padded(T * max_query_len) bytes.
+  // Steps up to a size take the split path: the scoring kernel writes one key per (column,
+  // page) to an L2-resident buffer and a second kernel selects each row's top K (cheaper than
+  // the fused path's per-CTA lists and merge unless a request's list is very long). Chosen on
+  // the device, per step, from this rank's page counts, so one captured graph serves both.
+  // kAutoSplit, the library's rule: steps of <= kDefaultSplitPages pages split; larger ones, up
+  // to the buffer (kLargeSplitPages, fewer when padded(T * max_query_len) * 8 * kLargeSplitPages
+  // would pass kSplitBufferBytes), split when no request owns more than kSplitLongestPages
+  // pages (a longer list costs the selection more than the fused path's merge saves:
+  // docs/perf/README.md, v11). N > 0: every step of <= N pages splits. 0: always the fused
+  // path. The buffer costs split_max_pages * 8 * padded(T * max_query_len) bytes.
   static constexpr int64_t kAutoSplit = -1;
-  static constexpr int64_t kDefaultSplitPages = 16384;  // 2M tokens of context on this rank
+  static constexpr int64_t kDefaultSplitPages = 16384;   // 2M tokens of context on this rank
+  static constexpr int64_t kLargeSplitPages = 65536;     // 8M tokens
+  static constexpr int64_t kSplitLongestPages = 4096;    // 512K tokens of one request
+  static constexpr size_t kSplitBufferBytes = size_t{16} << 20;
   int64_t split_max_pages = kAutoSplit;
   // Persistent scoring CTAs per SM: 0 lets the library choose (two, each with the deepest page
   // pipeline that fits both); 1 gives one CTA a deeper pipeline. For tuning and benchmarks.
@@ -56,7 +63,8 @@ struct DecodePlan {
   int grid = 0;             // persistent CTAs of the scoring kernel
   int stages = 0;           // key pages in flight per CTA
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
-  int64_t split_max_pages = 0;  // steps with at most this many pages take the split path
+  int64_t split_max_pages = 0;  // the split path's capacity: steps with more pages are fused
+  int64_t split_any_pages = 0;  // steps with at most this many pages split whatever their lengths
   size_t workspace_bytes = 0;
 };
 

@@ -19,6 +19,10 @@ struct DecodeWorkspaceLayout {
   size_t keys_recv = 0;   // [P, T, max_tokens, K] keys
   size_t split_keys = 0;  // [padded(T * Qmax), split_max_pages] keys (split path)
   int64_t split_max_pages = 0;  // 0: no split path
+  // Steps of at most this many pages split whatever their lengths; larger ones (up to
+  // split_max_pages) only when no request owns more than split_longest_pages pages.
+  int64_t split_any_pages = 0;
+  int64_t split_longest_pages = 0;
   size_t total = 0;       // bytes to allocate
   int64_t num_slots = 0;  // rows of `partial`
 };

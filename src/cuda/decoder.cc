@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "cpidx/comm.h"
@@ -43,10 +44,15 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
   w.q_recv = take(cp ? P * n * L * kHeadDim * 2 : 0);
   w.keys_send = take(cp ? T * n * K * sizeof(Key) : 0);
   w.keys_recv = take(cp ? P * T * n * K * sizeof(Key) : 0);
-  w.split_max_pages = c.split_max_pages == DecodeConfig::kAutoSplit
-                          ? DecodeConfig::kDefaultSplitPages
-                          : c.split_max_pages;
   const size_t cols = cuda::padded_columns(c.total_heads * c.max_query_len);
+  if (c.split_max_pages == DecodeConfig::kAutoSplit) {
+    const int64_t fits = static_cast<int64_t>(DecodeConfig::kSplitBufferBytes / (cols * sizeof(Key)));
+    w.split_any_pages = DecodeConfig::kDefaultSplitPages;
+    w.split_max_pages = std::max(w.split_any_pages, std::min(DecodeConfig::kLargeSplitPages, fits));
+    w.split_longest_pages = DecodeConfig::kSplitLongestPages;
+  } else {
+    w.split_max_pages = w.split_any_pages = w.split_longest_pages = c.split_max_pages;
+  }
   w.split_keys = take(static_cast<size_t>(w.split_max_pages) * cols * sizeof(Key));
   w.total = align_up(o, 256);
   return w;
@@ -109,6 +115,8 @@ struct Decoder::Impl {
     if (layout.split_max_pages > 0) {
       p.split_keys = at<Key>(layout.split_keys);
       p.split_max_pages = layout.split_max_pages;
+      p.split_any_pages = layout.split_any_pages;
+      p.split_longest_pages = layout.split_longest_pages;
     }
     p.pdl = cfg.programmatic_launch;
     return p;
@@ -223,6 +231,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   impl->plan.stages = impl->launch.stages;
   impl->plan.smem_bytes = impl->launch.smem_bytes;
   impl->plan.split_max_pages = impl->layout.split_max_pages;
+  impl->plan.split_any_pages = impl->layout.split_any_pages;
   impl->plan.workspace_bytes = impl->layout.total;
   out->reset(new Decoder(std::move(impl)));
   return Status::ok();

@@ -65,9 +65,12 @@ struct ScoreTopkParams {
   int64_t num_slots = 0;
   int fused_grid = 0;                     // score_topk's grid (select_topk finds the lists by it)
   int32_t* error_flag = nullptr;          // OR of DeviceError bits
-  // Split path: used when the step's owned pages <= split_max_pages (0 with no buffer: never).
+  // Split path (split_path() in page_order.cuh): steps of <= split_any_pages owned pages, and
+  // steps of <= split_max_pages whose requests own <= split_longest_pages pages each.
   Key* split_keys = nullptr;              // [ncols_pad][split_max_pages] block keys
   int64_t split_max_pages = -1;           // -1: the fused path always
+  int64_t split_any_pages = -1;
+  int64_t split_longest_pages = -1;
   bool pdl = true;                        // programmatic dependent launch
 };
 

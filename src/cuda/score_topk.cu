@@ -146,9 +146,9 @@ struct WorkRange {
   int64_t ctas, start, end;
 };
 __device__ __forceinline__ WorkRange work_range(const ScoreTopkParams& p, int64_t total,
-                                                int grid) {
+                                                int64_t longest, int grid) {
   WorkRange w;
-  w.split = total <= p.split_max_pages;
+  w.split = split_path(p, total, longest);
   w.ctas = w.split ? (total < grid ? total : grid) : fused_ctas(total, grid);
   w.start = blockIdx.x < w.ctas ? blockIdx.x * total / w.ctas : 0;
   w.end = blockIdx.x < w.ctas ? (blockIdx.x + 1) * total / w.ctas : 0;
@@ -236,8 +236,8 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   if (tid < NT * 8) { s.cnt[tid] = 0; s.tau[tid] = kPadKey; }
   if (tid < stages) { mbar_init(&s.full[tid], 1); mbar_init(&s.empty[tid], kConsumerWarps); }
   if (tid == 0) fence_barrier_init();
-  pages_prefix<kThreads>(p, s.prefix, r0, r1);
-  WorkRange w = work_range(p, s.prefix[B], grid);
+  int64_t longest = pages_prefix<kThreads>(p, s.prefix, r0, r1);
+  WorkRange w = work_range(p, s.prefix[B], longest, grid);
   if (tid < ncols && w.start < w.end) {
     const int r = find_req(s.prefix, B, w.start), h = tid / Q, t = tid % Q;
     const __nv_bfloat16* q = p.q_head[h] + (static_cast<int64_t>(r) * Q + t) * p.q_row_stride;
@@ -252,8 +252,8 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     changed |= owned_pages(p, __ldcg(p.seq_lens + r), &err) != s.prefix[r + 1] - s.prefix[r];
   }
   if (__syncthreads_or(changed)) {
-    pages_prefix<kThreads>(p, s.prefix, r0, r1);
-    w = work_range(p, s.prefix[B], grid);
+    longest = pages_prefix<kThreads>(p, s.prefix, r0, r1);
+    w = work_range(p, s.prefix[B], longest, grid);
   }
   CPIDX_TRACE_STAMP(tid == 0, kTPrefix);
   if (blockIdx.x == 0 && err) atomicOr(p.error_flag, err);

@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
   // let this grid launch after its own wait, so the lengths it used are the ones read here.
   int r0 = 0, r1 = 0;
   thread_requests<kThreads>(B, &r0, &r1);
-  pages_prefix<kThreads>(p, s.prefix, r0, r1);
+  const int64_t longest = pages_prefix<kThreads>(p, s.prefix, r0, r1);
   pdl_wait();
   // Fused exchange: the channel's use count is read before merge_topk may launch (it counts the
   // use once every reader arrived).
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
   const uint32_t uses = channel ? channel_uses(p.channel) : 0;
   pdl_launch_dependents();
   const int64_t total = s.prefix[B];
-  const bool split = total <= p.split_max_pages;
+  const bool split = split_path(p, total, longest);
   const int64_t g_eff = fused_ctas(total, p.fused_grid);
 
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {

@@ -125,13 +125,14 @@ TEST(GpuDecode, EqualScoresEverywhereFollowContractOrder) {
   SKIP_WITHOUT_GPU();
   // Every key row the same: within a request every block scores the same, so the ids are the
   // contract's tie order alone. The selection's group bound then passes about K / 32 of a long
-  // list's blocks: over 128 (the radix select) at 300000 tokens for every K, and at 64000 for
-  // K >= 16; under it (ranked from the bound) at 64000 for K = 4. 300000 tokens (2344 blocks)
-  // also re-read their list from L2 (over 2048 keys).
+  // list's blocks: over 128 (the radix select) at 300000 and 100000 tokens for every K, and at
+  // 64000 for K >= 16; under it (ranked from the bound) at 64000 for K = 4. 300000 tokens (2344
+  // blocks) also re-read their list from L2 (over 2048 keys).
   for (int Q : {1, 4}) {
+    const int32_t longest = Q == 1 ? 300000 : 100000;  // the CPU reference's time
     for (int K : {4, 16, 32}) {
-      DecodeData d = random_decode(700 + Q * 100 + K, 4, Q, {1000, 300000, 0, 64000, 129},
-                                   300000);
+      DecodeData d = random_decode(700 + Q * 100 + K, 4, Q, {1000, longest, 0, 64000, 129},
+                                   longest);
       std::fill(d.cache_bf16.begin(), d.cache_bf16.end(), bf16_of(0.5f));
       const Selection sel = sel_of(K, 1, 2);
       const std::vector<int32_t> want = cpu_decode(d, sel);
@@ -342,6 +343,45 @@ TEST(GpuDecode, GraphReplayCrossesBetweenPaths) {
     const CompareResult r = compare_ids(d, sel, got, cpu_decode(d, sel));
     EXPECT_EQ(r.bad_rows, 0) << "lens[0] " << lens[0] << ", lens[1] " << lens[1] << ": "
                              << r.first_bad;
+  }
+}
+
+TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
+  SKIP_WITHOUT_GPU();
+  // The library's rule (DecodeConfig::kAutoSplit): above kDefaultSplitPages pages a step splits
+  // only while no request owns more than kSplitLongestPages pages. Both kernels must reach the
+  // same verdict from the same lengths, inside one graph, whichever side a replay lands on.
+  using cpidx::DecodeConfig;
+  const int reqs = 5;
+  const int32_t longest_split = static_cast<int32_t>(DecodeConfig::kSplitLongestPages) * 128;
+  const int32_t bound = longest_split + 40000;
+  static_assert(5 * DecodeConfig::kSplitLongestPages > DecodeConfig::kDefaultSplitPages,
+                "the first replays must be past the size that always splits");
+  DecodeData d = random_decode(830, 2, 1, std::vector<int32_t>(reqs, bound), bound);
+  const Selection sel = sel_of(16);
+  DeviceBatch b(d);
+  cpidx::DecodeConfig config = config_for(d, sel);
+  config.split_max_pages = DecodeConfig::kAutoSplit;
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config, 0, &dec).is_ok());
+  ASSERT_GE(dec->plan().split_max_pages, reqs * cpidx::cdiv(bound, 128));
+  DeviceVec<int32_t> ids(static_cast<size_t>(2 * d.rows() * sel.topk));
+  const std::unique_ptr<CapturedGraph> graph = capture_decode(*dec, b, ids, sel.topk);
+  ASSERT_TRUE(graph->status().is_ok()) << graph->status().to_string();
+  // 20480 pages, longest 4096 (split); 21 k pages, one request of 4409 (fused); back to split;
+  // 2 requests over the longest but 8818 pages in all (split: at most kDefaultSplitPages).
+  const int32_t over = bound;
+  for (const std::vector<int32_t>& lens :
+       {std::vector<int32_t>(reqs, longest_split),
+        {longest_split, longest_split, over, longest_split, longest_split},
+        std::vector<int32_t>(reqs, longest_split - 1), {over, 0, 0, 0, over}}) {
+    d.seq_lens = lens;
+    b.seq_lens.upload(d.seq_lens);
+    ids.poison();
+    CUDA_OK(graph->replay());
+    const std::vector<int32_t> got = ids.download();
+    const CompareResult r = compare_ids(d, sel, got, cpu_decode(d, sel));
+    EXPECT_EQ(r.bad_rows, 0) << "lens[2] " << lens[2] << ": " << r.first_bad;
   }
 }
 
