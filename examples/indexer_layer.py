@@ -2,14 +2,17 @@
 context-parallel decode (IndexerCPDecode, shared by every layer), its prefill rows through the
 plain prefill, with the seed's fallbacks. Checks every rank against the single-GPU result.
 
-    torchrun --nproc_per_node=2 examples/indexer_layer.py      # NCCL, one GPU per rank; also
+    torchrun --nproc_per_node=2 examples/indexer_layer.py      # one GPU per rank: the peer
+                                                               # exchange, else NCCL; also
                                                                # captures the decode in a CUDA
                                                                # graph and replays new lengths
+    torchrun --nproc_per_node=2 examples/indexer_layer.py --exchange nccl   # (or peer, torch)
     python examples/indexer_layer.py                           # one process (CPU smoke run
                                                                # without a GPU)
     torchrun --nproc_per_node=2 examples/indexer_layer.py --device cpu   # gloo, C++ reference
 
-Exit code 0 when every comparison holds.
+Exit code 0 when every comparison holds. The shared IndexerCPDecode is closed at the end (every
+rank together, before the process group goes).
 """
 from __future__ import annotations
 
@@ -55,14 +58,14 @@ class IndexerLayer:
 
     def __init__(self, *, total_heads, rank, world_size, group, device, max_tokens,
                  max_batched_tokens, max_model_len, topk=16, init_blocks=0, local_blocks=1,
-                 scale=128 ** -0.5):
+                 scale=128 ** -0.5, exchange="auto"):
         self.topk, self.init_blocks, self.local_blocks = topk, init_blocks, local_blocks
         self.scale, self.max_model_len = scale, max_model_len
         # One instance per rank and geometry, shared by every layer (the seed's design).
         self.cp_decode = cpidx.get_shared_cp_decode(
             total_heads=total_heads, rank=rank, world_size=world_size, max_tokens=max_tokens,
             max_seq_len=max_model_len, topk=topk, init_blocks=init_blocks,
-            local_blocks=local_blocks, group=group, device=device)
+            local_blocks=local_blocks, group=group, device=device, exchange=exchange)
         self.num_index_heads = self.cp_decode.local_heads
         # The model's shared top-K buffer [L, max_batched_tokens, K]: decode rows first, then
         # prefill tokens (max_tokens bounds the decode rows only).
@@ -125,6 +128,9 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=65536)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exchange", choices=("auto", "peer", "nccl", "torch"), default="auto",
+                    help="the context-parallel step's all-gathers (auto: peer, else NCCL, else "
+                         "torch)")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -144,7 +150,12 @@ def main() -> int:
     max_tokens = 64
     layer = IndexerLayer(total_heads=T, rank=rank, world_size=world, group=group, device=device,
                          max_tokens=max_tokens, max_batched_tokens=1024, max_model_len=msl,
-                         topk=K)
+                         topk=K, exchange=args.exchange)
+    cp = layer.cp_decode
+    if rank == 0:
+        why = f" (peer unavailable: {cp.peer_unavailable_reason})" \
+            if cp.peer_unavailable_reason else ""
+        print(f"exchange: {cp.exchange} (asked: {args.exchange}){why}", flush=True)
     L, off = layer.num_index_heads, layer.cp_decode.head_offset
     gen = torch.Generator().manual_seed(args.seed)
     q_all, kv, md = synthetic_batch(gen, device, total_heads=T,
@@ -202,6 +213,14 @@ def main() -> int:
         flag = torch.tensor([int(ok)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         ok = bool(flag.item())
+    # Collective (every rank gets here): the peer communicator, then the NCCL one. Graphs that
+    # captured the step go first: NCCL's communicator destroy waits for every live graph that
+    # holds one of its kernels (with exchange=nccl it would never return).
+    if cuda:
+        del graph, graph_out
+        torch.cuda.synchronize()
+    cp.close()
+    if world > 1:
         dist.destroy_process_group()
     if rank == 0:
         print("indexer_layer: OK" if ok else "indexer_layer: MISMATCH", flush=True)

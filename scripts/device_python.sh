@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # scripts/device_python.sh: on the GPU machine, pip-install the package (CUDA build, offline: the
 # image carries nanobind and scikit-build-core) into a scratch folder and run the whole pytest
-# suite there, GPU tests included. With 2+ GPUs also the torchrun example. Logs under $OUT.
+# suite there, GPU tests included (with 2 GPUs its two-process test checks that "auto" picks the
+# peer exchange). With 2+ GPUs also the torchrun example with --exchange peer and with
+# --exchange nccl. Three logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -17,10 +19,12 @@ rc=${PIPESTATUS[0]}
 cd "$OLDPWD"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$ngpu" -ge 2 ]; then
-  echo "== torchrun --nproc_per_node=2 examples/indexer_layer.py"
-  PYTHONPATH="$site" timeout 180 torchrun --nproc_per_node=2 examples/indexer_layer.py \
-    ${EXAMPLE_ARGS:-} 2>&1 | tee "$OUT/torchrun_example.log" | tail -20
-  rc2=${PIPESTATUS[0]}
-  [ $rc -eq 0 ] && rc=$rc2
+  for exchange in peer nccl; do
+    echo "== torchrun --nproc_per_node=2 examples/indexer_layer.py --exchange $exchange"
+    PYTHONPATH="$site" timeout 180 torchrun --nproc_per_node=2 examples/indexer_layer.py \
+      --exchange "$exchange" ${EXAMPLE_ARGS:-} 2>&1 | tee "$OUT/torchrun_$exchange.log" | tail -12
+    rc2=${PIPESTATUS[0]}
+    [ $rc -eq 0 ] && rc=$rc2
+  done
 fi
 exit $rc

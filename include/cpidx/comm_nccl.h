@@ -62,6 +62,8 @@ std::string nccl_version_text();
 //  - memory_space() is kDevice: all_gather's buffers are device memory on the communicator's
 //    device, and `stream` must belong to that device. all_gather enqueues one ncclAllGather of
 //    ncclUint8 and returns at once (no host synchronisation), so it can be graph-captured.
+//    Destroy every CUDA graph that captured a gather before the communicator: NCCL's destroy
+//    waits until all such graphs are gone, so it would not return while one lives.
 //  - check_agree(value, what) forwards to the host channel. Without one (make_nccl_communicator
 //    or adopt_nccl_communicator with host_channel == nullptr) there is no check: it returns ok,
 //    and ranks that disagree on a batch shape are not caught before the collective.

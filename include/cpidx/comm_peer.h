@@ -59,6 +59,24 @@ Status clear_peer_error_flag(Communicator& comm, cudaStream_t stream);
 // communicator or `bits` is null.
 Status read_peer_error_flag(Communicator& comm, int32_t* bits);
 
+// Lets go of a peer communicator without a collective, for owners that cannot promise that every
+// rank destroys its communicator at the same time: a garbage collector, interpreter or process
+// exit, a rank whose peers exited or failed. It synchronises the communicator's device (a gather
+// still waiting for an exited peer gives up after timeout_seconds), closes this rank's mappings
+// of the peers' buffers, skips the bootstrap barrier (the bootstrap is not used, so it may be gone
+// already) and deliberately leaks this rank's own buffers and device words (about
+// 8 x P x max_bytes_per_rank) until the process exits.
+// The trade-off: a peer that has not let go yet may still map this rank's buffers and store into
+// them; the collective destructor waits for every peer before freeing them, this function keeps
+// them allocated instead, so it never waits for a peer that exited or tears down later but never
+// gives the memory back. Prefer destruction when every rank can do it together while the
+// bootstrap lives (a deliberate shutdown); use this everywhere else.
+// When *comm holds a peer communicator, *comm is reset whatever the CUDA calls return; their
+// first failure comes back as kCudaError (the mappings are closed as far as possible). ok for an
+// empty *comm; kInvalidArgument, *comm untouched, when comm is null or holds another kind of
+// communicator (destroy those as usual).
+Status abandon_peer_communicator(std::unique_ptr<Communicator>* comm);
+
 // Semantics of the peer communicator:
 //  - memory_space() is kDevice. all_gather(send, recv, bytes, stream) enqueues one kernel on
 //    `stream` (a stream of the communicator's device) and returns at once: no host
@@ -77,6 +95,8 @@ Status read_peer_error_flag(Communicator& comm, int32_t* bits);
 //  - Destruction: make sure no gather is in flight (synchronise the streams). When any peer is
 //    in another process, the destructor is collective: it closes the IPC mappings, then waits in
 //    bootstrap.barrier() before freeing its buffers, so every rank must destroy its communicator
-//    (each from its own thread or process) while the bootstrap is still alive.
+//    (each from its own thread or process) while the bootstrap is still alive. Ranks of one
+//    process destroy theirs without a collective. abandon_peer_communicator (above) is the
+//    non-collective alternative in either case.
 
 }  // namespace cpidx

@@ -9,7 +9,10 @@ Functional API (destination passing: the caller allocates every output):
 * :class:`IndexerCPDecode` / :func:`get_shared_cp_decode` -- the context-parallel decode of the
   seed (vLLM's MiniMax-M3 indexer), drop-in: ``__call__`` writes ``[local_heads, n, topk]``.
 * :data:`registry` -- the one documented cache: GPU decoders of the functional API and the
-  shared ``IndexerCPDecode`` instances. ``registry.clear()`` frees them.
+  shared ``IndexerCPDecode`` instances. ``registry.clear()`` frees them (and closes the shared
+  instances: collective, every rank calls it).
+* :class:`Communicator` -- the library's NCCL and peer communicators (``has_nccl``,
+  ``has_peer``); :func:`cp_gather_bytes` is the per-rank bound a peer communicator needs.
 
 bf16 on the host: numpy has no bfloat16, so host arrays carry bf16 as ``uint16`` bit patterns
 (:func:`bf16_bits` converts float arrays; float32 arrays given directly are converted by the
@@ -55,17 +58,21 @@ __all__ = [
     "Decoder",
     "Prefiller",
     "Communicator",
+    "cp_gather_bytes",
     "gpu_available",
     "cuda_built",
     "has_nccl",
+    "has_peer",
 ]
 
 Decoder = _C.Decoder
 Prefiller = _C.Prefiller
 Communicator = _C.Communicator
+cp_gather_bytes = _C.cp_gather_bytes
 gpu_available = _C.gpu_available
 cuda_built = _C.cuda_built
 has_nccl = _C.has_nccl
+has_peer = _C.has_peer
 
 if _torch is not None:
     from . import _ops  # noqa: F401  (registers torch.ops.cpidx.*)

@@ -91,11 +91,14 @@ class Registry:
     * ``prefiller(...)``: one GPU :class:`cpidx.Prefiller` per the same key, used by
       :func:`prefill_topk` on CUDA tensors.
     * ``cp_decode(**kwargs)``: one :class:`cpidx.IndexerCPDecode` per (rank, geometry, group),
-      shared by every layer of a model (see :func:`cpidx.get_shared_cp_decode`).
+      shared by every layer of a model (see :func:`cpidx.get_shared_cp_decode`); a closed one is
+      replaced on the next call.
 
-    Entries live until :meth:`clear`. A workspace serves one stream at a time: layers run in
-    order on one stream, as in the engine. ``cpidx.registry`` is the default instance; pass your
-    own ``registry=`` to keep separate sets.
+    Entries live until :meth:`clear` (collective when it holds IndexerCPDecode instances: it
+    closes them); at interpreter exit they are dropped without a collective. A workspace serves
+    one stream at a time: layers run in order on one stream, as in the engine.
+    ``cpidx.registry`` is the default instance; pass your own ``registry=`` to keep separate
+    sets.
     """
 
     def __init__(self) -> None:
@@ -107,7 +110,7 @@ class Registry:
     def _cached(self, store: dict, key: tuple, make: Any) -> Any:
         with self._lock:
             obj = store.get(key)
-            if obj is None:
+            if obj is None or getattr(obj, "closed", False):
                 obj = store[key] = make()
             return obj
 
@@ -135,11 +138,33 @@ class Registry:
         return self._cached(self._cp, key, lambda: IndexerCPDecode(**kwargs))
 
     def clear(self) -> None:
-        """Drop every decoder and shared IndexerCPDecode (their device memory goes with them)."""
+        """Drop every decoder and prefiller and close every shared IndexerCPDecode (their device
+        memory goes with them). Collective when it holds IndexerCPDecode instances with
+        world_size > 1: every rank calls it, having created its instances in the same order
+        (they are closed in that order). The first error of a close is raised after all were
+        tried."""
         with self._lock:
-            self._decoders.clear()
-            self._prefillers.clear()
-            self._cp.clear()
+            shared = list(self._cp.values())
+            self._drop_all()
+        error: Optional[BaseException] = None
+        for cp in shared:
+            try:
+                cp.close()
+            except Exception as e:  # keep the ranks in step: close the others, then report
+                error = error or e
+        if error is not None:
+            raise error
+
+    def _drop_all(self) -> None:
+        self._decoders.clear()
+        self._prefillers.clear()
+        self._cp.clear()
+
+    def _drop_at_exit(self) -> None:
+        """Interpreter exit: other ranks may have exited already, so no collective. Dropped
+        instances take the non-collective teardown (see IndexerCPDecode)."""
+        with self._lock:
+            self._drop_all()
 
     def __len__(self) -> int:
         return len(self._decoders) + len(self._prefillers) + len(self._cp)
@@ -147,7 +172,7 @@ class Registry:
 
 registry = Registry()
 # Release device memory (and the native objects) before the interpreter tears modules down.
-atexit.register(registry.clear)
+atexit.register(registry._drop_at_exit)
 
 
 # ---- decode / prefill ---------------------------------------------------------------------

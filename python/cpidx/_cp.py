@@ -2,18 +2,9 @@
 
 One instance per (rank, geometry, group) holds every buffer of a step, sized from maxima at
 construction, so ``__call__`` allocates nothing and never synchronises: it can be captured in a
-CUDA graph and replayed with new lengths. Exchanges, by what ``group`` is:
-
-* a :class:`cpidx.Communicator` (device memory): ``Decoder.cp_decode`` does the whole step in C++;
-* a ``torch.distributed`` ProcessGroup (or vLLM GroupCoordinator: its ``device_group`` /
-  ``cpu_group`` are used) on CUDA: with the NCCL communicator built (``cpidx.has_nccl``), rank 0
-  makes an NCCL unique id, ``broadcast_object_list`` hands it to the group, and the library's own
-  NCCL communicator runs the step (``exchange="nccl"``). Otherwise, or with ``exchange="torch"``,
-  the two all-gathers are ``torch.distributed.all_gather_into_tensor`` around the Decoder's
-  ``shard_keys`` and ``merge`` (the seed's structure);
-* ``world_size == 1``: the plain decode, no exchange (``group`` may be None).
-
-On ``device="cpu"`` the same steps run on the C++ reference (torch collectives, e.g. gloo).
+CUDA graph and replayed with new lengths. The exchange (the two all-gathers of a step) follows
+``exchange`` and ``group``; ``self.exchange`` says which one runs ("peer", "nccl", "torch", or
+"none" when ``world_size == 1``). See :class:`IndexerCPDecode` for the rule and the teardown.
 """
 from __future__ import annotations
 
@@ -27,6 +18,7 @@ from ._api import BLOCK_SIZE, _as_bits, registry
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
+_EXCHANGES = ("auto", "peer", "nccl", "torch")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -40,6 +32,42 @@ class IndexerCPDecode:
     shape is sized from ``max_seq_len`` (pass ``max_model_len``) and ``max_tokens``. The buffers
     are scratch for a single call, so one instance serves every indexer layer on a rank (see
     :func:`get_shared_cp_decode`).
+
+    Exchange (``exchange``; ``self.exchange`` reports the one chosen):
+
+    * ``"auto"`` with a ``torch.distributed`` ProcessGroup (or vLLM GroupCoordinator: its
+      ``device_group`` / ``cpu_group`` are used) on CUDA: rank 0 makes an NCCL unique id,
+      ``broadcast_object_list`` hands it to the group and every rank joins the library's NCCL
+      communicator; then, over it, the peer communicator (one-shot stores into CUDA-IPC-mapped
+      buffers, about 2-3 us per gather against 6-9 for NCCL, and the key gather fused into the
+      decode kernels), sized for the step's larger gather at ``max_tokens``
+      (:func:`cpidx.cp_gather_bytes`). Its factory fails on every rank together when the ranks
+      are not all on one host with P2P access between their GPUs (or the bound is above 16 MiB),
+      so every rank falls back to NCCL together; ``peer_unavailable_reason`` keeps the reason.
+      Without the NCCL communicator built (``cpidx.has_nccl``), or on ``device="cpu"``: the two
+      all-gathers are ``torch.distributed.all_gather_into_tensor`` around the Decoder's
+      ``shard_keys`` and ``merge`` (the seed's structure), on the C++ reference on the CPU.
+    * ``"peer"``: the peer communicator or an exception (the same on every rank); needs CUDA and
+      ``cpidx.has_peer`` and ``cpidx.has_nccl``. ``"nccl"``: the NCCL communicator or an
+      exception. ``"torch"``: the torch collectives.
+    * ``group`` a :class:`cpidx.Communicator` (device memory: NCCL or peer): it runs the step
+      (``exchange`` must be ``"auto"`` or its ``kind``). The caller owns it: ``close()`` leaves
+      it open.
+    * ``world_size == 1``: the plain decode, no exchange (``"none"``; ``group`` may be None).
+
+    Teardown: ``close()`` is collective: every rank calls it, in the same order for all of its
+    instances. It closes the peer communicator (which waits for every rank before freeing its
+    buffers) and then the NCCL one, and frees the workspace; it is idempotent, and any later
+    use raises. ``with IndexerCPDecode(...) as cp:`` closes on a normal exit. An instance
+    dropped without ``close()``, or a ``with`` block left by an exception, never waits for
+    other ranks: its peer communicator is abandoned (this rank's buffers stay allocated until
+    the process exits, since a peer may still map them), so garbage collection and interpreter
+    exit cannot hang on a rank that exited first.
+
+    CUDA graphs first: destroy (``del``) every CUDA graph that captured a step before
+    ``close()`` or dropping the instance. NCCL's communicator destroy waits until every live
+    graph holding one of its kernels is gone, so with the NCCL exchange it would not return
+    while such a graph lives (the peer exchange captures no NCCL kernel).
     """
 
     def __init__(self, *, total_heads: int, rank: int, world_size: int, max_tokens: int,
@@ -63,8 +91,9 @@ class IndexerCPDecode:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         if head_dim != 128:
             raise ValueError(f"head_dim: expected 128, got {head_dim}")
-        if exchange not in ("auto", "nccl", "torch"):
-            raise ValueError(f"exchange: expected 'auto', 'nccl' or 'torch', got {exchange!r}")
+        if exchange not in _EXCHANGES:
+            raise ValueError(f"exchange: expected one of {', '.join(map(repr, _EXCHANGES))}, "
+                             f"got {exchange!r}")
         self.total_heads = total_heads
         self.local_heads = local_heads
         self.replicas = replicas
@@ -86,6 +115,9 @@ class IndexerCPDecode:
         self._cuda = self.device.type == "cuda"
         if self._cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if exchange in ("peer", "nccl") and not self._cuda:
+            raise ValueError(f"exchange: {exchange!r} needs device='cuda', got device "
+                             f"{str(self.device)!r}; use 'torch' or 'auto'")
 
         self._decoder = None
         if self._cuda:
@@ -95,8 +127,11 @@ class IndexerCPDecode:
                 local_blocks=local_blocks, device=self.device.index, max_query_len=max_query_len,
                 cache_dtype=self.cache_dtype, head_dim=head_dim)
         self._comm = None  # a cpidx Communicator, when the library runs the exchange
+        self._owned: list = []  # communicators this instance made, in closing order
         self._pg = None  # the torch ProcessGroup of the torch exchange
+        self._closed = False
         self.exchange = "none"
+        self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
         if world_size > 1:
             self._setup_exchange(group, exchange)
 
@@ -109,8 +144,11 @@ class IndexerCPDecode:
                                  f"{self.world_size}")
             if not self._cuda or not group.device_memory:
                 raise ValueError("group: a cpidx Communicator needs device='cuda' and a "
-                                 "device-memory communicator (NCCL)")
-            self._comm, self.exchange = group, "cpidx"
+                                 "device-memory communicator (NCCL or peer)")
+            if exchange not in ("auto", group.kind):
+                raise ValueError(f"exchange: {exchange!r} does not match the given cpidx "
+                                 f"Communicator ({group.kind!r}); pass exchange='auto'")
+            self._comm, self.exchange = group, group.kind
             return
         if group is None:
             raise ValueError(f"group: world_size is {self.world_size}, so a torch.distributed "
@@ -122,13 +160,20 @@ class IndexerCPDecode:
             raise ValueError(f"group: rank {dist.get_rank(device_group)} of "
                              f"{dist.get_world_size(device_group)}, expected rank {self.rank} "
                              f"of {self.world_size}")
-        use_nccl = self._cuda and exchange in ("auto", "nccl") and _C.has_nccl
-        if exchange == "nccl" and not use_nccl:
-            raise ValueError("exchange: 'nccl' needs device='cuda' and a cpidx build with the "
-                             "NCCL communicator (cpidx.has_nccl is False)")
-        if use_nccl:
-            self._comm = self._bootstrap_nccl(device_group, cpu_group)
-            self.exchange = "nccl"
+        library = self._cuda and exchange != "torch" and _C.has_nccl
+        if exchange == "nccl" and not library:
+            raise ValueError("exchange: 'nccl' needs a cpidx build with the NCCL communicator "
+                             "(cpidx.has_nccl is False)")
+        if exchange == "peer" and not (library and _C.has_peer):
+            raise ValueError(f"exchange: 'peer' needs a cpidx build with the peer and NCCL "
+                             f"communicators (cpidx.has_peer is {_C.has_peer}, cpidx.has_nccl "
+                             f"is {_C.has_nccl})")
+        if library:
+            nccl = self._bootstrap_nccl(device_group, cpu_group)
+            self._owned.append(nccl)
+            self._comm, self.exchange = nccl, "nccl"
+            if exchange in ("auto", "peer") and _C.has_peer:
+                self._setup_peer(nccl, required=exchange == "peer")
         else:
             self._pg = device_group
             self._alloc_exchange_buffers()
@@ -144,6 +189,23 @@ class IndexerCPDecode:
             kwargs["device"] = self.device
         dist.broadcast_object_list(box, src=src, group=bcast_group, **kwargs)
         return _C.make_nccl_communicator(box[0], self.world_size, self.rank, self.device.index)
+
+    def _setup_peer(self, nccl: Any, required: bool) -> None:
+        """The peer communicator over the NCCL one. Its factory fails on every rank together,
+        so every rank takes the same branch below (no rank is left in a collective)."""
+        bound = _C.cp_gather_bytes(total_heads=self.total_heads, world_size=self.world_size,
+                                   rank=self.rank, max_tokens=self.max_tokens, topk=self.topk)
+        try:
+            peer = _C.make_peer_communicator(nccl, self.device.index, bound)
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            if not required:
+                self.peer_unavailable_reason = str(e)
+                return
+            self._owned.clear()
+            nccl.close()  # collective, and every rank is here
+            raise type(e)(f"exchange: 'peer' is unavailable: {e}") from e
+        self._owned.insert(0, peer)  # closed before its bootstrap
+        self._comm, self.exchange = peer, "peer"
 
     def _alloc_exchange_buffers(self) -> None:
         n, L, T, P, K = self.max_tokens, self.local_heads, self.total_heads, self.world_size, \
@@ -167,6 +229,8 @@ class IndexerCPDecode:
                  sparse_context_lens_out: Optional[torch.Tensor] = None,
                  block_page_stride: Optional[int] = None) -> torch.Tensor:
         """Write ``[local_heads, n, topk]`` block ids for this rank's heads; returns ``out``."""
+        if self._closed:
+            self._raise_closed()
         n = local_q.shape[0]
         if n > self.max_tokens:
             raise ValueError(f"local_q: {n} rows exceed max_tokens {self.max_tokens}")
@@ -239,11 +303,60 @@ class IndexerCPDecode:
     def error_flag(self) -> Optional[torch.Tensor]:
         """Device int32 [1]: bits of clamped device-side values (seq_len, page) since the last
         ``clear_error_flag``; read it when convenient (the library never syncs on it)."""
+        if self._closed:
+            self._raise_closed()
         return self._decoder.error_flag() if self._decoder is not None else None
 
     def clear_error_flag(self) -> None:
+        if self._closed:
+            self._raise_closed()
         if self._decoder is not None:
             self._decoder.clear_error_flag(stream=torch.cuda.current_stream(self.device).cuda_stream)
+
+    # ---- teardown ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Collective: every rank calls it (in the same order for all its instances). Closes the
+        peer communicator, then the NCCL one (those this instance made; a Communicator passed as
+        ``group`` stays open), and frees the buffers. Idempotent; any later use raises. Destroy
+        the CUDA graphs that captured its steps first (see the class docstring)."""
+        if self._closed:
+            return
+        while self._owned:
+            self._owned[0].close()  # raises before anything is dropped if it cannot close yet
+            self._owned.pop(0)
+        self._drop()
+
+    def __enter__(self) -> "IndexerCPDecode":
+        if self._closed:
+            self._raise_closed()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # The other ranks may not get here: no collective. Dropping the communicators takes
+            # their non-collective teardown (the peer one is abandoned).
+            self._drop()
+
+    def _drop(self) -> None:
+        self._closed = True
+        self._owned = []
+        self._comm = self._pg = self._decoder = None
+        for name in ("_q_local", "_q_gathered", "_q_full", "_keys", "_keys_gathered"):
+            self.__dict__.pop(name, None)
+
+    def _raise_closed(self) -> None:
+        raise RuntimeError(f"{self!r} is closed")
+
+    def __repr__(self) -> str:
+        get = self.__dict__.get  # also for an instance whose construction failed part-way
+        return (f"IndexerCPDecode(rank {get('rank')} of {get('world_size')}, exchange "
+                f"{get('exchange')!r}, device {str(get('device'))!r})")
 
 
 def get_shared_cp_decode(**kwargs: Any) -> IndexerCPDecode:
@@ -251,7 +364,8 @@ def get_shared_cp_decode(**kwargs: Any) -> IndexerCPDecode:
 
     Each of M3's sparse layers has its own indexer; the buffers are written and consumed within
     one call and layers run in order on one stream, so all layers reuse one set. The instances
-    live in :data:`cpidx.registry` (``registry.clear()`` drops them); the key is every keyword
-    argument except ``group``, plus ``id(group)``.
+    live in :data:`cpidx.registry` (``registry.clear()`` closes them: collective); the key is
+    every keyword argument except ``group``, plus ``id(group)``. A closed instance is replaced by
+    a new one on the next call.
     """
     return registry.cp_decode(**kwargs)

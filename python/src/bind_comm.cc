@@ -1,32 +1,160 @@
-// python/src/bind_comm.cc: the communicator family. `Communicator` is an opaque handle the
-// Decoder's cp_decode takes; the NCCL one (cpidx/comm_nccl.h, when built) is bootstrapped from
-// a 128-byte unique id that Python broadcasts over its own process group.
+// python/src/bind_comm.cc: the communicator family. `Communicator` is the handle the Decoder's
+// cp_decode takes (python/src/communicator.h: close() is the collective teardown, dropping it
+// never is); the NCCL one (cpidx/comm_nccl.h, when built) is bootstrapped from a 128-byte unique
+// id that Python broadcasts over its own process group, the peer one (cpidx/comm_peer.h, when
+// built) over another cpidx Communicator, usually that NCCL one.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "communicator.h"
 #include "cpidx/comm.h"
+#include "cpidx/contract.h"
 #include "tensor_args.h"
 
 #if defined(CPIDX_PY_NCCL)
 #include "cpidx/comm_nccl.h"
 #endif
+#if defined(CPIDX_PY_PEER)
+#include "cpidx/comm_peer.h"
+#endif
 
 namespace cpidx::py {
 
+PyCommunicator::PyCommunicator(std::unique_ptr<Communicator> comm, std::string kind,
+                               nb::object bootstrap)
+    : comm_(std::move(comm)), kind_(std::move(kind)), bootstrap_(std::move(bootstrap)) {
+  if (comm_ != nullptr) {
+    rank_ = comm_->rank();
+    world_ = comm_->world_size();
+  }
+  if (bootstrap_.is_valid()) {
+    bootstrap_owner_ = nb::cast<PyCommunicator*>(bootstrap_);
+    ++bootstrap_owner_->dependents_;
+  }
+}
+
+PyCommunicator::~PyCommunicator() {
+#if defined(CPIDX_PY_PEER)
+  // A finalizer cannot promise that every rank lets go at the same time (garbage collection,
+  // interpreter exit, a peer that exited): never the collective destructor here.
+  if (comm_ != nullptr && peer_error_flag(*comm_) != nullptr) {
+    (void)abandon_peer_communicator(&comm_);  // nothing to raise to; *comm_ is reset regardless
+  }
+#endif
+  comm_.reset();
+  release_bootstrap();
+}
+
+void PyCommunicator::release_bootstrap() {
+  if (bootstrap_owner_ == nullptr) return;
+  --bootstrap_owner_->dependents_;
+  bootstrap_owner_ = nullptr;
+  bootstrap_.reset();
+}
+
+std::string PyCommunicator::describe() const {
+  return "cpidx.Communicator(" + kind_ + ", rank " + std::to_string(rank_) + " of " +
+         std::to_string(world_) + ")";
+}
+
+Communicator& PyCommunicator::get(const char* arg) {
+  if (comm_ == nullptr) {
+    const std::string prefix = arg != nullptr ? std::string(arg) + ": " : std::string();
+    throw std::runtime_error(prefix + describe() + " is closed");
+  }
+  return *comm_;
+}
+
+void PyCommunicator::close() {
+  if (comm_ == nullptr) return;
+  if (dependents_ > 0) {
+    throw std::runtime_error(describe() + " is the bootstrap of " + std::to_string(dependents_) +
+                             " open peer communicator(s): close those first");
+  }
+  if (in_use_ > 0) {
+    throw std::runtime_error(describe() +
+                             " is in use by a call on another thread; close it after that call");
+  }
+  std::unique_ptr<Communicator> comm = std::move(comm_);  // closed for every other thread now
+  {
+    nb::gil_scoped_release release;  // collective: waits for every rank
+    comm.reset();
+  }
+  release_bootstrap();
+}
+
+namespace {
+
+std::unique_ptr<PyCommunicator> owned(std::unique_ptr<Communicator> comm, const char* kind,
+                                      nb::object bootstrap = nb::object()) {
+  return std::make_unique<PyCommunicator>(std::move(comm), kind, std::move(bootstrap));
+}
+
+}  // namespace
+
 void bind_comm(nb::module_& m) {
   using namespace nb::literals;
-  nb::class_<Communicator>(m, "Communicator",
-                           "A cpidx communicator (opaque); pass it as `group` or to cp_decode.")
-      .def_prop_ro("rank", &Communicator::rank)
-      .def_prop_ro("world_size", &Communicator::world_size)
-      .def_prop_ro("device_memory", [](const Communicator& c) {
-        return c.memory_space() == MemorySpace::kDevice;
+  nb::class_<PyCommunicator>(
+      m, "Communicator",
+      "A cpidx communicator; pass it as `group` or to cp_decode. close() is collective (every "
+      "rank calls it; afterwards any use raises); dropping it without close() never waits for "
+      "other ranks (a peer communicator then keeps its own buffers until the process exits).")
+      .def_prop_ro("rank", [](PyCommunicator& c) { return c.get().rank(); })
+      .def_prop_ro("world_size", [](PyCommunicator& c) { return c.get().world_size(); })
+      .def_prop_ro("device_memory",
+                   [](PyCommunicator& c) { return c.get().memory_space() == MemorySpace::kDevice; })
+      .def_prop_ro(
+          "kind", [](const PyCommunicator& c) { return c.kind(); }, "'nccl', 'peer' or 'threads'.")
+      .def_prop_ro("closed", &PyCommunicator::closed)
+      .def("close", &PyCommunicator::close,
+           "Collective teardown: every rank calls it, in the same order for every communicator. "
+           "A peer communicator closes its mappings, waits for every rank (through its "
+           "bootstrap) and frees its buffers; close it before its bootstrap. Idempotent.")
+      .def("__repr__", [](const PyCommunicator& c) {
+        return "<" + c.describe() + (c.closed() ? ", closed>" : ">");
       });
+
+  m.def(
+      "cp_gather_bytes",
+      [](int total_heads, int world_size, int rank, int64_t max_tokens, int topk) {
+        if (max_tokens < 1) {
+          throw nb::value_error(
+              ("max_tokens: expected >= 1, got " + std::to_string(max_tokens)).c_str());
+        }
+        const Selection sel = selection(topk, 0, 0);
+        Geometry geo;
+        check_status(make_geometry(total_heads, world_size, rank, &geo));
+        return cp_gather_bytes(geo, max_tokens, sel.topk).larger();
+      },
+      nb::kw_only(), "total_heads"_a, "world_size"_a, "rank"_a = 0, "max_tokens"_a, "topk"_a,
+      "Bytes per rank of the larger all-gather of a context-parallel step of up to max_tokens "
+      "rows (its queries or its keys): the max_bytes_per_rank a peer communicator needs.");
+
+  m.def(
+      "_thread_communicators",
+      [](int world_size) {
+        if (world_size < 1) {
+          throw nb::value_error(
+              ("world_size: expected >= 1, got " + std::to_string(world_size)).c_str());
+        }
+        std::vector<std::unique_ptr<PyCommunicator>> out;
+        for (auto& c : make_thread_communicators(world_size)) {
+          out.push_back(owned(std::move(c), "threads"));
+        }
+        return out;
+      },
+      "world_size"_a,
+      "For tests: host-memory communicators whose ranks are threads of this process (each rank "
+      "makes its collective calls from its own thread).");
 
 #if defined(CPIDX_PY_NCCL)
   m.attr("has_nccl") = true;
@@ -55,7 +183,7 @@ void bind_comm(nb::module_& m) {
           comm = make_nccl_communicator(id, world_size, rank, device, &st);
         }
         check_status(st);
-        return comm;
+        return owned(std::move(comm), "nccl");
       },
       "id"_a, "world_size"_a, "rank"_a, "device"_a,
       "An NCCL communicator (device memory, stream-ordered, graph-capturable) joined by every "
@@ -63,6 +191,36 @@ void bind_comm(nb::module_& m) {
   m.def("nccl_version", &nccl_version_text, "NCCL library and header versions, for reports.");
 #else
   m.attr("has_nccl") = false;
+#endif
+
+#if defined(CPIDX_PY_PEER)
+  m.attr("has_peer") = true;
+  m.def(
+      "make_peer_communicator",
+      [](PyCommunicator& bootstrap, int device, int64_t max_bytes_per_rank,
+         double timeout_seconds) {
+        Status st;
+        std::unique_ptr<Communicator> comm;
+        {
+          PyCommunicator::Use boot(bootstrap, "bootstrap");  // not closed under the call
+          // A negative bound goes to the library as 0, which every rank then refuses together
+          // (a local raise here would leave the other ranks waiting in the collective).
+          const size_t bound = max_bytes_per_rank < 0 ? 0 : static_cast<size_t>(max_bytes_per_rank);
+          nb::gil_scoped_release release;  // collective: every rank blocks until all have joined
+          comm = make_peer_communicator(boot.comm(), device, bound, &st, timeout_seconds);
+        }
+        check_status(st);
+        return owned(std::move(comm), "peer", nb::find(&bootstrap));
+      },
+      "bootstrap"_a, "device"_a, "max_bytes_per_rank"_a, "timeout_seconds"_a = 5.0,
+      "Collective: the peer communicator (one-shot stores into CUDA-IPC / peer-mapped buffers, "
+      "ranks on one host with P2P access) of this rank on `device`, for gathers of up to "
+      "max_bytes_per_rank bytes per rank (cp_gather_bytes). `bootstrap` (any cpidx "
+      "Communicator of the same ranks, e.g. the NCCL one) is held, and cannot be closed, while "
+      "this one is open. Every rank raises the same error when the host, the GPUs or an "
+      "argument rule it out: fall back to NCCL then.");
+#else
+  m.attr("has_peer") = false;
 #endif
 }
 

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "communicator.h"
 #include "cpidx/comm.h"
 #include "cpidx/indexer.h"
 #include "cpidx/prefill.h"
@@ -72,7 +73,7 @@ struct PyDecoder {
     check_status(decoder->merge(keys, b.in, o, t.enabled() ? &t : nullptr, as_stream(stream)));
   }
 
-  void cp_decode(Communicator& comm, const InArray& local_q, const InArray& index_cache,
+  void cp_decode(PyCommunicator& comm, const InArray& local_q, const InArray& index_cache,
                  const InArray& block_table, const InArray& seq_lens, int query_len,
                  const OutArray& out, double scale,
                  const std::optional<InArray>& attention_block_table,
@@ -87,9 +88,10 @@ struct PyDecoder {
         block_page_stride, b.in.num_reqs, b.rows, cfg().sel.topk, cfg().max_seq_len, place);
     Status st;
     {
+      PyCommunicator::Use use(comm, "comm");  // not closed by another thread under the call
       // Host communicators may block in the collective: let other Python threads run.
       nb::gil_scoped_release release;
-      st = decoder->cp_decode(comm, b.in, o, t.enabled() ? &t : nullptr, as_stream(stream));
+      st = decoder->cp_decode(use.comm(), b.in, o, t.enabled() ? &t : nullptr, as_stream(stream));
     }
     check_status(st);
   }

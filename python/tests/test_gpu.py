@@ -1,7 +1,13 @@
 """GPU path: torch CUDA tensors through the ops == the C++ Decoder called directly (bitwise) ==
 the golden ids; the context-parallel halves on one GPU; CUDA-graph capture and replay with
-changing lengths; torch.compile. Skips without torch, a CUDA build or a GPU."""
+changing lengths; torch.compile; the peer communicator's Python life cycle (close, bootstrap
+held, finalizer); with 2+ GPUs, IndexerCPDecode over two processes with each exchange.
+Skips without torch, a CUDA build or a GPU."""
 from __future__ import annotations
+
+import gc
+import os
+import socket
 
 import numpy as np
 import pytest
@@ -302,3 +308,152 @@ def test_prefiller_names_bad_arguments():
         cu = torch.tensor([0, 64], dtype=torch.int32, device=DEV)
         pre.prefill(q, dev["index_cache"], dev["block_table"], cu, dev["context_lens"],
                     dev["seq_lens"], big, scale=1.0)
+
+
+needs_peer = pytest.mark.skipif(not cpidx.has_peer, reason="the peer communicator is not built")
+
+
+@needs_peer
+def test_peer_communicator_holds_its_bootstrap_until_closed():
+    (boot,) = cpidx._C._thread_communicators(1)
+    peer = cpidx._C.make_peer_communicator(boot, 0, 4096)
+    assert (peer.kind, peer.rank, peer.world_size, peer.device_memory) == ("peer", 0, 1, True)
+    with pytest.raises(RuntimeError, match="bootstrap of 1 open peer communicator"):
+        boot.close()
+    assert not boot.closed
+    peer.close()
+    peer.close()
+    with pytest.raises(RuntimeError, match=r"Communicator\(peer, rank 0 of 1\) is closed"):
+        peer.rank
+    boot.close()
+
+
+@needs_peer
+def test_dropped_peer_communicator_lets_go_of_its_bootstrap():
+    (boot,) = cpidx._C._thread_communicators(1)
+    peer = cpidx._C.make_peer_communicator(boot, 0, 4096)
+    del peer  # the finalizer: abandoned, no collective
+    gc.collect()
+    boot.close()  # refused while a peer communicator built over it is open
+    assert boot.closed
+
+
+@needs_peer
+def test_peer_communicator_names_bad_arguments():
+    (boot,) = cpidx._C._thread_communicators(1)
+    with pytest.raises(ValueError, match="max_bytes_per_rank"):
+        cpidx._C.make_peer_communicator(boot, 0, 0)
+    with pytest.raises(ValueError, match="max_bytes_per_rank"):
+        cpidx._C.make_peer_communicator(boot, 0, (16 << 20) + 1)
+    with pytest.raises(ValueError, match="device"):
+        cpidx._C.make_peer_communicator(boot, 999, 4096)
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        cpidx._C.make_peer_communicator(boot, 0, 4096, timeout_seconds=0.0)
+    boot.close()
+
+
+@needs_peer
+def test_cp_decode_through_a_closed_communicator_is_named():
+    rng = np.random.default_rng(31)
+    b = random_decode(rng, 2, 1, [700, 3], max_seq_len=1024)
+    q, k, bt, sl = to_dev(b)
+    dec = cpidx.Decoder(total_heads=2, world_size=1, rank=0, max_tokens=b.rows, max_seq_len=1024,
+                        topk=4, init_blocks=0, local_blocks=1, device=0)
+    (boot,) = cpidx._C._thread_communicators(1)
+    peer = cpidx._C.make_peer_communicator(boot, 0, 4096)
+    out = torch.full((2, b.rows, 4), 5, dtype=torch.int32, device=DEV)
+    s = torch.cuda.current_stream().cuda_stream
+    dec.cp_decode(peer, q, k, bt, sl, 1, out, scale=b.scale, stream=s)
+    want = torch.zeros_like(out)
+    cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=4, max_seq_len=1024)
+    assert torch.equal(out, want)
+    peer.close()
+    with pytest.raises(RuntimeError, match="comm: .*peer, rank 0 of 1.* is closed"):
+        dec.cp_decode(peer, q, k, bt, sl, 1, out, scale=b.scale, stream=s)
+    boot.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_gpu_rank(rank, world, port, results):
+    """One process per GPU (gloo only hands out the NCCL id): each exchange's step equals the
+    plain decode, close() is idempotent and a later call raises; a with-block left by an
+    exception lets go without a collective."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    log = {}
+    try:
+        T, Q, K = 4, 2, 16
+        rng = np.random.default_rng(11)
+        b = random_decode(rng, T, Q, [3000, 129, 0, 2049], max_seq_len=4096)
+        q, k, bt, sl = to_dev(b)
+        plain = torch.zeros((T, b.rows, K), dtype=torch.int32, device=DEV)
+        cpidx.decode_topk(q, k, bt, sl, Q, plain, scale=b.scale, topk=K, max_seq_len=4096)
+        kw = dict(total_heads=T, rank=rank, world_size=world, max_tokens=16, max_seq_len=4096,
+                  topk=K, init_blocks=0, local_blocks=1, group=dist.group.WORLD,
+                  device=torch.device("cuda", rank))
+        for exchange in ("auto", "peer", "nccl"):
+            try:
+                cp = cpidx.IndexerCPDecode(exchange=exchange, **kw)
+            except NotImplementedError:  # no P2P between these GPUs: every rank alike
+                log[exchange] = "unsupported"
+                continue
+            L, off = cp.local_heads, cp.head_offset
+            local_q = q[:, off: off + L].contiguous()
+            out = torch.full((L, b.rows, K), 77, dtype=torch.int32, device=DEV)
+            cp(local_q, k, bt, sl, Q, out, scale=b.scale)
+            torch.cuda.synchronize()
+            same = bool(torch.equal(out, plain[off: off + L]))
+            cp.close()
+            cp.close()
+            try:
+                cp(local_q, k, bt, sl, Q, out, scale=b.scale)
+                refused = False
+            except RuntimeError as e:
+                refused = "is closed" in str(e)
+            log[exchange] = (cp.exchange, same, refused, cp.peer_unavailable_reason)
+        try:
+            with cpidx.IndexerCPDecode(**kw) as cp:
+                raise KeyError("leave without a collective")
+        except KeyError:
+            log["abandoned"] = cp.closed
+        results[rank] = log
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_indexer_cp_decode_two_processes_each_exchange():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    port = _free_port()
+    procs = [ctx.Process(target=_two_gpu_rank, args=(r, 2, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():  # a rank left waiting in a collective: fail, not hang the suite
+            p.kill()
+            p.join()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for r in range(2):
+        log = results[r]
+        chosen, same, refused, reason = log["auto"]
+        assert same and refused, log
+        if log["peer"] == "unsupported":
+            assert chosen == "nccl" and reason, log
+        else:
+            assert log["peer"][:3] == ("peer", True, True), log
+            assert (chosen, reason) == ("peer", None), log
+        assert log["nccl"][:3] == ("nccl", True, True), log
+        assert log["abandoned"], log

@@ -302,3 +302,66 @@ def test_gpu_prefiller_without_gpu_raises_cleanly():
     with pytest.raises(ValueError, match="max_seq_len"):
         cpidx.Prefiller(num_heads=4, max_tokens=8, max_seq_len=0, topk=16, init_blocks=0,
                         local_blocks=1, device=0)
+
+
+def test_peer_binding_follows_has_peer():
+    assert isinstance(cpidx.has_peer, bool) and isinstance(cpidx.has_nccl, bool)
+    assert hasattr(_C, "make_peer_communicator") == cpidx.has_peer
+    assert hasattr(_C, "make_nccl_communicator") == cpidx.has_nccl
+    if not cpidx.cuda_built:  # both communicators are device ones
+        assert not cpidx.has_peer and not cpidx.has_nccl
+
+
+def test_cp_gather_bytes_is_the_larger_gather():
+    # T=4 over 2 ranks, 256 rows, K=16: queries 256 * 2 * 128 * 2 B, keys 4 * 256 * 16 * 8 B.
+    assert cpidx.cp_gather_bytes(total_heads=4, world_size=2, max_tokens=256, topk=16) == 131072
+    # Over 4 ranks one head each: the keys are larger (4 * 8 * 64 * 8 B against 8 * 256 B).
+    assert cpidx.cp_gather_bytes(total_heads=4, world_size=4, rank=3, max_tokens=8,
+                                 topk=64) == 16384
+    # One index head replicated on 8 ranks, K=4: the queries are larger (1 * 256 against 32).
+    assert cpidx.cp_gather_bytes(total_heads=1, world_size=8, max_tokens=1, topk=4) == 256
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(total_heads=6, world_size=4), "total_heads"),
+    (dict(total_heads=4, world_size=2, rank=2), "rank"),
+    (dict(total_heads=4, world_size=2, max_tokens=0), "max_tokens"),
+    (dict(total_heads=4, world_size=2, topk=0), "topk"),
+])
+def test_cp_gather_bytes_names_bad_arguments(kw, name):
+    args = dict(max_tokens=8, topk=16)
+    args.update(kw)
+    with pytest.raises(ValueError, match=name):
+        cpidx.cp_gather_bytes(**args)
+
+
+def test_communicator_close_is_idempotent_and_use_after_close_is_named():
+    a, b = _C._thread_communicators(2)
+    assert (a.rank, a.world_size, a.kind, a.device_memory, a.closed) == (0, 2, "threads", False,
+                                                                       False)
+    a.close()
+    a.close()
+    assert a.closed and not b.closed and b.rank == 1
+    assert "closed" in repr(a)
+    for use in (lambda: a.rank, lambda: a.world_size, lambda: a.device_memory):
+        with pytest.raises(RuntimeError, match=r"Communicator\(threads, rank 0 of 2\) is closed"):
+            use()
+    with pytest.raises(ValueError, match="world_size"):
+        _C._thread_communicators(0)
+
+
+@pytest.mark.skipif(not cpidx.has_peer, reason="the peer communicator is not built")
+def test_peer_communicator_refuses_a_closed_bootstrap_by_name():
+    (boot,) = _C._thread_communicators(1)
+    boot.close()
+    with pytest.raises(RuntimeError, match="bootstrap: .* is closed"):
+        _C.make_peer_communicator(boot, 0, 4096)
+
+
+@pytest.mark.skipif(not cpidx.has_peer or cpidx.gpu_available(),
+                    reason="needs the peer communicator built and no GPU")
+def test_peer_communicator_without_gpu_raises_cleanly():
+    (boot,) = _C._thread_communicators(1)
+    with pytest.raises((RuntimeError, ValueError), match="peer communicator unavailable"):
+        _C.make_peer_communicator(boot, 0, 4096)
+    boot.close()  # nothing depends on it after the failure

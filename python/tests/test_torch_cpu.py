@@ -1,5 +1,6 @@
 """torch on the host: the registered ops (torch.library.opcheck, fake tensors) and
-IndexerCPDecode over a 2-process gloo group, on the C++ reference. Skips without torch."""
+IndexerCPDecode over a 2-process gloo group, on the C++ reference, with its argument checks and
+its teardown (close, context manager, registry). Skips without torch."""
 from __future__ import annotations
 
 import os
@@ -92,6 +93,13 @@ def _gloo_rank(rank, world, port, T, results):
             out = torch.full((L, b.rows, 6), 77, dtype=torch.int32)
             cp(local_q, k, bt, sl, 2, out, scale=b.scale)
             ok = ok and bool(torch.equal(out, plain[off: off + L]))
+        cp.close()
+        cp.close()
+        try:
+            cp(q[:, off: off + L].contiguous(), k, bt, sl, 2, out, scale=b.scale)
+            ok = False
+        except RuntimeError as e:
+            ok = ok and "is closed" in str(e)
         results[rank] = ok
     finally:
         dist.destroy_process_group()
@@ -121,8 +129,14 @@ def test_shared_cp_decode_registry():
     assert cpidx.get_shared_cp_decode(**kw) is a
     assert cpidx.get_shared_cp_decode(**dict(kw, topk=8)) is not a
     cpidx.registry.clear()
-    assert cpidx.get_shared_cp_decode(**kw) is not a
+    assert a.closed  # clear() closes the shared instances
+    b = cpidx.get_shared_cp_decode(**kw)
+    assert b is not a and not b.closed
+    b.close()
+    c = cpidx.get_shared_cp_decode(**kw)  # a closed instance is replaced
+    assert c is not b and not c.closed
     cpidx.registry.clear()
+    assert c.closed
 
 
 def test_indexer_cp_decode_geometry_errors():
@@ -134,3 +148,67 @@ def test_indexer_cp_decode_geometry_errors():
         cpidx.IndexerCPDecode(total_heads=3, world_size=4, **base)
     with pytest.raises(ValueError, match="group"):
         cpidx.IndexerCPDecode(total_heads=4, world_size=2, **base)
+
+
+def _world_one(**kw):
+    args = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1536, topk=6,
+                init_blocks=1, local_blocks=1, group=None, device="cpu")
+    args.update(kw)
+    return cpidx.IndexerCPDecode(**args)
+
+
+@pytest.mark.parametrize("exchange", ["peer", "nccl"])
+def test_library_exchanges_on_the_cpu_are_refused_by_name(exchange):
+    with pytest.raises(ValueError, match=f"exchange: '{exchange}' needs device='cuda'"):
+        _world_one(exchange=exchange)
+
+
+def test_unknown_exchange_is_named():
+    with pytest.raises(ValueError, match="exchange: expected one of 'auto', 'peer', 'nccl', "
+                                         "'torch', got 'ipc'"):
+        _world_one(exchange="ipc")
+
+
+def test_cpidx_communicator_as_group_is_checked():
+    a, _ = cpidx._C._thread_communicators(2)
+    with pytest.raises(ValueError, match="group: a cpidx Communicator needs device='cuda'"):
+        _world_one(world_size=2, group=a)
+    a.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        _world_one(world_size=2, group=a)
+
+
+def _one_step(cp):
+    rng = np.random.default_rng(9)
+    b = random_decode(rng, 4, 2, [1500, 129, 0, 640], max_seq_len=1536)
+    q, k, bt, sl = as_torch(b)
+    out = torch.full((4, b.rows, 6), 77, dtype=torch.int32)
+    return lambda: cp(q, k, bt, sl, 2, out, scale=b.scale)
+
+
+def test_close_is_idempotent_and_a_later_call_raises_naming_the_instance():
+    cp = _world_one()
+    step = _one_step(cp)
+    step()
+    assert not cp.closed and cp.exchange == "none"
+    cp.close()
+    cp.close()
+    assert cp.closed
+    for use in (step, cp.error_flag, cp.clear_error_flag):
+        with pytest.raises(RuntimeError, match=r"IndexerCPDecode\(rank 0 of 1, exchange 'none', "
+                                               r"device 'cpu'\) is closed"):
+            use()
+
+
+def test_context_manager_closes_on_both_exits():
+    with _world_one() as cp:
+        _one_step(cp)()
+        assert not cp.closed
+    assert cp.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        with cp:
+            pass
+    with pytest.raises(KeyError):
+        with _world_one() as cp:
+            raise KeyError("leave without a collective")
+    assert cp.closed

@@ -317,7 +317,9 @@ class PeerCommunicator final : public Communicator {
     channel_.world = parts_.world;
   }
 
-  ~PeerCommunicator() override { release(bootstrap_, parts_); }
+  ~PeerCommunicator() override {
+    if (!abandoned_) release(bootstrap_, parts_);
+  }
 
   // Frees what `parts` holds: IPC mappings closed first, then (when other processes may have
   // mapped this rank's buffer) a bootstrap barrier, then this rank's own memory.
@@ -340,6 +342,32 @@ class PeerCommunicator final : public Communicator {
       cudaSetDevice(prev);
     }
     parts.buffer = parts.words = nullptr;
+  }
+
+  // abandon_peer_communicator: this rank's part of release() only. Its own buffer and words stay
+  // allocated (a peer may still store into them), and no barrier is made, so it never waits for
+  // a peer. The destructor then frees nothing.
+  Status abandon() {
+    Status first = Status::ok();
+    auto note = [&](cudaError_t e, const char* call) {
+      if (e != cudaSuccess && first.is_ok()) first = cuda_check(e, call);
+    };
+    int prev = 0;
+    const bool had_prev = cudaGetDevice(&prev) == cudaSuccess;
+    const cudaError_t set = cudaSetDevice(parts_.device);
+    note(set, "cudaSetDevice");
+    if (set == cudaSuccess) {
+      // No gather of this rank may still store through the mappings closed below; one waiting
+      // for an exited peer gives up after the timeout.
+      note(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      for (void* p : parts_.opened) note(cudaIpcCloseMemHandle(p), "cudaIpcCloseMemHandle");
+    }
+    parts_.opened.clear();
+    parts_.buffer = parts_.words = nullptr;  // leaked on purpose until the process exits
+    abandoned_ = true;
+    if (had_prev && set == cudaSuccess) cudaSetDevice(prev);
+    if (!first.is_ok()) cudaGetLastError();  // reported here, not left for the caller's next call
+    return first;
   }
 
   int rank() const override { return parts_.rank; }
@@ -393,6 +421,7 @@ class PeerCommunicator final : public Communicator {
   Parts parts_;
   PeerGatherParams base_{};
   DeviceChannel channel_{};
+  bool abandoned_ = false;
 };
 
 // This rank's part of the set-up before anything is exchanged: device, sizes, buffers.
@@ -581,6 +610,17 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   }
   if (prev >= 0) cudaSetDevice(prev);
   return std::make_unique<PeerCommunicator>(bootstrap, std::move(parts));
+}
+
+Status abandon_peer_communicator(std::unique_ptr<Communicator>* comm) {
+  CPIDX_CHECK(comm != nullptr, "abandon_peer_communicator: comm must not be null");
+  if (*comm == nullptr) return Status::ok();
+  auto* peer = dynamic_cast<PeerCommunicator*>(comm->get());
+  CPIDX_CHECK(peer != nullptr,
+              "abandon_peer_communicator: comm is not a peer communicator (destroy it instead)");
+  const Status released = peer->abandon();
+  comm->reset();
+  return released;
 }
 
 int32_t* peer_error_flag(Communicator& comm) {

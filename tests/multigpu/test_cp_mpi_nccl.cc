@@ -5,15 +5,18 @@
 // disagreeing batch size (kCommError on every rank, no hang). The same through the peer
 // communicator (cpidx/comm_peer.h, IPC-mapped buffers, MPI as bootstrap): its gathers equal
 // NCCL's bytes, 1000 back-to-back gathers in one graph, mixed sizes, cp_decode eager and in 1000
-// graph replays. Skips with fewer GPUs than ranks.
+// graph replays, and abandon_peer_communicator on one rank while its peers are elsewhere (no
+// barrier, its buffer left mapped for them). Skips with fewer GPUs than ranks.
 //
 // Rule: no ASSERT or early return before a collective (see multigpu_util.h).
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdio>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "cpidx/comm_mpi.h"
 #include "cpidx/comm_nccl.h"
@@ -251,6 +254,61 @@ TEST_F(MpiPeer, CpDecodeGraphReplay1000WithChangingInputs) {
   DecodeData d = random_decode(2600, 4, Q, lengths(rng, reqs, bound, false), bound);
   replay_graph_and_check(peer(), d, sel_of(16), rng, bound, replays, check_every);
   expect_error_word_clear("cp_decode graph");
+}
+
+// Rank 0 abandons its communicator and only then tells rank 1 so: if abandon_peer_communicator
+// waited in the bootstrap's barrier, rank 0 would never send, and rank 1 joins that barrier after
+// 30 s to release it (the test fails instead of hanging). Rank 1's next gather still stores into
+// rank 0's buffer, which must stay mapped (no fault), and times out instead of hanging.
+TEST_F(MpiPeer, AbandonWaitsForNoPeer) {
+  constexpr int kTag = 7301;
+  constexpr size_t kBytes = 4096;
+  const int rank = world().rank;
+  Status made;
+  std::unique_ptr<Communicator> peer = cpidx::make_peer_communicator(
+      *world().mpi, device(), kBytes, &made, /*timeout_seconds=*/0.25);
+  EXPECT_TRUE(made.is_ok()) << made.to_string();  // the same verdict on every rank
+  if (peer != nullptr) {
+    DeviceScope scope(device());
+    const GatherOut first = gather_once(*peer, rank_payload(31, rank, kBytes), false);
+    EXPECT_TRUE(first.status.is_ok()) << first.status.to_string();
+    if (rank == 0) {
+      const Status released = cpidx::abandon_peer_communicator(&peer);
+      EXPECT_TRUE(released.is_ok()) << released.to_string();
+      int done = 1;
+      MPI_Send(&done, 1, MPI_INT, 1, kTag, MPI_COMM_WORLD);
+    } else if (rank == 1) {
+      int done = 0, arrived = 0;
+      MPI_Request request;
+      MPI_Irecv(&done, 1, MPI_INT, 0, kTag, MPI_COMM_WORLD, &request);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!arrived && std::chrono::steady_clock::now() < deadline) {
+        MPI_Test(&request, &arrived, MPI_STATUS_IGNORE);
+        if (!arrived) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      EXPECT_TRUE(arrived) << "rank 0's abandon_peer_communicator waited for its peers";
+      if (!arrived) {
+        peer->barrier();  // the barrier rank 0 should not have entered: release it
+        MPI_Wait(&request, MPI_STATUS_IGNORE);
+      }
+      DeviceVec<uint8_t> buf(2 * kBytes);
+      cudaStream_t stream = nullptr;
+      EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+      const Status alone = peer->all_gather(buf.ptr + kBytes, buf.ptr, kBytes, stream);
+      EXPECT_TRUE(alone.is_ok()) << alone.to_string();
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess)
+          << "a store into rank 0's buffer faulted";
+      EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+      int32_t word = 0;
+      EXPECT_TRUE(cpidx::read_peer_error_flag(*peer, &word).is_ok());
+      EXPECT_EQ(word & cpidx::kPeerErrorTimeout, cpidx::kPeerErrorTimeout);
+    }
+    if (peer != nullptr) {
+      const Status released = cpidx::abandon_peer_communicator(&peer);
+      EXPECT_TRUE(released.is_ok()) << released.to_string();
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // Non-zero ranks print only failures, prefixed with their rank.

@@ -5,12 +5,14 @@
 // decode bitwise (eager and 1000 graph replays; keys through the device channel, through
 // all_gather, and both interleaved), an NCCL bootstrap, and the failure paths: a peer that never
 // arrives (at a gather, or with its keys in the channel) raises the error word instead of
-// hanging, refused sizes and worlds.
-// Every test skips cleanly with fewer than 2 GPUs.
+// hanging, refused sizes and worlds; abandon_peer_communicator letting go of one rank alone while
+// its peer still stores into that rank's buffer.
+// Every test skips cleanly with fewer than 2 GPUs (the PeerExchangeLimits ones need no GPU).
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <functional>
+#include <future>
 #include <random>
 #include <string>
 #include <thread>
@@ -395,6 +397,47 @@ TEST_F(PeerExchange, MissingKeysInTheChannelRaiseTheErrorWordInsteadOfHanging) {
   peers.clear();
 }
 
+// Rank 0 lets go of its communicator alone (abandon_peer_communicator) while rank 1 does nothing;
+// rank 0's buffer stays allocated, so rank 1's next gather still stores into it without a fault
+// and then times out instead of hanging. (Ranks of one process make no barrier when destroyed
+// either; MpiPeer.AbandonWaitsForNoPeer checks that across processes.)
+TEST_F(PeerExchange, AbandonIsLocalAndKeepsTheBufferPeersStoreInto) {
+  Comms boot = cpidx::make_thread_communicators(kWorld);
+  std::vector<Status> st;
+  Comms peers = make_peers(boot, 4096, &st, /*timeout_seconds=*/0.25);
+  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
+  std::vector<GatherOut> out(kWorld);
+  on_threads(kWorld, [&](int r) {
+    out[r] = gather_once(*peers[static_cast<size_t>(r)], rank_payload(23, r, 4096), false);
+  });
+  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(out[r].status.is_ok()) << out[r].status.to_string();
+
+  auto abandoned = std::async(std::launch::async, [&] {
+    DeviceScope scope(0);
+    return cpidx::abandon_peer_communicator(&peers[0]);
+  });
+  const bool returned = abandoned.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  EXPECT_TRUE(returned) << "abandon_peer_communicator waited for its peer";
+  if (!returned) peers[1]->barrier();  // the barrier rank 0 should not have entered: release it
+  const Status released = abandoned.get();
+  EXPECT_TRUE(released.is_ok()) << released.to_string();
+  EXPECT_EQ(peers[0], nullptr);
+
+  DeviceScope scope(1);
+  DeviceVec<uint8_t> buf(2 * 4096);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_TRUE(peers[1]->all_gather(buf.ptr + 4096, buf.ptr, 4096, stream).is_ok());
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess) << "a store into rank 0's buffer faulted";
+  int32_t word = 0;
+  ASSERT_TRUE(cpidx::read_peer_error_flag(*peers[1], &word).is_ok());
+  EXPECT_EQ(word & cpidx::kPeerErrorTimeout, cpidx::kPeerErrorTimeout);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  const Status second = cpidx::abandon_peer_communicator(&peers[1]);
+  EXPECT_TRUE(second.is_ok()) << second.to_string();
+  EXPECT_EQ(peers[1], nullptr);
+}
+
 TEST_F(PeerExchange, RanksThatDisagreeFailTogether) {
   Comms boot = cpidx::make_thread_communicators(kWorld);
   std::vector<Status> st(kWorld);
@@ -447,6 +490,22 @@ TEST(PeerExchangeLimits, ErrorWordHelpersRefuseOtherCommunicators) {
   EXPECT_EQ(read.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(read.message().find("read_peer_error_flag"), std::string::npos) << read.message();
   EXPECT_EQ(word, 12345);
+}
+
+// No GPU needed: abandon_peer_communicator takes peer communicators only and leaves any other one
+// to its owner, untouched.
+TEST(PeerExchangeLimits, AbandonTakesOnlyPeerCommunicators) {
+  const Status null_comm = cpidx::abandon_peer_communicator(nullptr);
+  EXPECT_EQ(null_comm.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(null_comm.message().find("comm"), std::string::npos) << null_comm.message();
+  std::unique_ptr<Communicator> empty;
+  EXPECT_TRUE(cpidx::abandon_peer_communicator(&empty).is_ok());
+  Comms threads = cpidx::make_thread_communicators(2);
+  const Communicator* before = threads[0].get();
+  const Status other = cpidx::abandon_peer_communicator(&threads[0]);
+  EXPECT_EQ(other.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(other.message().find("not a peer communicator"), std::string::npos) << other.message();
+  EXPECT_EQ(threads[0].get(), before);
 }
 
 }  // namespace
