@@ -95,7 +95,8 @@ class Registry:
       replaced on the next call.
 
     Entries live until :meth:`clear` (collective when it holds IndexerCPDecode instances: it
-    closes them); at interpreter exit they are dropped without a collective. A workspace serves
+    closes them); at interpreter exit they are dropped without a collective and without
+    destroying their communicators (which could wait for a live CUDA graph). A workspace serves
     one stream at a time: layers run in order on one stream, as in the engine.
     ``cpidx.registry`` is the default instance; pass your own ``registry=`` to keep separate
     sets.
@@ -161,10 +162,16 @@ class Registry:
         self._cp.clear()
 
     def _drop_at_exit(self) -> None:
-        """Interpreter exit: other ranks may have exited already, so no collective. Dropped
-        instances take the non-collective teardown (see IndexerCPDecode)."""
+        """Interpreter exit: other ranks may have exited already and the engine's CUDA graphs
+        usually still live, so nothing here may wait: the shared instances let go of their
+        communicators without destroying them (their resources go with the process), then every
+        entry is dropped."""
         with self._lock:
+            shared = list(self._cp.values())
             self._drop_all()
+        for cp in shared:
+            if not cp.closed:
+                cp._leak_at_exit()
 
     def __len__(self) -> int:
         return len(self._decoders) + len(self._prefillers) + len(self._cp)

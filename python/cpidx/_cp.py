@@ -67,7 +67,9 @@ class IndexerCPDecode:
     CUDA graphs first: destroy (``del``) every CUDA graph that captured a step before
     ``close()`` or dropping the instance. NCCL's communicator destroy waits until every live
     graph holding one of its kernels is gone, so with the NCCL exchange it would not return
-    while such a graph lives (the peer exchange captures no NCCL kernel).
+    while such a graph lives (the peer exchange captures no NCCL kernel). Instances shared
+    through :data:`cpidx.registry` and still open at interpreter exit are not destroyed at all
+    (their communicators go with the process), so exit never waits on a graph or a rank.
     """
 
     def __init__(self, *, total_heads: int, rank: int, world_size: int, max_tokens: int,
@@ -342,6 +344,14 @@ class IndexerCPDecode:
             # The other ranks may not get here: no collective. Dropping the communicators takes
             # their non-collective teardown (the peer one is abandoned).
             self._drop()
+
+    def _leak_at_exit(self) -> None:
+        """Interpreter exit (the registry's atexit hook): closed without destroying the
+        communicators this instance made, so exit never waits for another rank or for a CUDA
+        graph that still holds an NCCL kernel."""
+        for comm in self._owned:
+            comm._leak_at_exit()
+        self._drop()
 
     def _drop(self) -> None:
         self._closed = True

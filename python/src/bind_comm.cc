@@ -92,6 +92,12 @@ void PyCommunicator::close() {
   release_bootstrap();
 }
 
+void PyCommunicator::leak_at_exit() {
+  if (comm_ == nullptr) return;
+  (void)comm_.release();  // on purpose: the process is exiting
+  release_bootstrap();
+}
+
 namespace {
 
 std::unique_ptr<PyCommunicator> owned(std::unique_ptr<Communicator> comm, const char* kind,
@@ -119,6 +125,9 @@ void bind_comm(nb::module_& m) {
            "Collective teardown: every rank calls it, in the same order for every communicator. "
            "A peer communicator closes its mappings, waits for every rank (through its "
            "bootstrap) and frees its buffers; close it before its bootstrap. Idempotent.")
+      .def("_leak_at_exit", &PyCommunicator::leak_at_exit,
+           "Process exit only: marks it closed without destroying it (no collective, no wait "
+           "for live CUDA graphs); its resources go with the process.")
       .def("__repr__", [](const PyCommunicator& c) {
         return "<" + c.describe() + (c.closed() ? ", closed>" : ">");
       });

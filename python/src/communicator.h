@@ -31,6 +31,11 @@ class PyCommunicator {
   // Collective and idempotent. Refused (RuntimeError) while a peer communicator built over this
   // one is open, or while a call that released the GIL still uses it.
   void close();
+  // Process exit: lets go of the communicator without destroying it (its memory, threads and
+  // mappings go with the process). A destroy could wait forever there: NCCL's waits for every
+  // live CUDA graph that captured one of its kernels, and an engine's graphs usually outlive
+  // the atexit handlers; a peer communicator's collective destructor waits for every rank.
+  void leak_at_exit();
   bool closed() const { return comm_ == nullptr; }
   const std::string& kind() const { return kind_; }
   // "cpidx.Communicator(peer, rank 0 of 2)".

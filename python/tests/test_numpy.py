@@ -365,3 +365,14 @@ def test_peer_communicator_without_gpu_raises_cleanly():
     with pytest.raises((RuntimeError, ValueError), match="peer communicator unavailable"):
         _C.make_peer_communicator(boot, 0, 4096)
     boot.close()  # nothing depends on it after the failure
+
+
+def test_communicator_leaked_at_exit_is_closed_without_a_destroy():
+    a, b = _C._thread_communicators(2)
+    a._leak_at_exit()
+    a._leak_at_exit()
+    assert a.closed and not b.closed
+    with pytest.raises(RuntimeError, match=r"Communicator\(threads, rank 0 of 2\) is closed"):
+        a.rank
+    a.close()  # a no-op once let go
+    b.close()

@@ -139,6 +139,26 @@ def test_shared_cp_decode_registry():
     assert c.closed
 
 
+def test_registry_exit_hook_lets_go_without_closing():
+    # At interpreter exit nothing may wait (other ranks, live CUDA graphs): the hook marks the
+    # shared instances closed without their collective close().
+    from cpidx._api import Registry
+
+    reg = Registry()
+    kw = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=16,
+              init_blocks=0, local_blocks=1, group=None, device="cpu")
+    a = reg.cp_decode(**kw)
+    b = reg.cp_decode(**dict(kw, topk=8))
+    b.close()
+
+    def no_collective_at_exit():
+        raise AssertionError("close() called from the exit hook")
+
+    a.close = no_collective_at_exit
+    reg._drop_at_exit()
+    assert a.closed and b.closed and len(reg) == 0
+
+
 def test_indexer_cp_decode_geometry_errors():
     base = dict(rank=0, max_tokens=8, max_seq_len=1024, topk=16, init_blocks=0, local_blocks=1,
                 group=None, device="cpu")
