@@ -231,8 +231,7 @@ class IndexerCPDecode:
                  sparse_context_lens_out: Optional[torch.Tensor] = None,
                  block_page_stride: Optional[int] = None) -> torch.Tensor:
         """Write ``[local_heads, n, topk]`` block ids for this rank's heads; returns ``out``."""
-        if self._closed:
-            self._raise_closed()
+        self._check_open()
         n = local_q.shape[0]
         if n > self.max_tokens:
             raise ValueError(f"local_q: {n} rows exceed max_tokens {self.max_tokens}")
@@ -305,13 +304,11 @@ class IndexerCPDecode:
     def error_flag(self) -> Optional[torch.Tensor]:
         """Device int32 [1]: bits of clamped device-side values (seq_len, page) since the last
         ``clear_error_flag``; read it when convenient (the library never syncs on it)."""
-        if self._closed:
-            self._raise_closed()
+        self._check_open()
         return self._decoder.error_flag() if self._decoder is not None else None
 
     def clear_error_flag(self) -> None:
-        if self._closed:
-            self._raise_closed()
+        self._check_open()
         if self._decoder is not None:
             self._decoder.clear_error_flag(stream=torch.cuda.current_stream(self.device).cuda_stream)
 
@@ -333,8 +330,7 @@ class IndexerCPDecode:
         self._drop()
 
     def __enter__(self) -> "IndexerCPDecode":
-        if self._closed:
-            self._raise_closed()
+        self._check_open()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -360,8 +356,9 @@ class IndexerCPDecode:
         for name in ("_q_local", "_q_gathered", "_q_full", "_keys", "_keys_gathered"):
             self.__dict__.pop(name, None)
 
-    def _raise_closed(self) -> None:
-        raise RuntimeError(f"{self!r} is closed")
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
 
     def __repr__(self) -> str:
         get = self.__dict__.get  # also for an instance whose construction failed part-way

@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <random>
+#include <string>
 
 #include "gpu_util.h"
 #include "json_lite.h"
@@ -315,6 +317,27 @@ TEST(GpuDecode, GraphReplayFollowsNewLengthsAndTables) {
   }
 }
 
+// One graph of `dec`'s decode, captured once and replayed with each length vector of `steps`
+// in turn (outputs poisoned first); every replay's ids against the CPU reference.
+void expect_replays_follow_lengths(cpidx::Decoder& dec, DecodeData& d, DeviceBatch& b,
+                                   const Selection& sel,
+                                   std::initializer_list<std::vector<int32_t>> steps) {
+  DeviceVec<int32_t> ids(static_cast<size_t>(d.total_heads * d.rows() * sel.topk));
+  const std::unique_ptr<CapturedGraph> graph = capture_decode(dec, b, ids, sel.topk);
+  ASSERT_TRUE(graph->status().is_ok()) << graph->status().to_string();
+  for (const std::vector<int32_t>& lens : steps) {
+    d.seq_lens = lens;
+    b.seq_lens.upload(d.seq_lens);
+    ids.poison();
+    CUDA_OK(graph->replay());
+    const std::vector<int32_t> got = ids.download();
+    const CompareResult r = compare_ids(d, sel, got, cpu_decode(d, sel));
+    std::string which;
+    for (int32_t len : lens) which += " " + std::to_string(len);
+    EXPECT_EQ(r.bad_rows, 0) << "lengths" << which << ": " << r.first_bad;
+  }
+}
+
 TEST(GpuDecode, GraphReplayCrossesBetweenPaths) {
   SKIP_WITHOUT_GPU();
   // One captured graph; the step's page count moves across the split threshold (100 pages here)
@@ -328,22 +351,10 @@ TEST(GpuDecode, GraphReplayCrossesBetweenPaths) {
   std::unique_ptr<cpidx::Decoder> dec;
   ASSERT_TRUE(cpidx::Decoder::create(config, 0, &dec).is_ok());
   ASSERT_EQ(dec->plan().split_max_pages, 100);
-  DeviceVec<int32_t> ids(static_cast<size_t>(4 * d.rows() * sel.topk));
-  const std::unique_ptr<CapturedGraph> graph = capture_decode(*dec, b, ids, sel.topk);
-  ASSERT_TRUE(graph->status().is_ok()) << graph->status().to_string();
   // Pages: 257 (fused), 100 (split, at the threshold), 101 (fused), 2 (split), 155 (fused).
-  for (const std::vector<int32_t>& lens :
-       {std::vector<int32_t>{bound, bound, 5, 0}, {99 * 128, 128, 0, 0}, {99 * 128, 129, 0, 0},
-        {7, 0, 0, 1}, {bound, 3000, 3, 0}}) {
-    d.seq_lens = lens;
-    b.seq_lens.upload(d.seq_lens);
-    ids.poison();
-    CUDA_OK(graph->replay());
-    const std::vector<int32_t> got = ids.download();
-    const CompareResult r = compare_ids(d, sel, got, cpu_decode(d, sel));
-    EXPECT_EQ(r.bad_rows, 0) << "lens[0] " << lens[0] << ", lens[1] " << lens[1] << ": "
-                             << r.first_bad;
-  }
+  expect_replays_follow_lengths(*dec, d, b, sel,
+                                {{bound, bound, 5, 0}, {99 * 128, 128, 0, 0},
+                                 {99 * 128, 129, 0, 0}, {7, 0, 0, 1}, {bound, 3000, 3, 0}});
 }
 
 TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
@@ -365,24 +376,14 @@ TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
   std::unique_ptr<cpidx::Decoder> dec;
   ASSERT_TRUE(cpidx::Decoder::create(config, 0, &dec).is_ok());
   ASSERT_GE(dec->plan().split_max_pages, reqs * cpidx::cdiv(bound, 128));
-  DeviceVec<int32_t> ids(static_cast<size_t>(2 * d.rows() * sel.topk));
-  const std::unique_ptr<CapturedGraph> graph = capture_decode(*dec, b, ids, sel.topk);
-  ASSERT_TRUE(graph->status().is_ok()) << graph->status().to_string();
   // 20480 pages, longest 4096 (split); 21 k pages, one request of 4409 (fused); back to split;
   // 2 requests over the longest but 8818 pages in all (split: at most kDefaultSplitPages).
   const int32_t over = bound;
-  for (const std::vector<int32_t>& lens :
-       {std::vector<int32_t>(reqs, longest_split),
-        {longest_split, longest_split, over, longest_split, longest_split},
-        std::vector<int32_t>(reqs, longest_split - 1), {over, 0, 0, 0, over}}) {
-    d.seq_lens = lens;
-    b.seq_lens.upload(d.seq_lens);
-    ids.poison();
-    CUDA_OK(graph->replay());
-    const std::vector<int32_t> got = ids.download();
-    const CompareResult r = compare_ids(d, sel, got, cpu_decode(d, sel));
-    EXPECT_EQ(r.bad_rows, 0) << "lens[2] " << lens[2] << ": " << r.first_bad;
-  }
+  expect_replays_follow_lengths(
+      *dec, d, b, sel,
+      {std::vector<int32_t>(reqs, longest_split),
+       {longest_split, longest_split, over, longest_split, longest_split},
+       std::vector<int32_t>(reqs, longest_split - 1), {over, 0, 0, 0, over}});
 }
 
 void graph_replay_follows_new_lengths_and_tables() {
