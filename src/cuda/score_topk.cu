@@ -228,7 +228,11 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   // recomputed if any page count changed.
   // NOTE: L2 prefetches of each CTA's first pages before the wait (cp.async.bulk.prefetch) were
   // measured 0.3-1.8 us slower at 1 x 64K to 8 x 256K and only 0.3 us faster at 1 x 8K
-  // (docs/perf/README.md, v7); they are not issued.
+  // (docs/perf/README.md, v7); they are not issued. Nor are the first pages' bulk copies
+  // themselves before the wait (checked against the table and lengths after it, redone if they
+  // changed): within +-1 us of waiting, on one GPU back to back and on the 2-GPU step behind the
+  // query gather (v12-early, not kept; it also cannot check page contents the kernel before it
+  // may still be writing). A steady L2 prefetch 3 pages ahead of the ring was 12% slower.
   const int B = p.num_reqs;
   int r0 = 0, r1 = 0;
   thread_requests<kThreads>(B, &r0, &r1);
