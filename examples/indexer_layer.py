@@ -209,6 +209,13 @@ def main() -> int:
             print(f"rank {rank}: graph replay {step} (seq_lens {lens.tolist()}) "
                   f"{'==' if same else '!='} single-GPU", flush=True)
 
+    # A peer exchange raises PEER_ERROR_TIMEOUT here once a rank gave up waiting for a peer (a
+    # blocking read: after the replays, never inside a capture); NCCL and torch report None.
+    bits = cp.exchange_error_flag()
+    if bits:
+        print(f"rank {rank}: exchange error bits {bits}: recreate every rank's instance",
+              flush=True)
+        ok = False
     if world > 1:
         flag = torch.tensor([int(ok)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

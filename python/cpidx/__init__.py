@@ -12,7 +12,8 @@ Functional API (destination passing: the caller allocates every output):
   shared ``IndexerCPDecode`` instances. ``registry.clear()`` frees them (and closes the shared
   instances: collective, every rank calls it).
 * :class:`Communicator` -- the library's NCCL and peer communicators (``has_nccl``,
-  ``has_peer``); :func:`cp_gather_bytes` is the per-rank bound a peer communicator needs.
+  ``has_peer``); :func:`cp_gather_bytes` is the per-rank bound a peer communicator needs, and
+  its ``read_error_flag()`` returns ``PEER_ERROR_TIMEOUT`` once a rank gave up waiting for a peer.
 
 bf16 on the host: numpy has no bfloat16, so host arrays carry bf16 as ``uint16`` bit patterns
 (:func:`bf16_bits` converts float arrays; float32 arrays given directly are converted by the
@@ -63,6 +64,7 @@ __all__ = [
     "cuda_built",
     "has_nccl",
     "has_peer",
+    "PEER_ERROR_TIMEOUT",
 ]
 
 Decoder = _C.Decoder
@@ -73,6 +75,7 @@ gpu_available = _C.gpu_available
 cuda_built = _C.cuda_built
 has_nccl = _C.has_nccl
 has_peer = _C.has_peer
+PEER_ERROR_TIMEOUT = _C.PEER_ERROR_TIMEOUT
 
 if _torch is not None:
     from . import _ops  # noqa: F401  (registers torch.ops.cpidx.*)

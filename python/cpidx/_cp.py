@@ -55,6 +55,10 @@ class IndexerCPDecode:
       it open.
     * ``world_size == 1``: the plain decode, no exchange (``"none"``; ``group`` may be None).
 
+    A peer exchange never hangs: a rank whose peer stops sending gives up after the
+    communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in its error bits;
+    read them with ``exchange_error_flag()`` after a batch of steps (a blocking read).
+
     Teardown: ``close()`` is collective: every rank calls it, in the same order for all of its
     instances. It closes the peer communicator (which waits for every rank before freeing its
     buffers) and then the NCCL one, and frees the workspace; it is idempotent, and any later
@@ -311,6 +315,22 @@ class IndexerCPDecode:
         self._check_open()
         if self._decoder is not None:
             self._decoder.clear_error_flag(stream=torch.cuda.current_stream(self.device).cuda_stream)
+
+    def exchange_error_flag(self) -> Optional[int]:
+        """The peer exchange's error bits since the last clear: 0 when fine,
+        ``cpidx.PEER_ERROR_TIMEOUT`` when this rank gave up waiting for a peer (after the
+        communicator's timeout: its steps since then have undefined results, and every rank's
+        instance must be recreated). None for the NCCL and torch exchanges and at
+        ``world_size == 1``. A blocking device read: call it after synchronising the stream that
+        ran the steps (after a batch of graph replays, say), never inside a capture."""
+        self._check_open()
+        return self._comm.read_error_flag() if self._comm is not None else None
+
+    def clear_exchange_error_flag(self) -> None:
+        """Stream-ordered clear of those bits (on the current stream)."""
+        self._check_open()
+        if self._comm is not None:
+            self._comm.clear_error_flag(stream=torch.cuda.current_stream(self.device).cuda_stream)
 
     # ---- teardown ---------------------------------------------------------------------------
     @property

@@ -125,6 +125,44 @@ void bind_comm(nb::module_& m) {
            "Collective teardown: every rank calls it, in the same order for every communicator. "
            "A peer communicator closes its mappings, waits for every rank (through its "
            "bootstrap) and frees its buffers; close it before its bootstrap. Idempotent.")
+      .def(
+          "read_error_flag",
+          [](PyCommunicator& c) -> nb::object {
+#if defined(CPIDX_PY_PEER)
+            PyCommunicator::Use use(c, nullptr);  // not closed under the read
+            if (peer_error_flag(use.comm()) == nullptr) return nb::none();
+            int32_t bits = 0;
+            Status st;
+            {
+              nb::gil_scoped_release release;  // a blocking device read
+              st = read_peer_error_flag(use.comm(), &bits);
+            }
+            check_status(st);
+            return nb::int_(bits);
+#else
+            (void)c.get();
+            return nb::none();
+#endif
+          },
+          "The peer communicator's error bits since the last clear (PEER_ERROR_TIMEOUT: a rank "
+          "gave up waiting for a peer; the results of its gathers since are undefined, recreate "
+          "every rank's communicator), or None for communicators without an error word (NCCL "
+          "reports its own errors). A blocking device read: synchronise the streams that ran "
+          "the gathers first; never inside a capture.")
+      .def(
+          "clear_error_flag",
+          [](PyCommunicator& c, uintptr_t stream) {
+#if defined(CPIDX_PY_PEER)
+            PyCommunicator::Use use(c, nullptr);
+            if (peer_error_flag(use.comm()) == nullptr) return;
+            check_status(clear_peer_error_flag(use.comm(), reinterpret_cast<cudaStream_t>(stream)));
+#else
+            (void)c.get();
+            (void)stream;
+#endif
+          },
+          "stream"_a = 0,
+          "Stream-ordered clear of the peer communicator's error bits (nothing for other kinds).")
       .def("_leak_at_exit", &PyCommunicator::leak_at_exit,
            "Process exit only: marks it closed without destroying it (no collective, no wait "
            "for live CUDA graphs); its resources go with the process.")
@@ -202,7 +240,10 @@ void bind_comm(nb::module_& m) {
   m.attr("has_nccl") = false;
 #endif
 
+  // The bit read_error_flag() raises when a rank gave up waiting for a peer.
+  m.attr("PEER_ERROR_TIMEOUT") = 1;
 #if defined(CPIDX_PY_PEER)
+  static_assert(kPeerErrorTimeout == 1, "PEER_ERROR_TIMEOUT above must follow comm_peer.h");
   m.attr("has_peer") = true;
   m.def(
       "make_peer_communicator",

@@ -318,13 +318,18 @@ def test_peer_communicator_holds_its_bootstrap_until_closed():
     (boot,) = cpidx._C._thread_communicators(1)
     peer = cpidx._C.make_peer_communicator(boot, 0, 4096)
     assert (peer.kind, peer.rank, peer.world_size, peer.device_memory) == ("peer", 0, 1, True)
+    assert peer.read_error_flag() == 0
+    peer.clear_error_flag(stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert peer.read_error_flag() == 0
     with pytest.raises(RuntimeError, match="bootstrap of 1 open peer communicator"):
         boot.close()
     assert not boot.closed
     peer.close()
     peer.close()
-    with pytest.raises(RuntimeError, match=r"Communicator\(peer, rank 0 of 1\) is closed"):
-        peer.rank
+    for use in (lambda: peer.rank, peer.read_error_flag):
+        with pytest.raises(RuntimeError, match=r"Communicator\(peer, rank 0 of 1\) is closed"):
+            use()
     boot.close()
 
 
@@ -411,6 +416,9 @@ def _two_gpu_rank(rank, world, port, results):
             cp(local_q, k, bt, sl, Q, out, scale=b.scale)
             torch.cuda.synchronize()
             same = bool(torch.equal(out, plain[off: off + L]))
+            # No rank timed out: 0 through the peer exchange, None (no error word) through NCCL.
+            same = same and cp.exchange_error_flag() == (0 if cp.exchange == "peer" else None)
+            cp.clear_exchange_error_flag()
             cp.close()
             cp.close()
             try:

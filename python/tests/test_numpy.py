@@ -339,11 +339,15 @@ def test_communicator_close_is_idempotent_and_use_after_close_is_named():
     a, b = _C._thread_communicators(2)
     assert (a.rank, a.world_size, a.kind, a.device_memory, a.closed) == (0, 2, "threads", False,
                                                                        False)
+    assert a.read_error_flag() is None  # only peer communicators have an error word
+    a.clear_error_flag()  # nothing to clear
+    assert cpidx.PEER_ERROR_TIMEOUT == 1
     a.close()
     a.close()
     assert a.closed and not b.closed and b.rank == 1
     assert "closed" in repr(a)
-    for use in (lambda: a.rank, lambda: a.world_size, lambda: a.device_memory):
+    for use in (lambda: a.rank, lambda: a.world_size, lambda: a.device_memory,
+                a.read_error_flag, a.clear_error_flag):
         with pytest.raises(RuntimeError, match=r"Communicator\(threads, rank 0 of 2\) is closed"):
             use()
     with pytest.raises(ValueError, match="world_size"):

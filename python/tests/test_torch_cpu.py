@@ -81,7 +81,7 @@ def _gloo_rank(rank, world, port, T, results):
         cp = cpidx.IndexerCPDecode(total_heads=T, rank=rank, world_size=world, max_tokens=16,
                                    max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
                                    group=dist.group.WORLD, device="cpu")
-        assert cp.exchange == "torch"
+        assert cp.exchange == "torch" and cp.exchange_error_flag() is None
         L, off = cp.local_heads, cp.head_offset
         plain = torch.zeros((T, b.rows, 6), dtype=torch.int32)
         cpidx.decode_topk(q, k, bt, sl, 2, plain, scale=b.scale, topk=6, init_blocks=1,
@@ -210,11 +210,13 @@ def test_close_is_idempotent_and_a_later_call_raises_naming_the_instance():
     cp = _world_one()
     step = _one_step(cp)
     step()
-    assert not cp.closed and cp.exchange == "none"
+    assert not cp.closed and cp.exchange == "none" and cp.exchange_error_flag() is None
+    cp.clear_exchange_error_flag()
     cp.close()
     cp.close()
     assert cp.closed
-    for use in (step, cp.error_flag, cp.clear_error_flag):
+    for use in (step, cp.error_flag, cp.clear_error_flag, cp.exchange_error_flag,
+                cp.clear_exchange_error_flag):
         with pytest.raises(RuntimeError, match=r"IndexerCPDecode\(rank 0 of 1, exchange 'none', "
                                                r"device 'cpu'\) is closed"):
             use()
