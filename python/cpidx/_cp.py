@@ -70,8 +70,10 @@ class IndexerCPDecode:
 
     CUDA graphs first: destroy (``del``) every CUDA graph that captured a step before
     ``close()`` or dropping the instance. NCCL's communicator destroy waits until every live
-    graph holding one of its kernels is gone, so with the NCCL exchange it would not return
-    while such a graph lives (the peer exchange captures no NCCL kernel). Instances shared
+    graph holding one of its kernels is gone, so with the NCCL exchange ``close()`` raises
+    ``RuntimeError`` (naming how many gathers such graphs hold) instead of waiting forever, and
+    an instance dropped while one lives lets go of its NCCL communicator without destroying it
+    (the peer exchange captures no NCCL kernel). Instances shared
     through :data:`cpidx.registry` and still open at interpreter exit are not destroyed at all
     (their communicators go with the process), so exit never waits on a graph or a rank.
     """
@@ -341,7 +343,8 @@ class IndexerCPDecode:
         """Collective: every rank calls it (in the same order for all its instances). Closes the
         peer communicator, then the NCCL one (those this instance made; a Communicator passed as
         ``group`` stays open), and frees the buffers. Idempotent; any later use raises. Destroy
-        the CUDA graphs that captured its steps first (see the class docstring)."""
+        the CUDA graphs that captured its steps first: with the NCCL exchange it raises while
+        one lives, and can be called again once they are gone (see the class docstring)."""
         if self._closed:
             return
         while self._owned:

@@ -43,6 +43,15 @@ PyCommunicator::PyCommunicator(std::unique_ptr<Communicator> comm, std::string k
 }
 
 PyCommunicator::~PyCommunicator() {
+#if defined(CPIDX_PY_NCCL)
+  // NCCL's destroy would wait forever for a live CUDA graph that captured one of its gathers:
+  // a finalizer lets go of such a communicator instead (the process takes its resources).
+  if (comm_ != nullptr && nccl_gathers_in_live_graphs(*comm_, 0.2) > 0) {
+    (void)comm_.release();  // on purpose
+    release_bootstrap();
+    return;
+  }
+#endif
 #if defined(CPIDX_PY_PEER)
   // A finalizer cannot promise that every rank lets go at the same time (garbage collection,
   // interpreter exit, a peer that exited): never the collective destructor here.
@@ -84,6 +93,19 @@ void PyCommunicator::close() {
     throw std::runtime_error(describe() +
                              " is in use by a call on another thread; close it after that call");
   }
+#if defined(CPIDX_PY_NCCL)
+  long long held = 0;
+  {
+    nb::gil_scoped_release release;  // synchronises the device, then waits up to a second
+    held = nccl_gathers_in_live_graphs(*comm_, 1.0);
+  }
+  if (held > 0) {
+    throw std::runtime_error(describe() + ": " + std::to_string(held) +
+                             " of its gathers are in CUDA graphs that are still alive (captured "
+                             "steps); delete those graphs first: NCCL's destroy would wait for "
+                             "them forever");
+  }
+#endif
   std::unique_ptr<Communicator> comm = std::move(comm_);  // closed for every other thread now
   {
     nb::gil_scoped_release release;  // collective: waits for every rank

@@ -29,7 +29,9 @@ class PyCommunicator {
   // once it is closed.
   Communicator& get(const char* arg = nullptr);
   // Collective and idempotent. Refused (RuntimeError) while a peer communicator built over this
-  // one is open, or while a call that released the GIL still uses it.
+  // one is open, while a call that released the GIL still uses it, or (NCCL) while a CUDA graph
+  // that captured one of its gathers lives: NCCL's destroy would wait for it forever. A
+  // finalizer lets go of such an NCCL communicator without destroying it.
   void close();
   // Process exit: lets go of the communicator without destroying it (its memory, threads and
   // mappings go with the process). A destroy could wait forever there: NCCL's waits for every

@@ -419,6 +419,19 @@ def _two_gpu_rank(rank, world, port, results):
             # No rank timed out: 0 through the peer exchange, None (no error word) through NCCL.
             same = same and cp.exchange_error_flag() == (0 if cp.exchange == "peer" else None)
             cp.clear_exchange_error_flag()
+            if cp.exchange == "nccl":  # a live graph holding NCCL gathers: close() refuses
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    cp(local_q, k, bt, sl, Q, out, scale=b.scale)
+                graph.replay()
+                torch.cuda.synchronize()
+                same = same and bool(torch.equal(out, plain[off: off + L]))
+                try:
+                    cp.close()
+                    log["nccl_graph"] = "closed under a live graph"
+                except RuntimeError as e:
+                    log["nccl_graph"] = "still alive" in str(e) and not cp.closed
+                del graph
             cp.close()
             cp.close()
             try:
@@ -464,4 +477,5 @@ def test_indexer_cp_decode_two_processes_each_exchange():
             assert log["peer"][:3] == ("peer", True, True), log
             assert (chosen, reason) == ("peer", None), log
         assert log["nccl"][:3] == ("nccl", True, True), log
+        assert log["nccl_graph"] is True, log
         assert log["abandoned"], log

@@ -5,10 +5,13 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -132,6 +135,7 @@ class NcclCommunicator final : public Communicator {
     if (bytes_per_rank == 0) return Status::ok();
     CPIDX_CHECK(send != nullptr && recv != nullptr,
                 "all_gather: send and recv must be non-null device pointers");
+    CPIDX_RETURN_IF_ERROR(count_if_captured(stream));
     return nccl_check(ncclAllGather(send, recv, bytes_per_rank, ncclUint8, comm_, stream),
                       "ncclAllGather", comm_, rank_, world_);
   }
@@ -139,6 +143,23 @@ class NcclCommunicator final : public Communicator {
   Status check_agree(long long value, const char* what) override {
     if (host_ == nullptr) return Status::ok();  // no host channel, no check (see comm_nccl.h)
     return host_->check_agree(value, what);
+  }
+
+  // Gathers held by live CUDA graphs (nccl_gathers_in_live_graphs).
+  long long gathers_in_live_graphs(double wait_seconds) const {
+    if (wait_seconds > 0 && captured_->load() > 0) {
+      int prev = 0;
+      if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
+        cudaDeviceSynchronize();  // a graph still running keeps its references until it ends
+        cudaSetDevice(prev);
+      }
+      const auto until = std::chrono::steady_clock::now() +
+                         std::chrono::duration<double>(wait_seconds);
+      while (captured_->load() > 0 && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    return captured_->load();
   }
 
   Status barrier() override {
@@ -169,6 +190,37 @@ class NcclCommunicator final : public Communicator {
     return cuda_check(cudaStreamSynchronize(barrier_stream_), "cudaStreamSynchronize (barrier)");
   }
 
+  // A gather captured into a CUDA graph: the graph keeps a user object whose release, when the
+  // graph and its instantiations are gone, takes the gather off the count. (NCCL counts such
+  // graphs too, and its destroy waits for them; this count lets an owner refuse instead.)
+  Status count_if_captured(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+    CPIDX_RETURN_IF_ERROR(cuda_check(cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph),
+                                     "cudaStreamGetCaptureInfo"));
+    if (capture != cudaStreamCaptureStatusActive) return Status::ok();
+    auto* counter = new std::shared_ptr<std::atomic<long long>>(captured_);
+    cudaUserObject_t object = nullptr;
+    Status st = cuda_check(cudaUserObjectCreate(&object, counter, &release_captured, 1,
+                                                cudaUserObjectNoDestructorSync),
+                           "cudaUserObjectCreate");
+    if (!st.is_ok()) {
+      delete counter;
+      return st;
+    }
+    ++*captured_;
+    st = cuda_check(cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove),
+                    "cudaGraphRetainUserObject");
+    if (!st.is_ok()) cudaUserObjectRelease(object, 1);  // runs release_captured
+    return st;
+  }
+  // The user object's destructor (a CUDA-internal thread; no CUDA calls).
+  static void release_captured(void* counter) {
+    auto* held = static_cast<std::shared_ptr<std::atomic<long long>>*>(counter);
+    --**held;
+    delete held;
+  }
+
   ncclComm_t comm_;
   bool owns_;
   int rank_, world_, device_;
@@ -176,6 +228,8 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Communicator> owned_host_;  // the single-process factory's thread channel
   cudaStream_t barrier_stream_ = nullptr;
   void* barrier_scratch_ = nullptr;
+  // Outlives the communicator: graphs may release their gathers after it is gone.
+  std::shared_ptr<std::atomic<long long>> captured_ = std::make_shared<std::atomic<long long>>(0);
 };
 
 // What the ranks of make_nccl_communicator agree on through their host channel.
@@ -327,6 +381,11 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_communicators_single_proces
                                                        host, std::move(hosts[static_cast<size_t>(r)])));
   }
   return comms;
+}
+
+long long nccl_gathers_in_live_graphs(Communicator& comm, double wait_seconds) {
+  const auto* nccl = dynamic_cast<const NcclCommunicator*>(&comm);
+  return nccl != nullptr ? nccl->gathers_in_live_graphs(wait_seconds) : -1;
 }
 
 std::string nccl_version_text() {

@@ -2,8 +2,8 @@
 // (communicators from make_nccl_communicators_single_process): each rank's cp_decode equals the
 // plain decode of all heads on GPU 0 bitwise for its owned heads (random batches, 1 token to 1M,
 // replicated heads, golden cases), inside CUDA graphs replayed 1000 times with changing inputs,
-// disagreeing batch sizes fail before any collective, and one workspace serves 60 layers.
-// Every test skips cleanly with fewer than 2 GPUs.
+// disagreeing batch sizes fail before any collective, and one workspace serves 60 layers; the
+// gathers held by live CUDA graphs are counted. Every test skips cleanly without its GPUs.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -363,6 +363,55 @@ TEST(NcclOverHost, RanksFailTogetherWhenOneRefusesItsDevice) {
     EXPECT_NE(st[0].message().find("NCCL communicator world size"), std::string::npos)
         << st[0].message();
   }
+}
+
+// One GPU: the gathers captured into CUDA graphs are counted while a graph or an instantiation of
+// it lives (NCCL's destroy would wait for them), and leave the count when both are gone.
+TEST(NcclOverHost, GathersInLiveGraphsAreCounted) {
+  if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  Status st;
+  std::vector<std::unique_ptr<Communicator>> comms =
+      cpidx::make_nccl_communicators_single_process({0}, &st);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  Communicator& comm = *comms[0];
+  EXPECT_EQ(cpidx::nccl_gathers_in_live_graphs(*cpidx::make_thread_communicators(1)[0]), -1);
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  void* buf = nullptr;
+  ASSERT_EQ(cudaMalloc(&buf, 512), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  char* send = static_cast<char*>(buf);
+  ASSERT_TRUE(comm.all_gather(send, send + 256, 256, stream).is_ok());  // eager: not counted
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(cpidx::nccl_gathers_in_live_graphs(comm), 0);
+
+  auto capture_two = [&]() {
+    cudaGraph_t graph = nullptr;
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    EXPECT_TRUE(comm.all_gather(send, send + 256, 256, stream).is_ok());
+    EXPECT_TRUE(comm.all_gather(send + 256, send, 256, stream).is_ok());
+    EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    return graph;
+  };
+  // A graph and its instantiation: counted until both are gone.
+  cudaGraph_t graph = capture_two();
+  EXPECT_EQ(cpidx::nccl_gathers_in_live_graphs(comm), 2);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(cpidx::nccl_gathers_in_live_graphs(comm, 0.2), 2) << "the instantiation holds them";
+  ASSERT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cpidx::nccl_gathers_in_live_graphs(comm, 5.0), 0);
+  // A captured graph never instantiated.
+  graph = capture_two();
+  EXPECT_EQ(cpidx::nccl_gathers_in_live_graphs(comm), 2);
+  ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cpidx::nccl_gathers_in_live_graphs(comm, 5.0), 0);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  ASSERT_EQ(cudaFree(buf), cudaSuccess);
+  comms.clear();  // returns: no graph holds a gather
 }
 
 // A device communicator cannot bootstrap NCCL (its all_gather takes device memory).
