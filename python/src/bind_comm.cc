@@ -45,8 +45,9 @@ PyCommunicator::PyCommunicator(std::unique_ptr<Communicator> comm, std::string k
 PyCommunicator::~PyCommunicator() {
 #if defined(CPIDX_PY_NCCL)
   // NCCL's destroy would wait forever for a live CUDA graph that captured one of its gathers:
-  // a finalizer lets go of such a communicator instead (the process takes its resources).
-  if (comm_ != nullptr && nccl_gathers_in_live_graphs(*comm_, 0.2) > 0) {
+  // a finalizer lets go of such a communicator instead (the process takes its resources). No
+  // wait and no device synchronisation here: a collection may run while a graph is captured.
+  if (comm_ != nullptr && nccl_gathers_in_live_graphs(*comm_) > 0) {
     (void)comm_.release();  // on purpose
     release_bootstrap();
     return;
