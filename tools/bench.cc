@@ -349,11 +349,14 @@ void print_trace(int grid) {
     if (v[kTSmid] >= 0 && v[kTSmid] < 1024) by_sm[v[kTSmid]].push_back((v[kTLastPage] - t0) * 1e-3);
   }
   std::vector<double> within, sm_last;
-  for (auto& v : by_sm) {
+  std::vector<std::pair<double, int>> sm_order;  // (SM's last page, SM id)
+  for (size_t sm = 0; sm < by_sm.size(); ++sm) {
+    auto& v = by_sm[sm];
     if (v.empty()) continue;
     std::sort(v.begin(), v.end());
     within.push_back(v.back() - v.front());
     sm_last.push_back(v.back());
+    sm_order.emplace_back(v.back(), static_cast<int>(sm));
   }
   std::sort(within.begin(), within.end());
   std::sort(sm_last.begin(), sm_last.end());
@@ -361,6 +364,18 @@ void print_trace(int grid) {
               "median %.2f max %.2f (%zu SMs)\n",
               within[within.size() / 2], within[within.size() * 9 / 10], within.back(),
               sm_last.front(), sm_last[sm_last.size() / 2], sm_last.back(), sm_last.size());
+  // Which SMs: compare these lists across shapes and runs to tell a placement effect (the same
+  // SMs slow every time) from chance.
+  std::sort(sm_order.begin(), sm_order.end());
+  const size_t show = std::min<size_t>(8, sm_order.size());
+  for (int slow = 1; slow >= 0; --slow) {
+    std::printf("#   %s SMs (id:last page us):", slow ? "slowest" : "fastest");
+    for (size_t i = 0; i < show; ++i) {
+      const auto& [us, sm] = slow ? sm_order[sm_order.size() - 1 - i] : sm_order[i];
+      std::printf(" %d:%.1f", sm, us);
+    }
+    std::printf("\n");
+  }
 }
 
 }  // namespace
