@@ -56,9 +56,10 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_communicators_single_proces
     const std::vector<int>& devices, Status* status);
 
 // How many of `comm`'s gathers sit in CUDA graphs (captured, or instantiated from such a graph)
-// that are still alive; -1 when `comm` is not an NCCL communicator. NCCL's destroy (the
-// communicator's destructor) does not return while such a graph lives, so an owner can refuse
-// to destroy while this is above 0 (the Python binding's close() does). A graph's gathers leave
+// that are still alive; -1 when `comm` is not an NCCL communicator. NCCL's destroy does not
+// return while such a graph lives, so the destructor then leaves the NCCL communicator to the
+// process instead of destroying it (below); an owner that would rather not leak can refuse to
+// destroy while this is above 0 (the Python binding's close() does). A graph's gathers leave
 // the count when CUDA releases the graph's last reference, on an internal thread, which can
 // trail cudaGraphExecDestroy / cudaGraphDestroy: with wait_seconds > 0 the call first
 // synchronises the communicator's device, then waits up to that long for the count to reach 0.
@@ -72,8 +73,9 @@ std::string nccl_version_text();
 //    device, and `stream` must belong to that device. all_gather enqueues one ncclAllGather of
 //    ncclUint8 and returns at once (no host synchronisation), so it can be graph-captured.
 //    Destroy every CUDA graph that captured a gather before the communicator: NCCL's destroy
-//    waits until all such graphs are gone, so it would not return while one lives
-//    (nccl_gathers_in_live_graphs counts them).
+//    waits until all such graphs are gone, so a communicator destroyed while one lives (after
+//    a 0.1 s grace for graphs destroyed just before) leaves its ncclComm_t to the process
+//    instead of waiting forever (nccl_gathers_in_live_graphs counts them).
 //  - check_agree(value, what) forwards to the host channel. Without one (make_nccl_communicator
 //    or adopt_nccl_communicator with host_channel == nullptr) there is no check: it returns ok,
 //    and ranks that disagree on a batch shape are not caught before the collective.

@@ -43,16 +43,6 @@ PyCommunicator::PyCommunicator(std::unique_ptr<Communicator> comm, std::string k
 }
 
 PyCommunicator::~PyCommunicator() {
-#if defined(CPIDX_PY_NCCL)
-  // NCCL's destroy would wait forever for a live CUDA graph that captured one of its gathers:
-  // a finalizer lets go of such a communicator instead (the process takes its resources). No
-  // wait and no device synchronisation here: a collection may run while a graph is captured.
-  if (comm_ != nullptr && nccl_gathers_in_live_graphs(*comm_) > 0) {
-    (void)comm_.release();  // on purpose
-    release_bootstrap();
-    return;
-  }
-#endif
 #if defined(CPIDX_PY_PEER)
   // A finalizer cannot promise that every rank lets go at the same time (garbage collection,
   // interpreter exit, a peer that exited): never the collective destructor here.

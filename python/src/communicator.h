@@ -30,8 +30,8 @@ class PyCommunicator {
   Communicator& get(const char* arg = nullptr);
   // Collective and idempotent. Refused (RuntimeError) while a peer communicator built over this
   // one is open, while a call that released the GIL still uses it, or (NCCL) while a CUDA graph
-  // that captured one of its gathers lives: NCCL's destroy would wait for it forever. A
-  // finalizer lets go of such an NCCL communicator without destroying it.
+  // that captured one of its gathers lives: NCCL's destroy would wait for it forever. (A
+  // finalizer destroys it anyway: the C++ destructor then leaves the ncclComm_t to the process.)
   void close();
   // Process exit: lets go of the communicator without destroying it (its memory, threads and
   // mappings go with the process). A destroy could wait forever there: NCCL's waits for every

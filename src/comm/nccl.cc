@@ -123,7 +123,13 @@ class NcclCommunicator final : public Communicator {
       }
     }
     // Destroy (not abort): waits for this rank's outstanding operations on the communicator.
-    if (owns_ && comm_ != nullptr) ncclCommDestroy(comm_);
+    // Not while a live CUDA graph holds one of its gathers: NCCL's destroy would wait for that
+    // graph forever, so the communicator is left to the process instead. Graphs destroyed just
+    // before may still be releasing theirs on a CUDA thread: a short wait, and no CUDA call (a
+    // destructor may run while another thread captures a graph).
+    if (owns_ && comm_ != nullptr && wait_for_release(kDestroyGraceSeconds) == 0) {
+      ncclCommDestroy(comm_);
+    }
   }
 
   int rank() const override { return rank_; }
@@ -153,13 +159,8 @@ class NcclCommunicator final : public Communicator {
         cudaDeviceSynchronize();  // a graph still running keeps its references until it ends
         cudaSetDevice(prev);
       }
-      const auto until = std::chrono::steady_clock::now() +
-                         std::chrono::duration<double>(wait_seconds);
-      while (captured_->load() > 0 && std::chrono::steady_clock::now() < until) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
     }
-    return captured_->load();
+    return wait_for_release(wait_seconds);
   }
 
   Status barrier() override {
@@ -189,6 +190,16 @@ class NcclCommunicator final : public Communicator {
                                      "ncclAllReduce (barrier)", comm_, rank_, world_));
     return cuda_check(cudaStreamSynchronize(barrier_stream_), "cudaStreamSynchronize (barrier)");
   }
+
+  // The count after waiting up to `seconds` for it to reach 0 (host polling only).
+  long long wait_for_release(double seconds) const {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (captured_->load() > 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return captured_->load();
+  }
+  static constexpr double kDestroyGraceSeconds = 0.1;
 
   // A gather captured into a CUDA graph: the graph keeps a user object whose release, when the
   // graph and its instantiations are gone, takes the gather off the count. (NCCL counts such

@@ -414,6 +414,38 @@ TEST(NcclOverHost, GathersInLiveGraphsAreCounted) {
   comms.clear();  // returns: no graph holds a gather
 }
 
+// One GPU: a communicator destroyed while an instantiated graph still holds its gather returns
+// (its ncclComm_t is left to the process; NCCL's destroy would wait for the graph forever), and
+// the graph still replays.
+TEST(NcclOverHost, DestroyedUnderALiveGraphReturnsAndTheGraphStillRuns) {
+  if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  Status st;
+  std::vector<std::unique_ptr<Communicator>> comms =
+      cpidx::make_nccl_communicators_single_process({0}, &st);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  char* buf = nullptr;
+  ASSERT_EQ(cudaMalloc(&buf, 512), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_TRUE(comms[0]->all_gather(buf, buf + 256, 256, stream).is_ok());  // connects eagerly
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  EXPECT_TRUE(comms[0]->all_gather(buf, buf + 256, 256, stream).is_ok());
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  EXPECT_EQ(cpidx::nccl_gathers_in_live_graphs(*comms[0]), 1);
+  comms.clear();  // must return
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  EXPECT_EQ(cudaFree(buf), cudaSuccess);
+}
+
 // A device communicator cannot bootstrap NCCL (its all_gather takes device memory).
 TEST(NcclOverHost, RefusesADeviceMemoryHost) {
   class DeviceSpaceComm final : public Communicator {
