@@ -83,7 +83,7 @@ struct Result {
   std::string check;
 };
 
-void print_trace(int grid);
+void print_trace(int grid, int select_items);
 
 class Bench {
  public:
@@ -292,7 +292,7 @@ Result Bench::run(const Shape& sh, int replays) {
   float median_ms = 0, gpu_ms = 0;
   BENCH_CUDA(median_graph_ms(exec, stream, 3, replays, &median_ms));
   BENCH_CUDA(median_graph_ms(exec, stream, 1, replays, &gpu_ms, /*hold_stream=*/true));
-  if (trace_) print_trace(res.grid);
+  if (trace_) print_trace(res.grid, sh.reqs * T * sh.qlen);
   res.us = median_ms * 1e3 / calls;
   res.gpu_us = gpu_ms * 1e3 / calls;
   res.gbps = shard_bytes / (res.us * 1e-6) / 1e9;
@@ -307,7 +307,7 @@ Result Bench::run(const Shape& sh, int replays) {
 
 // The timeline of the fused kernel's last launch (score_trace.cuh), over the CTAs that scored
 // pages: stamps in us after the earliest entry, cycle sums in us at the SM's rated clock.
-void print_trace(int grid) {
+void print_trace(int grid, int select_items) {
   using namespace cpidx::cuda;
   std::vector<long long> t(static_cast<size_t>(grid) * kTraceSlots);
   if (read_score_trace(t.data(), grid) != cudaSuccess) {
@@ -365,7 +365,27 @@ void print_trace(int grid) {
               within[within.size() / 2], within[within.size() * 9 / 10], within.back(),
               sm_last.front(), sm_last[sm_last.size() / 2], sm_last.back(), sm_last.size());
   // Which SMs: compare these lists across shapes and runs to tell a placement effect (the same
-  // SMs slow every time) from chance.
+  // SMs slow every time) from chance. Every SM's last page, by SM id, for scripts.
+  std::printf("#   sm_last_page_us:");
+  for (const auto& [us, sm] : sm_order) std::printf(" %d:%.2f", sm, us);
+  std::printf("\n");
+  // select_topk after the grid (its CTAs with an item), on the same clock.
+  const int sel_ctas = std::min(select_items, kTraceCtas);
+  std::vector<long long> st(static_cast<size_t>(sel_ctas) * kSelectSlots);
+  if (sel_ctas > 0 && read_select_trace(st.data(), sel_ctas) == cudaSuccess) {
+    for (int slot : {kSEntry, kSWaited, kSBound, kSGathered, kSRanked, kSExit}) {
+      std::vector<double> v;
+      for (int c = 0; c < sel_ctas; ++c) {
+        const long long x = st[static_cast<size_t>(c) * kSelectSlots + slot];
+        if (x != 0) v.push_back((x - t0) * 1e-3);  // 0: the phase did not run (another path)
+      }
+      if (v.empty()) continue;
+      std::sort(v.begin(), v.end());
+      static const char* const names[] = {"entry", "waited", "bound", "gathered", "ranked", "exit"};
+      std::printf("#   select_%-8s %9.2f %9.2f %9.2f %9.2f  (%d CTAs)\n", names[slot], v.front(),
+                  v[v.size() / 2], v[v.size() * 9 / 10], v.back(), sel_ctas);
+    }
+  }
   std::sort(sm_order.begin(), sm_order.end());
   const size_t show = std::min<size_t>(8, sm_order.size());
   for (int slow = 1; slow >= 0; --slow) {

@@ -113,6 +113,8 @@ __host__ __device__ inline int64_t partial_index(int col, int64_t slot, int64_t 
 // The fused kernel's per-CTA timeline of its last launch (score_trace.cuh: kTraceSlots values per
 // CTA, `ctas` CTAs); cudaErrorNotSupported unless the library was built with -DCPIDX_TRACE.
 cudaError_t read_score_trace(long long* host, int ctas);
+// select_topk's stamps (kSelectSlots per CTA with an item) of its last launch; likewise.
+cudaError_t read_select_trace(long long* host, int ctas);
 
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream);

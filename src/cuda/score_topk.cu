@@ -140,7 +140,10 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 // the pages claimed 2 at a time from an atomic cursor by CTAs done with their range) measured
 // -2 to -4.5 us at plain 8 x 256K, +1 to +1.8 us at 8 x 64K and 64 x 8K (a CTA entering the
 // pool reloads its queries after the page lands) and nothing on the 2-GPU step
-// (docs/perf/README.md, v10-pool); not kept.
+// (docs/perf/README.md, v10-pool); not kept. Nor are pages weighted per SM by measured rates
+// (24 of 132 SMs stream ~20% faster, always the same ones; shares claimed per SM): 2-4 us
+// slower, since the other SMs keep DRAM saturated while the fast ones idle and the weights
+// carry the last call's chance order into the next (v13-balance).
 struct WorkRange {
   bool split;
   int64_t ctas, start, end;

@@ -27,6 +27,11 @@ enum TraceSlot : int {
   kTSlotCount
 };
 static_assert(kTSlotCount <= kTraceSlots, "trace slots");
+// select_topk's CTAs with an item (blockIdx < items), stamps in g_select_trace.
+// Phases of its first item (select_item): the group bound known (keys loaded), winners
+// gathered, ranked.
+constexpr int kSelectSlots = 8;
+enum SelectTraceSlot : int { kSEntry = 0, kSWaited, kSBound, kSGathered, kSRanked, kSExit };
 
 #if defined(CPIDX_TRACE) && defined(__CUDACC__)
 static __device__ long long g_score_trace[kTraceCtas * kTraceSlots];
@@ -57,6 +62,15 @@ __device__ __forceinline__ void trace_add(int slot, long long v) {
 #define CPIDX_TRACE_CLOCK(name) const long long name = clock64()
 #define CPIDX_TRACE_SINCE(name) (clock64() - (name))
 #define CPIDX_TRACE_SMID(cond) ((cond) ? trace_set(kTSmid, trace_smid()) : (void)0)
+static __device__ long long g_select_trace[kTraceCtas * kSelectSlots];
+#define CPIDX_SELECT_RESET(cond)                                                            \
+  do {                                                                                      \
+    if ((cond) && blockIdx.x < kTraceCtas)                                                  \
+      for (int i_ = 0; i_ < kSelectSlots; ++i_) g_select_trace[blockIdx.x * kSelectSlots + i_] = 0; \
+  } while (0)
+#define CPIDX_SELECT_STAMP(cond, slot)                                                      \
+  ((cond) && blockIdx.x < kTraceCtas                                                       \
+       ? (void)(g_select_trace[blockIdx.x * kSelectSlots + (slot)] = trace_now()) : (void)0)
 #else
 #define CPIDX_TRACE_RESET(cond) ((void)0)
 #define CPIDX_TRACE_STAMP(cond, slot) ((void)0)
@@ -64,6 +78,8 @@ __device__ __forceinline__ void trace_add(int slot, long long v) {
 #define CPIDX_TRACE_CLOCK(name) ((void)0)
 #define CPIDX_TRACE_SINCE(name) 0
 #define CPIDX_TRACE_SMID(cond) ((void)0)
+#define CPIDX_SELECT_RESET(cond) ((void)0)
+#define CPIDX_SELECT_STAMP(cond, slot) ((void)0)
 #endif
 
 }  // namespace cuda

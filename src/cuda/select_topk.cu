@@ -28,6 +28,7 @@
 #include "device_utils.cuh"
 #include "kernels.h"
 #include "page_order.cuh"
+#include "score_trace.cuh"
 #include "sparse_table.cuh"
 
 namespace cpidx {
@@ -209,8 +210,10 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   bool gathered = false;
   if (n > kRankDirect && K <= kGroups) {
     lower = group_bound(K, s, each);
+    CPIDX_SELECT_STAMP(threadIdx.x == 0, kSBound);
     gather_winners(lower, s, each);
     __syncthreads();
+    CPIDX_SELECT_STAMP(threadIdx.x == 0, kSGathered);
     gathered = s.count <= kCand;  // uniform: every thread reads it after the barrier
   }
   if (!gathered) {
@@ -222,6 +225,7 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   }
   block_rank_topk(s.cand, s.count < kCand ? s.count : kCand, K, s.sorted);
   __syncthreads();
+  CPIDX_SELECT_STAMP(threadIdx.x == 0, kSRanked);
 }
 
 __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTopkParams p) {
@@ -233,6 +237,8 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
   // kernel (launched when every CTA has triggered or exited) and this grid's end come sooner.
   // NOTE: measured ~1 us off the 2-GPU step at 1 x 8K and 8 x 8K (docs/perf/README.md, v8).
   if (blockIdx.x >= items) return;
+  CPIDX_SELECT_RESET(threadIdx.x == 0);
+  CPIDX_SELECT_STAMP(threadIdx.x == 0, kSEntry);
   const int ctas = static_cast<int>(items < static_cast<int64_t>(gridDim.x) ? items : gridDim.x);
   if (threadIdx.x == 0) s.prefix = prefix_smem;
   __syncthreads();
@@ -242,6 +248,7 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
   thread_requests<kThreads>(B, &r0, &r1);
   const int64_t longest = pages_prefix<kThreads>(p, s.prefix, r0, r1);
   pdl_wait();
+  CPIDX_SELECT_STAMP(threadIdx.x == 0, kSWaited);
   // Fused exchange: the channel's use count is read before merge_topk may launch (it counts the
   // use once every reader arrived).
   const bool channel = p.channel.world > 0;
@@ -292,6 +299,7 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
     __syncthreads();  // s.sorted is rewritten by the next item
   }
   if (channel) channel_clean(p.channel, uses, items * K, ctas);  // lines = H * n_rows * K
+  CPIDX_SELECT_STAMP(threadIdx.x == 0, kSExit);
 }
 
 }  // namespace
@@ -315,6 +323,17 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
   if (e != cudaSuccess) return e;
   l->select_grid = 4 * sms;  // items beyond it loop; a step rarely has more than a few hundred
   return cudaSuccess;
+}
+
+cudaError_t read_select_trace(long long* host, int ctas) {
+#if defined(CPIDX_TRACE)
+  if (ctas > kTraceCtas) ctas = kTraceCtas;
+  return cudaMemcpyFromSymbol(host, g_select_trace, sizeof(long long) * kSelectSlots * ctas);
+#else
+  (void)host;
+  (void)ctas;
+  return cudaErrorNotSupported;
+#endif
 }
 
 cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& l,
