@@ -81,7 +81,8 @@ struct ScoreTopkLaunch {
   int max_reqs = 0;       // bound used to size the request prefix in shared memory
   int ncols_pad = 0;      // padded columns (H * Q rounded up to 8) the launch was sized for
   int topk = 0;           // K the layout was sized for
-  int select_grid = 0;    // CTAs of select_topk (split path), fixed at construction
+  int select_grid = 0;    // CTAs of select_topk (256 threads each), fixed at construction
+  int select_narrow_grid = 0;  // its CTAs of 128 threads, for steps with more items than that
 };
 
 // Chooses the launch (stages, grid, shared memory) for the given maxima and sets the kernel's

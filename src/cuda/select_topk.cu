@@ -35,7 +35,12 @@ namespace cpidx {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
+// Threads per CTA, one item per CTA: 256 (4 CTAs per SM), or 128 (8 per SM) when a step has
+// more items than the wide grid holds, so they still run in one round instead of two.
+// NOTE: 1024 items (64 requests x 16 columns) on 528 wide CTAs took ~4 us longer after the
+// scoring grid than 256 items did; the narrow grid measured 2.4-4.1 us faster there
+// (docs/perf/README.md, v14).
+constexpr int kWide = 256, kNarrow = 128;
 constexpr int kPerThread = 8;   // keys kept in registers; longer lists are re-read from L2
 constexpr int kUnroll = 8;      // L2 loads in flight per thread when re-reading
 constexpr int kBins = 256;
@@ -46,10 +51,9 @@ constexpr int kRankDirect = 128;
 constexpr int kCand = kRankDirect;  // winners gathered for ranking: <= max(K, kRankDirect)
 static_assert(kCand >= kMaxTopK, "a long list's K winners must fit the candidate buffer");
 // Key groups whose maxima bound the K-th key (K <= kGroups): thread t's keys belong to group
-// t / kGroupThreads, so a group is 8 adjacent lanes of one warp.
+// t / (threads / kGroups), so a group is 8 (wide) or 4 (narrow) adjacent lanes of one warp.
 constexpr int kGroups = 32;
-constexpr int kGroupThreads = kThreads / kGroups;
-static_assert(kGroups * kGroupThreads == kThreads && kGroups == 32, "one warp ranks the maxima");
+static_assert(kNarrow % kGroups == 0 && kWide % kGroups == 0, "one warp ranks the maxima");
 
 struct SelectSmem {
   int64_t* prefix;                 // [num_reqs + 1] (dynamic): flattened page offset per request
@@ -97,7 +101,7 @@ __device__ void pick_bin(SelectSmem& s, int shift) {
 
 // Calls f(key) for this thread's keys of keys[0..n): registers when they fit, else L2
 // loads kUnroll at a time.
-template <typename F>
+template <int kThreads, typename F>
 __device__ __forceinline__ void for_each_key(const Key* keys, int64_t n, bool in_regs,
                                              const Key (&mine)[kPerThread], F&& f) {
   const int tid = threadIdx.x;
@@ -120,7 +124,7 @@ __device__ __forceinline__ void for_each_key(const Key* keys, int64_t n, bool in
 }
 
 // The exact K-th largest real key by MSD radix select (1 when fewer than K keys are real).
-template <typename Each>
+template <int kThreads, typename Each>
 __device__ Key radix_kth(int K, SelectSmem& s, Each&& each) {
   const int tid = threadIdx.x;
   if (tid == 0) { s.prefix_bits = 0; s.need = K; s.done = 0; }
@@ -155,8 +159,9 @@ __device__ Key radix_kth(int K, SelectSmem& s, Each&& each) {
 // real key) when fewer than K groups hold a real key. Also zeroes s.count.
 // Two barriers, against the radix passes' three per 8 bits whose first histograms put most keys
 // in one or two bins (their shared-memory increments serialise).
-template <typename Each>
+template <int kThreads, typename Each>
 __device__ Key group_bound(int K, SelectSmem& s, Each&& each) {
+  constexpr int kGroupThreads = kThreads / kGroups;
   const int tid = threadIdx.x;
   Key m = kPadKey;
   each([&](Key k) { m = k > m ? k : m; });
@@ -193,6 +198,7 @@ __device__ __forceinline__ void gather_winners(Key lower, SelectSmem& s, Each&& 
 }
 
 // Selects and orders the top K of keys[0..n) (read from L2) into s.sorted.
+template <int kThreads>
 __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   const int tid = threadIdx.x;
   Key mine[kPerThread];
@@ -203,13 +209,13 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
     mine[j] = in_regs && i < n ? __ldcg(reinterpret_cast<const unsigned long long*>(keys) + i)
                                : kPadKey;
   }
-  auto each = [&](auto&& f) { for_each_key(keys, n, in_regs, mine, f); };
+  auto each = [&](auto&& f) { for_each_key<kThreads>(keys, n, in_regs, mine, f); };
   // Keys >= lower win: every real key of a short list; else the K largest, gathered above the
   // group bound when at most kCand keys pass it, above the exact K-th key (radix) otherwise.
   Key lower = 1;
   bool gathered = false;
   if (n > kRankDirect && K <= kGroups) {
-    lower = group_bound(K, s, each);
+    lower = group_bound<kThreads>(K, s, each);
     CPIDX_SELECT_STAMP(threadIdx.x == 0, kSBound);
     gather_winners(lower, s, each);
     __syncthreads();
@@ -217,7 +223,7 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
     gathered = s.count <= kCand;  // uniform: every thread reads it after the barrier
   }
   if (!gathered) {
-    if (n > kRankDirect) lower = radix_kth(K, s, each);
+    if (n > kRankDirect) lower = radix_kth<kThreads>(K, s, each);
     if (tid == 0) s.count = 0;
     __syncthreads();
     gather_winners(lower, s, each);
@@ -228,7 +234,9 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSRanked);
 }
 
-__global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTopkParams p) {
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1024 / kThreads)
+    select_topk_kernel(const ScoreTopkParams p) {
   __shared__ SelectSmem s;
   extern __shared__ int64_t prefix_smem[];
   const int Q = p.query_len, K = p.topk, ncols = p.num_heads * Q, B = p.num_reqs;
@@ -264,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
     const int64_t row = static_cast<int64_t>(r) * Q + t;
     const int64_t first = s.prefix[r], n = s.prefix[r + 1] - first;
     if (split) {
-      select_item(p.split_keys + col * p.split_max_pages + first, n, K, s);
+      select_item<kThreads>(p.split_keys + col * p.split_max_pages + first, n, K, s);
     } else {
       // Requests without pages or scored by one CTA alone were finished by score_topk (the
       // conditions are uniform across the CTA): with a channel, their keys are sent from here.
@@ -277,7 +285,8 @@ __global__ void __launch_bounds__(kThreads, 4) select_topk_kernel(const ScoreTop
         }
         continue;
       }
-      select_item(p.partial + partial_index(col, c0 + r, p.num_slots, K), (c1 - c0 + 1) * K, K, s);
+      select_item<kThreads>(p.partial + partial_index(col, c0 + r, p.num_slots, K), (c1 - c0 + 1) * K,
+                            K, s);
     }
     for (int i = threadIdx.x; i < K; i += kThreads) {
       const Key key = s.sorted[i];
@@ -310,18 +319,22 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
   if (e != cudaSuccess) return e;
   e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
-  cudaFuncAttributes attr{};
-  e = cudaFuncGetAttributes(&attr, select_topk_kernel);
-  if (e != cudaSuccess) return e;
   const size_t smem = (static_cast<size_t>(l->max_reqs) + 1) * sizeof(int64_t);
-  if (smem + attr.sharedSizeBytes > static_cast<size_t>(smem_optin)) {
-    return cudaErrorInvalidConfiguration;
+  for (auto kernel : {select_topk_kernel<kWide>, select_topk_kernel<kNarrow>}) {
+    cudaFuncAttributes attr{};
+    e = cudaFuncGetAttributes(&attr, kernel);
+    if (e != cudaSuccess) return e;
+    if (smem + attr.sharedSizeBytes > static_cast<size_t>(smem_optin)) {
+      return cudaErrorInvalidConfiguration;
+    }
+    // The cap is process-wide: raise it to the device limit, never to one Decoder's need.
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem_optin - static_cast<int>(attr.sharedSizeBytes));
+    if (e != cudaSuccess) return e;
   }
-  // The cap is process-wide: raise it to the device limit, never to one Decoder's need.
-  e = cudaFuncSetAttribute(select_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           smem_optin - static_cast<int>(attr.sharedSizeBytes));
-  if (e != cudaSuccess) return e;
-  l->select_grid = 4 * sms;  // items beyond it loop; a step rarely has more than a few hundred
+  // Items beyond the grid loop; steps with more items than the wide grid take the narrow one.
+  l->select_grid = 4 * sms;
+  l->select_narrow_grid = 8 * sms;
   return cudaSuccess;
 }
 
@@ -343,7 +356,13 @@ cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& 
     return cudaErrorInvalidValue;
   }
   const size_t smem = (static_cast<size_t>(l.max_reqs) + 1) * sizeof(int64_t);
-  return launch_with_pdl(p.pdl, select_topk_kernel, l.select_grid, kThreads, smem, stream, p);
+  // Items per step are host values (requests x heads x Q), so a captured graph keeps its choice.
+  const int64_t items = static_cast<int64_t>(p.num_reqs) * p.num_heads * p.query_len;
+  if (items > l.select_grid) {
+    return launch_with_pdl(p.pdl, select_topk_kernel<kNarrow>, l.select_narrow_grid, kNarrow, smem,
+                           stream, p);
+  }
+  return launch_with_pdl(p.pdl, select_topk_kernel<kWide>, l.select_grid, kWide, smem, stream, p);
 }
 
 }  // namespace cuda

@@ -307,6 +307,26 @@ TEST(GpuDecode, CtasPerSmDoNotChangeIds) {
   EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
 }
 
+// Steps with more (request, column) items than the selection's wide grid (4 CTAs per SM) take
+// its narrow grid (8 per SM of 128 threads), and beyond that loop: both against the reference,
+// on both paths, lists short (one CTA's, ranked directly) and long (group bound, radix).
+TEST(GpuDecode, StepsWithMoreItemsThanTheWideSelectionGrid) {
+  SKIP_WITHOUT_GPU();
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  std::mt19937 rng(61);
+  const int T = 4, Q = 4, cols = T * Q;
+  for (int items : {4 * sms + 1, 8 * sms + 3 * cols}) {
+    for (int32_t max_len : {2000, 20000}) {
+      const int reqs = (items + cols - 1) / cols;
+      DecodeData d = random_decode(6100 + items + max_len, T, Q, lengths(rng, reqs, max_len, true),
+                                   max_len);
+      expect_matches_reference(d, sel_of(16), ("items=" + std::to_string(reqs * cols) +
+                                               " max_len=" + std::to_string(max_len)).c_str());
+    }
+  }
+}
+
 // ---- CUDA graphs -----------------------------------------------------------------------------
 TEST(GpuDecode, GraphReplayFollowsNewLengthsAndTables) {
   SKIP_WITHOUT_GPU();

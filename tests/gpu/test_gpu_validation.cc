@@ -10,6 +10,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -503,6 +504,27 @@ TEST(GpuSanitize, LongListsTakeEverySelection) {
         EXPECT_EQ(gpu_cp_simulated(d, sel, 2), gpu) << "P=2 " << path_name(path);
       }
     }
+  }
+}
+
+TEST(GpuSanitize, ManyItemsTakeTheNarrowSelection) {
+  SKIP_WITHOUT_GPU();
+  // More (request, column) items than the selection's wide grid (4 CTAs per SM): its narrow
+  // grid runs, lists short (ranked directly) and one long (157 blocks: the group bound).
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int T = 8, Q = 8, reqs = (4 * sms + 1 + T * Q - 1) / (T * Q);
+  std::mt19937 rng(5555);
+  std::vector<int32_t> lens(static_cast<size_t>(reqs));
+  for (auto& x : lens) x = static_cast<int32_t>(rng() % 600);
+  lens[1] = 20000;
+  const Selection sel{16, 1, 1};
+  cpidx_test::DecodeData d = random_decode(5555, T, Q, lens, 20000);
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    const CompareResult r = compare_ids(d, sel, gpu_decode(d, sel), cpu);
+    EXPECT_EQ(r.bad_rows, 0) << path_name(path) << ": " << r.first_bad;
   }
 }
 
