@@ -240,6 +240,12 @@ TEST_F(PeerExchange, CpDecodeEqualsPlainBitwise) {
   }
   DecodeData d = random_decode(seed++, 4, 2, lengths(rng, 5, 20000, true), 20000);
   expect_threads_cp_equals_plain(peer_ptrs(), d, sel_of(33, 1, 2), "K=33");
+  // More (request, column) items than the selection's wide grid (4 CTAs per SM): its narrow
+  // grid stores the keys into the channel.
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  DecodeData many = random_decode(seed++, 4, 4, lengths(rng, (4 * sms + 16) / 16, 20000, true), 20000);
+  expect_threads_cp_equals_plain(peer_ptrs(), many, sel_of(16), "more items than the wide grid");
   expect_error_words_clear("cp_decode");
 }
 
