@@ -8,9 +8,9 @@
 // a lower bound on the K-th largest key from 32 group maxima (one barrier-light pass), and when
 // at most 128 keys pass it, those are ranked; otherwise the K-th largest key by an MSD radix
 // select on the 64-bit keys (8 bits a pass, usually 3-4 passes on real scores), then the <= K
-// winners ranked. Keys are kept in registers up to 2048 per list; longer lists (the split path
-// at 1 x 1M, merges of many CTAs' lists) are re-read from L2 every pass, 8 independent loads in
-// flight per thread.
+// winners ranked. Keys are kept in registers up to 2048 per list (1024 in the narrow grid for
+// steps of many items, kNarrow); longer lists (the split path at 1 x 1M, merges of many CTAs'
+// lists) are re-read from L2 every pass, 8 independent loads in flight per thread.
 // NOTE: merging the fused path's lists as ordered lists (each key that can still win counts
 // the larger keys of the other lists by binary search in shared memory) was measured 27-36 us
 // slower at 8 x 1M and equal at 8 x 256K (docs/perf/README.md, v8); not used.
