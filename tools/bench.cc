@@ -305,6 +305,13 @@ Result Bench::run(const Shape& sh, int replays) {
   return res;
 }
 
+// One timeline row: min / median / p90 / max of `v` (sorted here), and an optional note.
+void print_quantiles(const char* name, std::vector<double> v, const std::string& note = "") {
+  std::sort(v.begin(), v.end());
+  std::printf("#   %-15s %9.2f %9.2f %9.2f %9.2f%s\n", name, v.front(), v[v.size() / 2],
+              v[v.size() * 9 / 10], v.back(), note.c_str());
+}
+
 // The timeline of the fused kernel's last launch (score_trace.cuh), over the CTAs that scored
 // pages: stamps in us after the earliest entry, cycle sums in us at the SM's rated clock.
 void print_trace(int grid, int select_items) {
@@ -338,9 +345,7 @@ void print_trace(int grid, int select_items) {
       const long long x = t[static_cast<size_t>(c) * kTraceSlots + row.slot];
       v.push_back(row.kind == 0 ? (x - t0) * 1e-3 : row.kind == 1 ? x * 1e3 / khz : x);
     }
-    std::sort(v.begin(), v.end());
-    std::printf("#   %-11s %9.2f %9.2f %9.2f %9.2f\n", row.name, v.front(), v[v.size() / 2],
-                v[v.size() * 9 / 10], v.back());
+    print_quantiles(row.name, std::move(v));
   }
   // Where the spread of last pages comes from: between the CTAs of one SM, or between SMs.
   std::vector<std::vector<double>> by_sm(1024);
@@ -379,11 +384,10 @@ void print_trace(int grid, int select_items) {
         const long long x = st[static_cast<size_t>(c) * kSelectSlots + slot];
         if (x != 0) v.push_back((x - t0) * 1e-3);  // 0: the phase did not run (another path)
       }
-      if (v.empty()) continue;
-      std::sort(v.begin(), v.end());
-      static const char* const names[] = {"entry", "waited", "bound", "gathered", "ranked", "exit"};
-      std::printf("#   select_%-8s %9.2f %9.2f %9.2f %9.2f  (%d CTAs)\n", names[slot], v.front(),
-                  v[v.size() / 2], v[v.size() * 9 / 10], v.back(), sel_ctas);
+      static const char* const names[] = {"select_entry",    "select_waited", "select_bound",
+                                          "select_gathered", "select_ranked", "select_exit"};
+      const std::string ctas_note = "  (" + std::to_string(sel_ctas) + " CTAs)";
+      if (!v.empty()) print_quantiles(names[slot], std::move(v), ctas_note);
     }
   }
   std::sort(sm_order.begin(), sm_order.end());

@@ -251,7 +251,7 @@ class IndexerCPDecode:
                      sparse_block_table_out=sparse_block_table_out,
                      sparse_context_lens_out=sparse_context_lens_out,
                      block_page_stride=block_page_stride)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
+        stream = self._stream()
         if self.world_size == 1:
             if self._cuda:
                 self._decoder.decode(local_q, kv_cache, block_table, seq_lens, query_len, out,
@@ -316,7 +316,7 @@ class IndexerCPDecode:
     def clear_error_flag(self) -> None:
         self._check_open()
         if self._decoder is not None:
-            self._decoder.clear_error_flag(stream=torch.cuda.current_stream(self.device).cuda_stream)
+            self._decoder.clear_error_flag(stream=self._stream())
 
     def exchange_error_flag(self) -> Optional[int]:
         """The peer exchange's error bits since the last clear: 0 when fine,
@@ -332,7 +332,7 @@ class IndexerCPDecode:
         """Stream-ordered clear of those bits (on the current stream)."""
         self._check_open()
         if self._comm is not None:
-            self._comm.clear_error_flag(stream=torch.cuda.current_stream(self.device).cuda_stream)
+            self._comm.clear_error_flag(stream=self._stream())
 
     # ---- teardown ---------------------------------------------------------------------------
     @property
@@ -378,6 +378,10 @@ class IndexerCPDecode:
         self._comm = self._pg = self._decoder = None
         for name in ("_q_local", "_q_gathered", "_q_full", "_keys", "_keys_gathered"):
             self.__dict__.pop(name, None)
+
+    def _stream(self) -> int:
+        """The current torch stream of this instance's device (0 on the CPU)."""
+        return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
 
     def _check_open(self) -> None:
         if self._closed:

@@ -101,6 +101,16 @@ Status check_host_channel(const Communicator* host, int world, int rank) {
   return Status::ok();
 }
 
+// Runs f() with `device` current, then makes the caller's device current again; skipped when
+// the device cannot be made current (best effort: destructors and queries that do not fail).
+template <typename F>
+void on_device_best_effort(int device, F&& f) {
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) return;
+  f();
+  cudaSetDevice(prev);
+}
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, bool owns, int rank, int world, int device,
@@ -115,12 +125,10 @@ class NcclCommunicator final : public Communicator {
 
   ~NcclCommunicator() override {
     if (barrier_stream_ != nullptr || barrier_scratch_ != nullptr) {
-      int prev = 0;
-      if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
+      on_device_best_effort(device_, [&] {
         if (barrier_stream_ != nullptr) cudaStreamDestroy(barrier_stream_);
         if (barrier_scratch_ != nullptr) cudaFree(barrier_scratch_);
-        cudaSetDevice(prev);
-      }
+      });
     }
     // Destroy (not abort): waits for this rank's outstanding operations on the communicator.
     // Not while a live CUDA graph holds one of its gathers: NCCL's destroy would wait for that
@@ -154,11 +162,8 @@ class NcclCommunicator final : public Communicator {
   // Gathers held by live CUDA graphs (nccl_gathers_in_live_graphs).
   long long gathers_in_live_graphs(double wait_seconds) const {
     if (wait_seconds > 0 && captured_->load() > 0) {
-      int prev = 0;
-      if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
-        cudaDeviceSynchronize();  // a graph still running keeps its references until it ends
-        cudaSetDevice(prev);
-      }
+      // A graph still running keeps its references until it ends.
+      on_device_best_effort(device_, [] { cudaDeviceSynchronize(); });
     }
     return wait_for_release(wait_seconds);
   }

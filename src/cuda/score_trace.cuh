@@ -27,9 +27,9 @@ enum TraceSlot : int {
   kTSlotCount
 };
 static_assert(kTSlotCount <= kTraceSlots, "trace slots");
-// select_topk's CTAs with an item (blockIdx < items), stamps in g_select_trace.
-// Phases of its first item (select_item): the group bound known (keys loaded), winners
-// gathered, ranked.
+// select_topk's CTAs with an item (blockIdx < items), stamps in g_select_trace: entry, the
+// PDL wait's return, exit, and the phases of select_item (the group bound known with the keys
+// loaded, winners gathered, ranked) of the CTA's last item (a CTA with several items restamps).
 constexpr int kSelectSlots = 8;
 enum SelectTraceSlot : int { kSEntry = 0, kSWaited, kSBound, kSGathered, kSRanked, kSExit };
 
@@ -66,7 +66,8 @@ static __device__ long long g_select_trace[kTraceCtas * kSelectSlots];
 #define CPIDX_SELECT_RESET(cond)                                                            \
   do {                                                                                      \
     if ((cond) && blockIdx.x < kTraceCtas)                                                  \
-      for (int i_ = 0; i_ < kSelectSlots; ++i_) g_select_trace[blockIdx.x * kSelectSlots + i_] = 0; \
+      for (int i_ = 0; i_ < kSelectSlots; ++i_)                                             \
+        g_select_trace[blockIdx.x * kSelectSlots + i_] = 0;                                 \
   } while (0)
 #define CPIDX_SELECT_STAMP(cond, slot)                                                      \
   ((cond) && blockIdx.x < kTraceCtas                                                       \

@@ -285,8 +285,8 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
         }
         continue;
       }
-      select_item<kThreads>(p.partial + partial_index(col, c0 + r, p.num_slots, K), (c1 - c0 + 1) * K,
-                            K, s);
+      select_item<kThreads>(p.partial + partial_index(col, c0 + r, p.num_slots, K),
+                            (c1 - c0 + 1) * K, K, s);
     }
     for (int i = threadIdx.x; i < K; i += kThreads) {
       const Key key = s.sorted[i];

@@ -244,7 +244,8 @@ TEST_F(PeerExchange, CpDecodeEqualsPlainBitwise) {
   // grid stores the keys into the channel.
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  DecodeData many = random_decode(seed++, 4, 4, lengths(rng, (4 * sms + 16) / 16, 20000, true), 20000);
+  DecodeData many =
+      random_decode(seed++, 4, 4, lengths(rng, (4 * sms + 16) / 16, 20000, true), 20000);
   expect_threads_cp_equals_plain(peer_ptrs(), many, sel_of(16), "more items than the wide grid");
   expect_error_words_clear("cp_decode");
 }
