@@ -109,6 +109,7 @@ class Bench {
   // DecodeConfig::split_max_pages of every Decoder (-1: the library's choice, 0: fused only).
   void set_split_pages(int64_t pages) { split_pages_ = pages; }
   void set_ctas_per_sm(int ctas) { ctas_per_sm_ = ctas; }
+  void set_work_stealing(bool on) { work_stealing_ = on; }
   // Calls per graph replay at least this (the sets repeated in turn); 0: the peer's method.
   void set_min_calls(int calls) { min_calls_ = calls; }
   // Print the fused kernel's per-CTA timeline of each shape's last timed call.
@@ -141,6 +142,7 @@ class Bench {
   bool pdl_ = true;
   int64_t split_pages_ = DecodeConfig::kAutoSplit;
   int ctas_per_sm_ = 0;
+  bool work_stealing_ = true;
   int min_calls_ = 0;
   bool trace_ = false;
   void* pool_ = nullptr;
@@ -242,6 +244,7 @@ Result Bench::run(const Shape& sh, int replays) {
   cfg.programmatic_launch = pdl_;
   cfg.split_max_pages = split_pages_;
   cfg.scoring_ctas_per_sm = ctas_per_sm_;
+  cfg.work_stealing = work_stealing_;
   std::vector<std::unique_ptr<Decoder>> decs(static_cast<size_t>(sh.world));
   for (int r = 0; r < sh.world; ++r) {
     cfg.rank = r;
@@ -337,7 +340,8 @@ void print_trace(int grid, int select_items) {
       {kTEntry, "entry", 0},        {kTWaited, "pdl_waited", 0},  {kTPrefix, "prefix", 0},
       {kTFirstPage, "first_page", 0}, {kTLastPage, "last_page", 0}, {kTExit, "exit", 0},
       {kTFullWait, "wait_full", 1},   {kTEmptyWait, "wait_empty", 1}, {kTSegEnd, "seg_ends", 1},
-      {kTQueries, "queries", 1},      {kTPages, "n_pages", 2},      {kTSegments, "n_segments", 2}};
+      {kTQueries, "queries", 1},      {kTPages, "n_pages", 2},      {kTSegments, "n_segments", 2},
+      {kTStolen, "n_stolen", 2}};
   std::printf("# trace over %zu CTAs: min / median / p90 / max (us; n_*: counts)\n", ctas.size());
   for (const auto& row : rows) {
     std::vector<double> v;
@@ -414,7 +418,7 @@ int run_bench(int argc, char** argv) {
   std::string json, dtype = "bf16", exchange = "both";
   int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit, ctas_per_sm = 0,
           min_calls = 0;
-  bool pdl = true, trace = false;
+  bool pdl = true, trace = false, steal = true;
   Flags flags("cpidx bench [flags]",
               "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
               "cpP = context-parallel rank work at P ranks (all 4 heads on a 1/P shard + merge);\n"
@@ -446,6 +450,8 @@ int run_bench(int argc, char** argv) {
            "steps with at most this many pages per rank take the split path (-1: automatic, "
            "0: fused path only)")
       .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1 or 2)")
+      .add("steal", &steal,
+           "split-path CTAs take unclaimed pages from others' ranges (DecodeConfig::work_stealing)")
       .add("min-calls", &min_calls,
            "decode calls per graph replay at least this (0: one per input set, as the peer)")
       .add("trace", &trace,
@@ -517,6 +523,7 @@ int run_bench(int argc, char** argv) {
               ss.context = c;
               ss.qlen = static_cast<int>(q);
               ss.exchange = ex;
+              ss.work_stealing = steal;
               if (!step_bench) {
                 step_bench = std::make_unique<StepBench>(pool_mb, dtype, pdl, processes.get());
               }
@@ -551,6 +558,7 @@ int run_bench(int argc, char** argv) {
             bench = std::make_unique<Bench>(pool_mb, dtype, pdl);
             bench->set_split_pages(split_pages);
             bench->set_ctas_per_sm(static_cast<int>(ctas_per_sm));
+            bench->set_work_stealing(steal);
             bench->set_min_calls(static_cast<int>(min_calls));
             bench->set_trace(trace);
             std::printf("%-7s %5s %4s %8s %3s %9s %10s %9s %9s %9s %9s %9s  %s\n", "mode", "heads",

@@ -189,6 +189,7 @@ struct StepBench::Impl {
     c.cache_dtype = dtype == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
     c.programmatic_launch = pdl;
     c.fused_exchange = sh.exchange != "peer-gather";
+    c.work_stealing = sh.work_stealing;
     return c;
   }
 

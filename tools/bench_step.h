@@ -19,6 +19,7 @@ struct StepShape {
   int64_t context = 8192;
   int qlen = 1;
   std::string exchange = "nccl";  // "nccl", "peer" or "peer-gather" (no device channel)
+  bool work_stealing = true;      // DecodeConfig::work_stealing
 };
 
 struct StepResult {

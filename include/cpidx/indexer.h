@@ -51,6 +51,10 @@ struct DecodeConfig {
   // Persistent scoring CTAs per SM: 0 lets the library choose (two, each with the deepest page
   // pipeline that fits both); 1 gives one CTA a deeper pipeline. For tuning and benchmarks.
   int scoring_ctas_per_sm = 0;
+  // Split-path steps whose CTAs hold >= 16 pages each balance at run time: a CTA done with its
+  // pages takes the last unclaimed pages of another CTA's range in the same request (two at a
+  // time, one compare-and-swap each). Ids are the same either way. false: static ranges.
+  bool work_stealing = true;
   // cp_decode with a communicator that offers a device channel (the peer communicator): the
   // selection kernel stores the shard's keys straight into every rank's channel and the merge
   // polls them, so the key gather runs no kernel of its own. false: all_gather, then merge (the

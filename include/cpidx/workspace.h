@@ -18,6 +18,9 @@ struct DecodeWorkspaceLayout {
   size_t keys_send = 0;   // [T, max_tokens, K] keys
   size_t keys_recv = 0;   // [P, T, max_tokens, K] keys
   size_t split_keys = 0;  // [padded(T * Qmax), split_max_pages] keys (split path)
+  // [grid + 1] uint64: the split path's unclaimed page range per CTA (all ones: not started),
+  // then a count of CTAs done with them (zero).
+  size_t steal_words = 0;
   int64_t split_max_pages = 0;  // 0: no split path
   // Steps of at most this many pages split whatever their lengths; larger ones (up to
   // split_max_pages) only when no request owns more than split_longest_pages pages.

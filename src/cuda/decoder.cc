@@ -54,6 +54,8 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
     w.split_max_pages = w.split_any_pages = w.split_longest_pages = c.split_max_pages;
   }
   w.split_keys = take(static_cast<size_t>(w.split_max_pages) * cols * sizeof(Key));
+  w.steal_words =
+      take(w.split_max_pages > 0 ? (static_cast<size_t>(grid) + 1) * sizeof(uint64_t) : 0);
   w.total = align_up(o, 256);
   return w;
 }
@@ -117,6 +119,7 @@ struct Decoder::Impl {
       p.split_max_pages = layout.split_max_pages;
       p.split_any_pages = layout.split_any_pages;
       p.split_longest_pages = layout.split_longest_pages;
+      if (cfg.work_stealing) p.steal_words = at<unsigned long long>(layout.steal_words);
     }
     p.pdl = cfg.programmatic_launch;
     return p;
@@ -220,6 +223,10 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
     impl->layout = decode_workspace_layout(c, impl->launch.grid);
     CPIDX_CUDA_TRY(cudaMalloc(&impl->workspace, impl->layout.total));
     CPIDX_CUDA_TRY(cudaMemset(impl->workspace, 0, impl->layout.total));
+    if (impl->layout.split_max_pages > 0) {  // every range not started (score_topk.cu, v15)
+      CPIDX_CUDA_TRY(cudaMemset(impl->workspace + impl->layout.steal_words, 0xff,
+                                static_cast<size_t>(impl->launch.grid) * sizeof(uint64_t)));
+    }
     CPIDX_CUDA_TRY(cudaDeviceSynchronize());
     return Status::ok();
   });

@@ -1,5 +1,6 @@
 // src/cuda/score_topk.cu: the fused decode kernel. A persistent grid splits the flattened list of
-// the shard's (request, owned block) pages evenly across CTAs. In each CTA a producer warp brings
+// the shard's (request, owned block) pages evenly across CTAs (large split steps then share the
+// ranges at run time: work stealing, v15). In each CTA a producer warp brings
 // every 32 KB key page in once with the bulk-copy engine (several pages in flight, block-table
 // reads batched 32 at a time), and four consumer warps score it on tensor cores against every
 // (head, query-token) column of its request, reduce it to a causal block max, force it, and keep
@@ -26,7 +27,7 @@ constexpr int kQStride = kHeadDim + 8;  // bf16 elements per query row in smem (
 // Shared-memory layout, computed identically on host (sizing) and device (carving).
 struct SmemLayout {
   size_t stages_off, q_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, prefix_off, full_off,
-      empty_off, misc_off, total;
+      empty_off, stage_x_off, misc_off, total;
   __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int max_reqs) {
     size_t o = 0;
     auto take = [&](size_t bytes, size_t align) {
@@ -46,6 +47,7 @@ struct SmemLayout {
     prefix_off = take((static_cast<size_t>(max_reqs) + 1) * sizeof(int64_t), 16);
     full_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
     empty_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
+    stage_x_off = take(static_cast<size_t>(stages) * sizeof(int64_t), 8);
     misc_off = take(16 * sizeof(int), 16);
     total = o;
   }
@@ -136,7 +138,8 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 // This CTA's share of a step of `total` pages. Split path (small steps): one key per (column,
 // page) to p.split_keys, selection left to select_topk; every CTA that has a page takes one.
 // Fused path: at least kMinPagesPerCta.
-// NOTE: static ranges on both paths. A run-time pool for the split path (the last quarter of
+// NOTE: static ranges on the fused path; the split path shares them at run time when every CTA
+// holds >= 16 pages (v15, below). A run-time pool for the split path (the last quarter of
 // the pages claimed 2 at a time from an atomic cursor by CTAs done with their range) measured
 // -2 to -4.5 us at plain 8 x 256K, +1 to +1.8 us at 8 x 64K and 64 x 8K (a CTA entering the
 // pool reloads its queries after the page lands) and nothing on the 2-GPU step
@@ -158,42 +161,162 @@ __device__ __forceinline__ WorkRange work_range(const ScoreTopkParams& p, int64_
   return w;
 }
 
-// Producer warp: pages [start, end) into the stage ring, 32 block-table reads at a time.
+// The split path's run-time share (v15, work stealing). CTA c's pages not yet claimed are
+// [front, back) of p.steal_words[c] (front in the low 32 bits, back in the high 32), or all of
+// its static range while the word is kUnstarted. The owner starts its word (compare-and-swap
+// from kUnstarted) keeping a first chunk, then claims chunks from the front with atomicAdd
+// (what lies below the returned back is its own); a CTA done with its pages takes pages from
+// the back of another CTA's range by compare-and-swap on the word it read (starting it, if its
+// owner has not run yet), and only pages of the request whose queries it holds: no query
+// reload, and a taken page's key lands at its own place in p.split_keys, so the ids do not
+// depend on who scored it. The last producer done with the words (a count in
+// p.steal_words[grid]) sets them all back to kUnstarted for the next call.
+// Steps whose CTAs hold fewer than kMinStealShare pages each keep static ranges (at 15.5 pages a
+// CTA, 64 x 8K, stealing measured 0.2-0.4 us slower: a short tail, and the owners' claims).
+constexpr int64_t kMinStealShare = 16;
+constexpr int64_t kStealPages = 2;  // pages per steal (each steal is one compare-and-swap)
+constexpr unsigned long long kUnstarted = ~0ull;
+__device__ __forceinline__ unsigned long long pack_range(int64_t front, int64_t back) {
+  return (static_cast<unsigned long long>(back) << 32) | static_cast<uint32_t>(front);
+}
+__device__ __forceinline__ int64_t range_front(unsigned long long w) { return w & 0xffffffffu; }
+__device__ __forceinline__ int64_t range_back(unsigned long long w) { return w >> 32; }
+__device__ __forceinline__ unsigned long long load_word(const unsigned long long* w) {
+  unsigned long long v;  // volatile: read again on every look, never hoisted out of the loop
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(w) : "memory");
+  return v;
+}
+// The owner's next claim from `left` unclaimed pages: a quarter, one at a time near the end so
+// that what is not yet in its ring stays available to others.
+__device__ __forceinline__ int64_t own_chunk(int64_t left) {
+  return left <= 8 ? 1 : (left / 4 < 32 ? left / 4 : 32);
+}
+
+// Producer warp: fills the stage ring with the CTA's pages (32 block-table reads at a time),
+// recording each stage's page in s.stage_x, then stores -1 in the next stage: no more pages.
+// steal: the split path's run-time share (above); otherwise the static range [w.start, w.end).
 template <DType kDType>
-__device__ void produce(const ScoreTopkParams& p, const Smem& s, int64_t start, int64_t end,
+__device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange& w, bool steal,
                         int stages, int32_t* err) {
   using Page = PageTraits<kDType>;
   const int lane = threadIdx.x % 32;
-  int64_t lp = 0;
-  for (int64_t x0 = start; x0 < end; x0 += 32) {
-    const int64_t x = x0 + lane;
-    uint32_t bytes = 0;
-    const uint8_t* src = nullptr;
-    if (x < end) {
-      const int r = find_req(s.prefix, p.num_reqs, x);
-      const int64_t gblk = (x - s.prefix[r]) * p.world + p.rank;
-      const int32_t seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, err);
-      const int64_t page = clamp_page(p.block_table[r * p.bt_row_stride + gblk], p.num_pages, err);
-      const int64_t tokens = seq_len - gblk * kBlockSize < kBlockSize
-                                 ? seq_len - gblk * kBlockSize : kBlockSize;
-      bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
-      src = static_cast<const uint8_t*>(p.cache) + page * Page::kBytes;
-    }
-    const int count = end - x0 < 32 ? static_cast<int>(end - x0) : 32;
-    for (int i = 0; i < count; ++i, ++lp) {
-      const uint32_t b = __shfl_sync(0xffffffffu, bytes, i);
-      const uint8_t* from = reinterpret_cast<const uint8_t*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), i));
-      if (lane == 0) {
-        const int st = static_cast<int>(lp % stages);
-        CPIDX_TRACE_CLOCK(t0);
-        mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
-        CPIDX_TRACE_ADD(true, kTEmptyWait, CPIDX_TRACE_SINCE(t0));
-        mbar_arrive_expect_tx(&s.full[st], b);
-        bulk_copy_g2s(s.pages + static_cast<size_t>(st) * Page::kBytes, from, b, &s.full[st]);
+  int64_t lp = 0, last = -1;
+  auto issue = [&](int64_t from, int64_t to) {  // pages [from, to)
+    for (int64_t x0 = from; x0 < to; x0 += 32) {
+      const int64_t x = x0 + lane;
+      uint32_t bytes = 0;
+      const uint8_t* src = nullptr;
+      if (x < to) {
+        const int r = find_req(s.prefix, p.num_reqs, x);
+        const int64_t gblk = (x - s.prefix[r]) * p.world + p.rank;
+        const int32_t seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, err);
+        const int64_t page =
+            clamp_page(p.block_table[r * p.bt_row_stride + gblk], p.num_pages, err);
+        const int64_t tokens = seq_len - gblk * kBlockSize < kBlockSize
+                                   ? seq_len - gblk * kBlockSize : kBlockSize;
+        bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
+        src = static_cast<const uint8_t*>(p.cache) + page * Page::kBytes;
       }
+      const int count = to - x0 < 32 ? static_cast<int>(to - x0) : 32;
+      for (int i = 0; i < count; ++i, ++lp) {
+        const uint32_t b = __shfl_sync(0xffffffffu, bytes, i);
+        const uint8_t* from_ptr = reinterpret_cast<const uint8_t*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), i));
+        if (lane == 0) {
+          const int st = static_cast<int>(lp % stages);
+          CPIDX_TRACE_CLOCK(t0);
+          mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
+          CPIDX_TRACE_ADD(true, kTEmptyWait, CPIDX_TRACE_SINCE(t0));
+          s.stage_x[st] = x0 + i;  // released to the consumers by the arrive below
+          mbar_arrive_expect_tx(&s.full[st], b);
+          bulk_copy_g2s(s.pages + static_cast<size_t>(st) * Page::kBytes, from_ptr, b,
+                        &s.full[st]);
+        }
+      }
+      last = to - 1 < x0 + 31 ? to - 1 : x0 + 31;
+    }
+  };
+  if (!steal) {
+    issue(w.start, w.end);
+  } else {
+    unsigned long long* const words = p.steal_words;
+    const int64_t total = s.prefix[p.num_reqs];
+    int64_t front = w.start + own_chunk(w.end - w.start), back = w.end;
+    unsigned long long old = 0;
+    if (lane == 0) old = atomicCAS(words + blockIdx.x, kUnstarted, pack_range(front, back));
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old == kUnstarted) {
+      issue(w.start, front);
+    } else {  // started by a CTA that took pages from its back: claim all from the word
+      front = range_front(old);
+      back = range_back(old);
+    }
+    while (front < back) {  // claims from the front of this CTA's range
+      const int64_t c = own_chunk(back - front);
+      if (lane == 0) old = atomicAdd(words + blockIdx.x, static_cast<unsigned long long>(c));
+      old = __shfl_sync(0xffffffffu, old, 0);
+      front = range_front(old);
+      back = range_back(old);
+      if (front >= back) break;
+      issue(front, front + c < back ? front + c : back);
+      front += c;
+    }
+    // Pages of request rt (the last one issued) from the backs of the CTAs that share it:
+    // lane i looks at the (i / 2 + 1)-th CTA to the right (even i) or left (odd i); the lane
+    // that sees the most left takes up to kStealPages of them.
+    const int rt = last >= 0 ? find_req(s.prefix, p.num_reqs, last) : -1;
+    const int64_t lo = rt >= 0 ? s.prefix[rt] : 0, hi = rt >= 0 ? s.prefix[rt + 1] : 0;
+    const int64_t c_lo = rt >= 0 ? cta_of(lo, total, w.ctas) : 0;
+    const int64_t c_hi = rt >= 0 ? cta_of(hi - 1, total, w.ctas) : -1;
+    const int64_t victim =
+        static_cast<int64_t>(blockIdx.x) + ((lane & 1) ? -(lane / 2 + 1) : lane / 2 + 1);
+    const bool can = victim >= c_lo && victim <= c_hi;
+    for (;;) {
+      const unsigned long long seen = can ? load_word(words + victim) : 0;
+      const int64_t vf = seen == kUnstarted ? victim * total / w.ctas : range_front(seen);
+      const int64_t vb = seen == kUnstarted ? (victim + 1) * total / w.ctas : range_back(seen);
+      const int64_t floor_x = vf > lo ? vf : lo;
+      const int64_t avail = can && vb <= hi && vb > floor_x ? vb - floor_x : 0;
+      int64_t best = avail;
+      for (int o = 16; o > 0; o /= 2) {
+        const int64_t other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+      }
+      if (best == 0) break;
+      const int taker = __ffs(__ballot_sync(0xffffffffu, avail == best)) - 1;
+      const int64_t take = best < kStealPages ? best : kStealPages;
+      bool won = false;
+      if (lane == taker) {
+        won = atomicCAS(words + victim, seen, pack_range(vf, vb - take)) == seen;
+      }
+      if (!__shfl_sync(0xffffffffu, won, taker)) continue;  // the word moved: look again
+      const int64_t to = __shfl_sync(0xffffffffu, vb, taker);
+      CPIDX_TRACE_ADD(lane == 0, kTStolen, take);
+      issue(to - take, to);
+    }
+    // Done with the words; the last producer of the grid resets them for the next call.
+    bool reset = false;
+    if (lane == 0) {
+      __threadfence();
+      reset = atomicAdd(words + gridDim.x, 1ull) == gridDim.x - 1;
+      if (reset) __threadfence();
+    }
+    if (__shfl_sync(0xffffffffu, reset, 0)) {
+      for (int i = lane; i < static_cast<int>(gridDim.x); i += 32) words[i] = kUnstarted;
+      if (lane == 0) words[gridDim.x] = 0;
     }
   }
+  if (lane == 0) {  // no more pages
+    const int st = static_cast<int>(lp % stages);
+    mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
+    s.stage_x[st] = -1;  // released to the consumers by the arrive (as a page's by its own)
+    // NOTE: compute-sanitizer's racecheck reports this write against the consumers' read of
+    // stage_x although the arrive (release) and their wait (acquire) order them; it reports no
+    // page's, whose phase a copy completes. Ending with a 16-byte copy may satisfy it (not yet
+    // run on a GPU; docs/perf/README.md, v15).
+    mbar_arrive(&s.full[st]);
+  }
+  __syncwarp();
 }
 
 template <int NT, DType kDType>
@@ -216,6 +339,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
                reinterpret_cast<int64_t*>(smem_raw + lay.prefix_off),
                reinterpret_cast<uint64_t*>(smem_raw + lay.full_off),
                reinterpret_cast<uint64_t*>(smem_raw + lay.empty_off),
+               reinterpret_cast<int64_t*>(smem_raw + lay.stage_x_off),
                reinterpret_cast<int*>(smem_raw + lay.misc_off)};
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
   int32_t err = 0;
@@ -268,8 +392,11 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   const int64_t total = s.prefix[B], g_eff = w.ctas, start = w.start, end = w.end;
   const bool split = w.split;
 
+  // Every CTA has a share (g_eff == grid) when it steals: all of them count out of the words.
+  const bool steal = split && p.steal_words != nullptr && total >= kMinStealShare * grid &&
+                     total < (int64_t{1} << 31);
   if (warp == kConsumerWarps) {  // ---- the producer warp ------------------------------------
-    produce<kDType>(p, s, start, end, stages, &err);
+    produce<kDType>(p, s, w, steal, stages, &err);
     if (err) atomicOr(p.error_flag, err);
     return;
   }
@@ -297,37 +424,49 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   constexpr bool kQueryRegs = kSwizzle;
   uint2 qreg[4][2][NT];  // unused (and dropped by the compiler) without kQueryRegs
   int32_t seq_len = 0;
-  for (int64_t x = start, lp = 0; x < end; ++x, ++lp) {
-    while (s.prefix[r + 1] <= x) ++r;
-    if (r != seg_req) {  // a new segment: load its queries
-      CPIDX_TRACE_CLOCK(tq);
-      seg_req = r;
-      seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err);
-      for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kConsumerThreads) {
-        const int col = idx / (kHeadDim / 8), chunk = idx % (kHeadDim / 8);
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (col < ncols) {
-          const int h = col / Q, t = col % Q;
-          v = *reinterpret_cast<const uint4*>(p.q_head[h] + (static_cast<int64_t>(r) * Q + t) *
-                                                                p.q_row_stride + chunk * 8);
-        }
-        *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
+  // Loads request r's queries (a new segment).
+  auto load_queries = [&](int req) {
+    CPIDX_TRACE_CLOCK(tq);
+    seg_req = req;
+    seq_len = clamp_seq_len(p.seq_lens[req], p.max_seq_len, &err);
+    for (int idx = tid; idx < NT * 8 * (kHeadDim / 8); idx += kConsumerThreads) {
+      const int col = idx / (kHeadDim / 8), chunk = idx % (kHeadDim / 8);
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (col < ncols) {
+        const int h = col / Q, t = col % Q;
+        v = *reinterpret_cast<const uint4*>(p.q_head[h] + (static_cast<int64_t>(req) * Q + t) *
+                                                              p.q_row_stride + chunk * 8);
       }
-      consumer_sync();
-      if constexpr (kQueryRegs) {
+      *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
+    }
+    consumer_sync();
+    if constexpr (kQueryRegs) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int half = 0; half < 2; ++half)
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) qreg[j][half][nt] = query_frag(s, nt, g, j, c4, half);
-      }
-      CPIDX_TRACE_ADD(tid == 0, kTQueries, CPIDX_TRACE_SINCE(tq));
+          for (int nt = 0; nt < NT; ++nt) qreg[j][half][nt] = query_frag(s, nt, g, j, c4, half);
+    }
+    CPIDX_TRACE_ADD(tid == 0, kTQueries, CPIDX_TRACE_SINCE(tq));
+  };
+  // The stages' pages come from the producer (s.stage_x). The next one is expected to follow the
+  // last (always on the static ranges), so a new request's queries load while its page is in
+  // flight; a page that did not follow (the split path's share moved) is checked after it lands.
+  for (int64_t lp = 0, next = start;; ++lp) {
+    if (next < end) {
+      while (s.prefix[r + 1] <= next) ++r;
+      if (r != seg_req) load_queries(r);
     }
     const int st = static_cast<int>(lp % stages);
     CPIDX_TRACE_CLOCK(tf);
     mbar_wait(&s.full[st], static_cast<uint32_t>((lp / stages) & 1));
     CPIDX_TRACE_ADD(tid == 0, kTFullWait, CPIDX_TRACE_SINCE(tf));
+    const int64_t x = s.stage_x[st];
+    if (x < 0) break;
+    next = x >= start && x < end ? x + 1 : end;  // a taken page predicts nothing
+    if (x < s.prefix[r] || x >= s.prefix[r + 1]) r = find_req(s.prefix, B, x);
+    if (r != seg_req) load_queries(r);
     CPIDX_TRACE_ADD(tid == 0, kTPages, 1);
     if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstPage);
     const int64_t gblk = (x - s.prefix[r]) * p.world + p.rank;
@@ -426,7 +565,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
         }
       }
     }
-    CPIDX_TRACE_STAMP(tid == 0 && split && x + 1 == end, kTLastPage);  // split: no segment end
+    CPIDX_TRACE_STAMP(tid == 0 && split, kTLastPage);  // split: no segment end
     if (split || (x + 1 != s.prefix[r + 1] && x + 1 != end)) continue;
 
     // ---- 4. End of this CTA's part of request r: finish it, or leave its list for the merge.

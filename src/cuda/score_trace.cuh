@@ -24,6 +24,7 @@ enum TraceSlot : int {
   kTPages,            // count: pages consumed
   kTSegments,         // count: segment ends
   kTSmid,             // the SM the CTA ran on
+  kTStolen,           // count: pages taken from other CTAs' ranges (split path, v15)
   kTSlotCount
 };
 static_assert(kTSlotCount <= kTraceSlots, "trace slots");

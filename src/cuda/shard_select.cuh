@@ -33,6 +33,7 @@ struct Smem {
   int64_t* prefix;    // [num_reqs + 1]: flattened page offset of each request
   uint64_t* full;     // [stages]
   uint64_t* empty;    // [stages]
+  int64_t* stage_x;   // [stages]: the flattened page in each stage; -1: no more pages
   int* misc;          // [0] compact flag
 };
 

@@ -528,6 +528,29 @@ TEST(GpuSanitize, ManyItemsTakeTheNarrowSelection) {
   }
 }
 
+TEST(GpuSanitize, WorkStealingSplitStep) {
+  SKIP_WITHOUT_GPU();
+  // A split step with >= 16 pages for each of two CTAs on up to 132 SMs: the CTAs take pages
+  // from each other's ranges (score_topk.cu, v15). Twice on one Decoder (the ranges reset).
+  const Selection sel{16, 1, 1};
+  cpidx_test::DecodeData d = random_decode(5656, kT, 1, {300000, 1, 250000}, 300000);
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  UsePath use(Path::kSplit);
+  DeviceBatch b(d);
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+  DeviceVec<int32_t> ids(static_cast<size_t>(kT * d.rows() * sel.topk));
+  for (int call = 0; call < 2; ++call) {
+    ids.poison();
+    ASSERT_TRUE(dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, d.rows() * sel.topk,
+                                                             sel.topk},
+                            nullptr, nullptr)
+                    .is_ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(compare_ids(d, sel, ids.download(), cpu).bad_rows, 0) << "call " << call;
+  }
+}
+
 TEST(GpuSanitize, SmallSparseTable) {
   SKIP_WITHOUT_GPU();
   const Selection sel{8, 0, 1};
