@@ -71,7 +71,7 @@ struct ScoreTopkParams {
   int64_t split_max_pages = -1;           // -1: the fused path always
   int64_t split_any_pages = -1;
   int64_t split_longest_pages = -1;
-  // Split-path work stealing (score_topk.cu, v15): [fused_grid] packed unclaimed page ranges,
+  // Split-path work stealing (work_steal.h, v15): [fused_grid] packed unclaimed page ranges,
   // all ones between calls, then a count (zero between calls); nullptr keeps static ranges.
   unsigned long long* steal_words = nullptr;
   bool pdl = true;                        // programmatic dependent launch

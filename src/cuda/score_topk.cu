@@ -17,6 +17,7 @@
 #include "page_order.cuh"
 #include "score_trace.cuh"
 #include "shard_select.cuh"
+#include "work_steal.h"
 
 namespace cpidx {
 namespace cuda {
@@ -161,40 +162,16 @@ __device__ __forceinline__ WorkRange work_range(const ScoreTopkParams& p, int64_
   return w;
 }
 
-// The split path's run-time share (v15, work stealing). CTA c's pages not yet claimed are
-// [front, back) of p.steal_words[c] (front in the low 32 bits, back in the high 32), or all of
-// its static range while the word is kUnstarted. The owner starts its word (compare-and-swap
-// from kUnstarted) keeping a first chunk, then claims chunks from the front with atomicAdd
-// (what lies below the returned back is its own); a CTA done with its pages takes pages from
-// the back of another CTA's range by compare-and-swap on the word it read (starting it, if its
-// owner has not run yet), and only pages of the request whose queries it holds: no query
-// reload, and a taken page's key lands at its own place in p.split_keys, so the ids do not
-// depend on who scored it. The last producer done with the words (a count in
-// p.steal_words[grid]) sets them all back to kUnstarted for the next call.
-// Steps whose CTAs hold fewer than kMinStealShare pages each keep static ranges (at 15.5 pages a
-// CTA, 64 x 8K, stealing measured 0.2-0.4 us slower: a short tail, and the owners' claims).
-constexpr int64_t kMinStealShare = 16;
-constexpr int64_t kStealPages = 2;  // pages per steal (each steal is one compare-and-swap)
-constexpr unsigned long long kUnstarted = ~0ull;
-__device__ __forceinline__ unsigned long long pack_range(int64_t front, int64_t back) {
-  return (static_cast<unsigned long long>(back) << 32) | static_cast<uint32_t>(front);
-}
-__device__ __forceinline__ int64_t range_front(unsigned long long w) { return w & 0xffffffffu; }
-__device__ __forceinline__ int64_t range_back(unsigned long long w) { return w >> 32; }
+// The split path's run-time share (v15, work stealing): work_steal.h.
 __device__ __forceinline__ unsigned long long load_word(const unsigned long long* w) {
   unsigned long long v;  // volatile: read again on every look, never hoisted out of the loop
   asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(w) : "memory");
   return v;
 }
-// The owner's next claim from `left` unclaimed pages: a quarter, one at a time near the end so
-// that what is not yet in its ring stays available to others.
-__device__ __forceinline__ int64_t own_chunk(int64_t left) {
-  return left <= 8 ? 1 : (left / 4 < 32 ? left / 4 : 32);
-}
 
 // Producer warp: fills the stage ring with the CTA's pages (32 block-table reads at a time),
 // recording each stage's page in s.stage_x, then stores -1 in the next stage: no more pages.
-// steal: the split path's run-time share (above); otherwise the static range [w.start, w.end).
+// steal: the split path's run-time share (work_steal.h); else the static range [w.start, w.end).
 template <DType kDType>
 __device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange& w, bool steal,
                         int stages, int32_t* err) {
@@ -261,22 +238,20 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange
       issue(front, front + c < back ? front + c : back);
       front += c;
     }
-    // Pages of request rt (the last one issued) from the backs of the CTAs that share it:
-    // lane i looks at the (i / 2 + 1)-th CTA to the right (even i) or left (odd i); the lane
-    // that sees the most left takes up to kStealPages of them.
+    // Pages of request rt (the last one issued) from the backs of the CTAs that share it: each
+    // lane looks at one of them (steal_victim), the lane that sees the most left takes up to
+    // kStealPages by compare-and-swap on the value it read.
     const int rt = last >= 0 ? find_req(s.prefix, p.num_reqs, last) : -1;
     const int64_t lo = rt >= 0 ? s.prefix[rt] : 0, hi = rt >= 0 ? s.prefix[rt + 1] : 0;
     const int64_t c_lo = rt >= 0 ? cta_of(lo, total, w.ctas) : 0;
     const int64_t c_hi = rt >= 0 ? cta_of(hi - 1, total, w.ctas) : -1;
-    const int64_t victim =
-        static_cast<int64_t>(blockIdx.x) + ((lane & 1) ? -(lane / 2 + 1) : lane / 2 + 1);
+    const int64_t victim = steal_victim(blockIdx.x, lane);
     const bool can = victim >= c_lo && victim <= c_hi;
     for (;;) {
       const unsigned long long seen = can ? load_word(words + victim) : 0;
-      const int64_t vf = seen == kUnstarted ? victim * total / w.ctas : range_front(seen);
-      const int64_t vb = seen == kUnstarted ? (victim + 1) * total / w.ctas : range_back(seen);
-      const int64_t floor_x = vf > lo ? vf : lo;
-      const int64_t avail = can && vb <= hi && vb > floor_x ? vb - floor_x : 0;
+      int64_t vf = 0, vb = 0;
+      unclaimed(seen, victim, total, w.ctas, &vf, &vb);
+      const int64_t avail = stealable(can, vf, vb, lo, hi);
       int64_t best = avail;
       for (int o = 16; o > 0; o /= 2) {
         const int64_t other = __shfl_xor_sync(0xffffffffu, best, o);
@@ -393,8 +368,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   const bool split = w.split;
 
   // Every CTA has a share (g_eff == grid) when it steals: all of them count out of the words.
-  const bool steal = split && p.steal_words != nullptr && total >= kMinStealShare * grid &&
-                     total < (int64_t{1} << 31);
+  const bool steal = steals(split, p.steal_words != nullptr, total, grid);
   if (warp == kConsumerWarps) {  // ---- the producer warp ------------------------------------
     produce<kDType>(p, s, w, steal, stages, &err);
     if (err) atomicOr(p.error_flag, err);

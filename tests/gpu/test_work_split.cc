@@ -1,7 +1,11 @@
-// tests/gpu/test_work_split.cc: the fused decode path's work split (src/cuda/kernels.h), checked
-// on the host (no GPU needed, so it runs in CI): the CTAs' page ranges partition the step, and
-// the list slots that select_topk merges for a request spanning CTAs are exactly the ones those
-// CTAs wrote in this launch, distinct across requests and inside the workspace.
+// tests/gpu/test_work_split.cc: the decode's work split, checked on the host (no GPU needed, so
+// it runs in CI). The fused path's (src/cuda/kernels.h): the CTAs' page ranges partition the
+// step, and the list slots that select_topk merges for a request spanning CTAs are exactly the
+// ones those CTAs wrote in this launch, distinct across requests and inside the workspace. The
+// split path's run-time share (src/cuda/work_steal.h, v15): the scoring kernel's producer
+// protocol played step by step under random interleavings (some CTAs starting only after the
+// others are done, as when SMs are held): every page is claimed once, a taken page belongs to
+// the taker's request, and the words are reset for the next call.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,12 +14,14 @@
 #include <vector>
 
 #include "cuda/kernels.h"
+#include "cuda/work_steal.h"
 
 namespace {
 
 using cpidx::cuda::cta_of;
 using cpidx::cuda::fused_ctas;
 using cpidx::cuda::kMinPagesPerCta;
+namespace ws = cpidx::cuda;
 
 TEST(FusedWorkSplit, RangesPartitionThePagesAndMergeSlotsWereAllWritten) {
   std::mt19937_64 rng(20261129);
@@ -68,6 +74,179 @@ TEST(FusedWorkSplit, RangesPartitionThePagesAndMergeSlotsWereAllWritten) {
     }
   }
   EXPECT_GT(checked, 1000);  // the random batches did split many requests
+}
+
+// One scoring CTA's producer in the split path's shared ranges (score_topk.cu, produce()), one
+// step per memory operation on the words, so that a scheduler can interleave CTAs.
+struct StealSim {
+  int64_t total = 0, ctas = 0;
+  std::vector<int64_t> prefix;         // requests' page offsets
+  std::vector<unsigned long long> words;  // [ctas + 1], as in the workspace
+  std::vector<int> claims;             // per page, this call
+  int64_t taken = 0, started_by_others = 0, lost_races = 0;
+
+  int request_of(int64_t x) const {
+    return static_cast<int>(std::upper_bound(prefix.begin(), prefix.end(), x) - prefix.begin()) - 1;
+  }
+};
+
+struct StealCta {
+  enum Phase { kStart, kOwn, kLook, kTake, kDone } phase = kStart;
+  int64_t self = 0, start = 0, end = 0, front = 0, back = 0, last = -1;
+  int rt = -1;
+  int64_t lo = 0, hi = 0, c_lo = 0, c_hi = -1;
+  int64_t victim = 0, vf = 0, vb = 0, take = 0;  // the chosen steal
+  unsigned long long seen = 0;
+
+  void claim(StealSim& sim, int64_t from, int64_t to, bool stolen) {
+    for (int64_t x = from; x < to; ++x) {
+      ASSERT_TRUE(x >= 0 && x < sim.total) << "page " << x;
+      ++sim.claims[static_cast<size_t>(x)];
+      if (stolen) ASSERT_EQ(sim.request_of(x), rt) << "a taken page outside the taker's request";
+    }
+    if (to > from) last = to - 1;
+  }
+  void look_setup(const StealSim& sim) {
+    rt = last >= 0 ? sim.request_of(last) : -1;
+    if (rt >= 0) {
+      lo = sim.prefix[static_cast<size_t>(rt)];
+      hi = sim.prefix[static_cast<size_t>(rt) + 1];
+      c_lo = cta_of(lo, sim.total, sim.ctas);
+      c_hi = cta_of(hi - 1, sim.total, sim.ctas);
+    }
+    phase = kLook;
+  }
+  // One step (kDone once the CTA is done with the words).
+  void step(StealSim& sim) {
+    unsigned long long& mine = sim.words[static_cast<size_t>(self)];
+    switch (phase) {
+      case kStart: {
+        front = start + ws::own_chunk(end - start);
+        back = end;
+        const unsigned long long old = mine;
+        if (old == ws::kUnstarted) {
+          mine = ws::pack_range(front, back);
+          claim(sim, start, front, false);
+        } else {
+          ++sim.started_by_others;
+          front = ws::range_front(old);
+          back = ws::range_back(old);
+        }
+        phase = kOwn;
+        break;
+      }
+      case kOwn: {
+        if (front >= back) { look_setup(sim); break; }
+        const int64_t c = ws::own_chunk(back - front);
+        const unsigned long long old = mine;
+        mine += static_cast<unsigned long long>(c);  // atomicAdd
+        front = ws::range_front(old);
+        back = ws::range_back(old);
+        if (front >= back) { look_setup(sim); break; }
+        claim(sim, front, std::min(front + c, back), false);
+        front += c;
+        break;
+      }
+      case kLook: {  // every lane reads its CTA's word; the lane that sees the most takes
+        int64_t best = 0;
+        for (int lane = 0; lane < 2 * ws::kStealReach; ++lane) {
+          const int64_t v = ws::steal_victim(self, lane);
+          const bool can = v >= c_lo && v <= c_hi;
+          const unsigned long long w = can ? sim.words[static_cast<size_t>(v)] : 0;
+          int64_t f = 0, b = 0;
+          ws::unclaimed(w, v, sim.total, sim.ctas, &f, &b);
+          const int64_t avail = ws::stealable(can, f, b, lo, hi);
+          if (avail > best) { best = avail; victim = v; seen = w; vf = f; vb = b; }
+        }
+        if (best == 0) { phase = kDone; break; }
+        take = std::min(best, ws::kStealPages);
+        phase = kTake;
+        break;
+      }
+      case kTake: {  // compare-and-swap on the value read
+        unsigned long long& w = sim.words[static_cast<size_t>(victim)];
+        if (w == seen) {
+          w = ws::pack_range(vf, vb - take);
+          if (seen == ws::kUnstarted) ++sim.started_by_others;
+          sim.taken += take;
+          claim(sim, vb - take, vb, true);
+        } else {
+          ++sim.lost_races;
+        }
+        phase = kLook;
+        break;
+      }
+      case kDone:
+        break;
+    }
+  }
+};
+
+TEST(SplitWorkStealing, EveryPageClaimedOnceWhateverTheInterleaving) {
+  std::mt19937_64 rng(20261130);
+  StealSim totals;
+  for (int trial = 0; trial < 300; ++trial) {
+    StealSim sim;
+    sim.ctas = 1 + static_cast<int64_t>(rng() % 300);
+    sim.words.assign(static_cast<size_t>(sim.ctas) + 1, ws::kUnstarted);
+    sim.words.back() = 0;
+    for (int call = 0; call < 3; ++call) {  // the words carry over between calls
+      // Requests of 0 to ~2x the CTAs' share, at least 16 pages a CTA in all.
+      const int B = 1 + static_cast<int>(rng() % 12);
+      sim.prefix.assign(1, 0);
+      for (int r = 0; r < B; ++r) {
+        const int64_t pages = rng() % 5 == 0 ? 0 : static_cast<int64_t>(rng() % (40 * sim.ctas));
+        sim.prefix.push_back(sim.prefix.back() + pages);
+      }
+      if (sim.prefix.back() < ws::kMinStealShare * sim.ctas) {
+        sim.prefix.back() = ws::kMinStealShare * sim.ctas + static_cast<int64_t>(rng() % 100);
+      }
+      sim.total = sim.prefix.back();
+      ASSERT_TRUE(ws::steals(true, true, sim.total, static_cast<int>(sim.ctas)));
+      sim.claims.assign(static_cast<size_t>(sim.total), 0);
+      std::vector<StealCta> ctas(static_cast<size_t>(sim.ctas));
+      std::vector<bool> late(ctas.size());
+      for (int64_t c = 0; c < sim.ctas; ++c) {
+        StealCta& t = ctas[static_cast<size_t>(c)];
+        t.self = c;
+        t.start = c * sim.total / sim.ctas;
+        t.end = (c + 1) * sim.total / sim.ctas;
+        late[static_cast<size_t>(c)] = call == 1 && rng() % 2 == 0;  // start after the rest
+      }
+      // Run: pick a CTA not done at random (the late ones only once the others are done), one
+      // step; a CTA done counts out, and the last one resets the words.
+      std::vector<size_t> early, later;
+      for (size_t i = 0; i < ctas.size(); ++i) (late[i] ? later : early).push_back(i);
+      while (!early.empty() || !later.empty()) {
+        std::vector<size_t>& from = early.empty() ? later : early;
+        const size_t k = static_cast<size_t>(rng() % from.size());
+        StealCta& t = ctas[from[k]];
+        t.step(sim);
+        if (::testing::Test::HasFatalFailure()) return;
+        if (t.phase != StealCta::kDone) continue;
+        from[k] = from.back();
+        from.pop_back();
+        if (++sim.words.back() == static_cast<unsigned long long>(sim.ctas)) {
+          for (int64_t c = 0; c < sim.ctas; ++c) sim.words[static_cast<size_t>(c)] = ws::kUnstarted;
+          sim.words.back() = 0;
+        }
+      }
+      for (int64_t x = 0; x < sim.total; ++x) {
+        ASSERT_EQ(sim.claims[static_cast<size_t>(x)], 1) << "page " << x << " of " << sim.total
+                                                         << ", " << sim.ctas << " CTAs";
+      }
+      for (size_t c = 0; c + 1 < sim.words.size(); ++c) ASSERT_EQ(sim.words[c], ws::kUnstarted);
+      ASSERT_EQ(sim.words.back(), 0u);
+    }
+    totals.taken += sim.taken;
+    totals.started_by_others += sim.started_by_others;
+    totals.lost_races += sim.lost_races;
+  }
+  // The interleavings did exercise each branch: pages taken, ranges started by a taker (late
+  // owners), compare-and-swaps lost to a concurrent claim.
+  EXPECT_GT(totals.taken, 1000);
+  EXPECT_GT(totals.started_by_others, 100);
+  EXPECT_GT(totals.lost_races, 100);
 }
 
 }  // namespace

@@ -1,0 +1,63 @@
+// src/cuda/work_steal.h: the split path's run-time share of pages (v15, work stealing): the
+// packed range words and the claim rules, shared by the scoring kernel's producer warp
+// (score_topk.cu) and the host test that plays the protocol under random interleavings
+// (tests/gpu/test_work_split.cc).
+//
+// CTA c's pages not yet claimed are [front, back) of its word (front in the low 32 bits, back
+// in the high 32), or all of its static range [c * total / ctas, (c + 1) * total / ctas) while
+// the word is kUnstarted. The owner starts its word (compare-and-swap from kUnstarted) keeping
+// a first chunk, then claims chunks from the front with atomicAdd (what lies below the
+// returned back is its own); a CTA done with its pages takes up to kStealPages from the back
+// of another CTA's range by compare-and-swap on the word it read (starting it, if its owner has
+// not run yet), and only pages of the request whose queries it holds. The last producer done
+// with the words (a count after them) sets them all back to kUnstarted for the next call.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cpidx {
+namespace cuda {
+
+// Steps whose CTAs hold fewer pages each keep static ranges (at 15.5 pages a CTA, 64 x 8K,
+// stealing measured 0.2-0.4 us slower: a short tail, and the owners' claims).
+constexpr int64_t kMinStealShare = 16;
+constexpr int64_t kStealPages = 2;  // pages per steal (each steal is one compare-and-swap)
+constexpr int kStealReach = 16;     // CTAs looked at on each side (one producer lane each)
+constexpr unsigned long long kUnstarted = ~0ull;
+
+// Whether a step of `total` pages on `grid` CTAs shares its ranges (every CTA then has pages).
+__host__ __device__ inline bool steals(bool split, bool enabled, int64_t total, int grid) {
+  return split && enabled && total >= kMinStealShare * grid && total < (int64_t{1} << 31);
+}
+__host__ __device__ inline unsigned long long pack_range(int64_t front, int64_t back) {
+  return (static_cast<unsigned long long>(back) << 32) | static_cast<uint32_t>(front);
+}
+__host__ __device__ inline int64_t range_front(unsigned long long w) { return w & 0xffffffffu; }
+__host__ __device__ inline int64_t range_back(unsigned long long w) { return w >> 32; }
+// The owner's next claim from `left` unclaimed pages: a quarter, one at a time near the end so
+// that what is not yet in its ring stays available to others.
+__host__ __device__ inline int64_t own_chunk(int64_t left) {
+  return left <= 8 ? 1 : (left / 4 < 32 ? left / 4 : 32);
+}
+// The CTA that producer lane `lane` of CTA `self` looks at: the (lane / 2 + 1)-th to the right
+// (even lanes) or left (odd lanes).
+__host__ __device__ inline int64_t steal_victim(int64_t self, int lane) {
+  return self + ((lane & 1) ? -(lane / 2 + 1) : lane / 2 + 1);
+}
+// What the word `seen` of CTA `victim` leaves unclaimed: [*front, *back).
+__host__ __device__ inline void unclaimed(unsigned long long seen, int64_t victim, int64_t total,
+                                          int64_t ctas, int64_t* front, int64_t* back) {
+  *front = seen == kUnstarted ? victim * total / ctas : range_front(seen);
+  *back = seen == kUnstarted ? (victim + 1) * total / ctas : range_back(seen);
+}
+// Pages a CTA whose queries are request [lo, hi)'s may take from the back of [front, back),
+// the unclaimed pages of a CTA whose static range meets [lo, hi) (`shares`; else none).
+__host__ __device__ inline int64_t stealable(bool shares, int64_t front, int64_t back, int64_t lo,
+                                             int64_t hi) {
+  const int64_t floor_x = front > lo ? front : lo;
+  return shares && back <= hi && back > floor_x ? back - floor_x : 0;
+}
+
+}  // namespace cuda
+}  // namespace cpidx
