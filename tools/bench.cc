@@ -588,8 +588,11 @@ int run_bench(int argc, char** argv) {
     if (!f) { std::fprintf(stderr, "cannot write %s\n", json.c_str()); return kExitFailed; }
     cudaDeviceProp prop;
     cudaGetDeviceProperties(&prop, 0);
-    std::fprintf(f, "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, \"results\": [\n",
-                 prop.name, dtype.c_str(), static_cast<long long>(split_pages));
+    std::fprintf(f,
+                 "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, "
+                 "\"ctas_per_sm\": %lld, \"work_stealing\": %s, \"results\": [\n",
+                 prop.name, dtype.c_str(), static_cast<long long>(split_pages),
+                 static_cast<long long>(ctas_per_sm), steal ? "true" : "false");
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       std::fprintf(f,
