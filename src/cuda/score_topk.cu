@@ -287,8 +287,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange
     s.stage_x[st] = -1;  // released to the consumers by the arrive (as a page's by its own)
     // NOTE: compute-sanitizer's racecheck reports this write against the consumers' read of
     // stage_x although the arrive (release) and their wait (acquire) order them; it reports no
-    // page's, whose phase a copy completes. Ending with a 16-byte copy may satisfy it (not yet
-    // run on a GPU; docs/perf/README.md, v15).
+    // page's, whose phase a copy completes. Ending with a 16-byte copy may satisfy it (compiled,
+    // not yet run on a GPU: docs/perf/raw/v15_end_copy.patch).
     mbar_arrive(&s.full[st]);
   }
   __syncwarp();
