@@ -654,14 +654,7 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
 }
 
 cudaError_t read_score_trace(long long* host, int ctas) {
-#if defined(CPIDX_TRACE)
-  if (ctas > kTraceCtas) ctas = kTraceCtas;
-  return cudaMemcpyFromSymbol(host, g_score_trace, sizeof(long long) * kTraceSlots * ctas);
-#else
-  (void)host;
-  (void)ctas;
-  return cudaErrorNotSupported;
-#endif
+  return CPIDX_COPY_TRACE(g_score_trace, kTraceSlots, host, ctas);
 }
 
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,

@@ -4,6 +4,7 @@
 // g_score_trace holds a %globaltimer stamp (ns) or a sum of clock64 cycles.
 #pragma once
 
+#include <cuda_runtime.h>
 #include <stdint.h>
 
 namespace cpidx {
@@ -73,6 +74,14 @@ static __device__ long long g_select_trace[kTraceCtas * kSelectSlots];
 #define CPIDX_SELECT_STAMP(cond, slot)                                                      \
   ((cond) && blockIdx.x < kTraceCtas                                                       \
        ? (void)(g_select_trace[blockIdx.x * kSelectSlots + (slot)] = trace_now()) : (void)0)
+// The first `ctas` CTAs' `slots` values of a trace symbol (of the calling translation unit, the
+// symbols being per file) copied to `host`.
+template <typename Symbol>
+cudaError_t copy_trace(const Symbol& symbol, int slots, long long* host, int ctas) {
+  if (ctas > kTraceCtas) ctas = kTraceCtas;
+  return cudaMemcpyFromSymbol(host, symbol, sizeof(long long) * slots * ctas);
+}
+#define CPIDX_COPY_TRACE(symbol, slots, host, ctas) copy_trace(symbol, slots, host, ctas)
 #else
 #define CPIDX_TRACE_RESET(cond) ((void)0)
 #define CPIDX_TRACE_STAMP(cond, slot) ((void)0)
@@ -82,6 +91,8 @@ static __device__ long long g_select_trace[kTraceCtas * kSelectSlots];
 #define CPIDX_TRACE_SMID(cond) ((void)0)
 #define CPIDX_SELECT_RESET(cond) ((void)0)
 #define CPIDX_SELECT_STAMP(cond, slot) ((void)0)
+#define CPIDX_COPY_TRACE(symbol, slots, host, ctas) \
+  ((void)(host), (void)(ctas), cudaErrorNotSupported)
 #endif
 
 }  // namespace cuda

@@ -339,14 +339,7 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
 }
 
 cudaError_t read_select_trace(long long* host, int ctas) {
-#if defined(CPIDX_TRACE)
-  if (ctas > kTraceCtas) ctas = kTraceCtas;
-  return cudaMemcpyFromSymbol(host, g_select_trace, sizeof(long long) * kSelectSlots * ctas);
-#else
-  (void)host;
-  (void)ctas;
-  return cudaErrorNotSupported;
-#endif
+  return CPIDX_COPY_TRACE(g_select_trace, kSelectSlots, host, ctas);
 }
 
 cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& l,

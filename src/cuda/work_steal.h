@@ -24,6 +24,7 @@ namespace cuda {
 constexpr int64_t kMinStealShare = 16;
 constexpr int64_t kStealPages = 2;  // pages per steal (each steal is one compare-and-swap)
 constexpr int kStealReach = 16;     // CTAs looked at on each side (one producer lane each)
+static_assert(2 * kStealReach == 32, "steal_victim gives each lane of the producer warp one CTA");
 constexpr unsigned long long kUnstarted = ~0ull;
 
 // Whether a step of `total` pages on `grid` CTAs shares its ranges (every CTA then has pages).
