@@ -285,10 +285,12 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange
     const int st = static_cast<int>(lp % stages);
     mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
     s.stage_x[st] = -1;  // released to the consumers by the arrive (as a page's by its own)
-    // NOTE: compute-sanitizer's racecheck reports this write against the consumers' read of
-    // stage_x although the arrive (release) and their wait (acquire) order them; it reports no
-    // page's, whose phase a copy completes. Ending with a 16-byte copy may satisfy it (compiled,
-    // not yet run on a GPU: docs/perf/raw/v15_end_copy.patch).
+    // NOTE: compute-sanitizer's racecheck reports this write, and the page indices written in
+    // issue(), against the consumers' reads of stage_x, although the arrive (release) and their
+    // wait (acquire) order them; completing this phase by a 16-byte copy did not change that
+    // (docs/perf/README.md, v16-racecheck). Storing the index through the async proxy
+    // (st.async, completing 8 bytes on the same barrier) is the next try, compiled and not yet
+    // run: docs/perf/raw/v16_stage_x_st_async.patch.
     mbar_arrive(&s.full[st]);
   }
   __syncwarp();

@@ -22,6 +22,11 @@
 // v9b), the radix passes take ~2.3, gathering and ranking the K winners ~1, the store and exit
 // ~0.7: ~5.3 us. Bounding the merge by the K-th largest of the lists' heads instead of the
 // radix passes measured no faster (A/B: 256.1-257.0 us vs 256.7-257.3, CP P=2).
+// NOTE: merging the split path's keys beside the scoring grid (per-range words released by the
+// scoring consumers, each range's keys merged into a running warp top K as its pages complete,
+// outputs written before the PDL wait) was measured slower everywhere: +15 us at 8 x 256K
+// merging whole ranges (they all end in the last few us), +36 us streaming them every 2 pages,
+// +5 to +9 us at 1 x 8K (docs/perf/README.md, v16-overlap); not kept.
 // Keys are distinct (the block id is in the low bits); kPadKey marks an invisible block and is
 // never selected: a list with fewer than K real keys is padded, as the fused path pads.
 #include "channel.cuh"
