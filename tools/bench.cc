@@ -109,6 +109,8 @@ class Bench {
   // DecodeConfig::split_max_pages of every Decoder (-1: the library's choice, 0: fused only).
   void set_split_pages(int64_t pages) { split_pages_ = pages; }
   void set_ctas_per_sm(int ctas) { ctas_per_sm_ = ctas; }
+  void set_max_tokens(int64_t rows) { max_tokens_ = rows; }
+  void set_max_query_len(int64_t q) { max_query_len_ = q; }
   void set_work_stealing(bool on) { work_stealing_ = on; }
   // Calls per graph replay at least this (the sets repeated in turn); 0: the peer's method.
   void set_min_calls(int calls) { min_calls_ = calls; }
@@ -142,6 +144,8 @@ class Bench {
   bool pdl_ = true;
   int64_t split_pages_ = DecodeConfig::kAutoSplit;
   int ctas_per_sm_ = 0;
+  int64_t max_tokens_ = 0;  // DecodeConfig::max_tokens at least this (0: the shape's rows)
+  int64_t max_query_len_ = 0;  // DecodeConfig::max_query_len at least this (0: the shape's Q)
   bool work_stealing_ = true;
   int min_calls_ = 0;
   bool trace_ = false;
@@ -237,9 +241,9 @@ Result Bench::run(const Shape& sh, int replays) {
   DecodeConfig cfg;
   cfg.total_heads = T;
   cfg.world_size = sh.world;
-  cfg.max_tokens = static_cast<int>(n);
+  cfg.max_tokens = static_cast<int>(std::max<int64_t>(n, max_tokens_));
   cfg.max_seq_len = static_cast<int32_t>(sh.context);
-  cfg.max_query_len = sh.qlen;
+  cfg.max_query_len = static_cast<int>(std::max<int64_t>(sh.qlen, max_query_len_));
   cfg.cache_dtype = dtype_ == "fp8" ? DType::kFP8E4M3 : DType::kBF16;
   cfg.programmatic_launch = pdl_;
   cfg.split_max_pages = split_pages_;
@@ -417,7 +421,7 @@ int run_bench(int argc, char** argv) {
                        qlens = {1, 4};
   std::string json, dtype = "bf16", exchange = "both";
   int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit, ctas_per_sm = 0,
-          min_calls = 0;
+          min_calls = 0, max_tokens = 0, max_query_len = 0;
   bool pdl = true, trace = false, steal = true;
   Flags flags("cpidx bench [flags]",
               "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
@@ -450,6 +454,12 @@ int run_bench(int argc, char** argv) {
            "steps with at most this many pages per rank take the split path (-1: automatic, "
            "0: fused path only)")
       .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1 or 2)")
+      .add("max-tokens", &max_tokens,
+           "the Decoders' max_tokens at least this (0: each shape's rows); the scoring kernel's "
+           "shared memory grows with it (grid/stg shows the plan it gets)")
+      .add("max-query-len", &max_query_len,
+           "the Decoders' max_query_len at least this (0: each shape's Q; the library's default "
+           "is 8): the scoring kernel's plan is sized for max heads x max_query_len columns")
       .add("steal", &steal,
            "split-path CTAs take unclaimed pages from others' ranges (DecodeConfig::work_stealing)")
       .add("min-calls", &min_calls,
@@ -459,6 +469,16 @@ int run_bench(int argc, char** argv) {
       .add("json", &json, "write the results as JSON to this file");
   if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   // Each mode is a kind and a number: plainH (heads 1..8), cpP / stepP (ranks 2..8).
+  if (max_tokens < 0 || max_tokens > (int64_t{1} << 24)) {
+    std::fprintf(stderr, "cpidx bench: --max-tokens must be in [0, 2^24], got %lld\n",
+                 static_cast<long long>(max_tokens));
+    return kExitUsage;
+  }
+  if (max_query_len < 0 || max_query_len > kMaxQueryLen) {
+    std::fprintf(stderr, "cpidx bench: --max-query-len must be in [0, %d], got %lld\n",
+                 kMaxQueryLen, static_cast<long long>(max_query_len));
+    return kExitUsage;
+  }
   struct Mode {
     std::string name, kind;
     int x = 0;
@@ -558,6 +578,8 @@ int run_bench(int argc, char** argv) {
             bench = std::make_unique<Bench>(pool_mb, dtype, pdl);
             bench->set_split_pages(split_pages);
             bench->set_ctas_per_sm(static_cast<int>(ctas_per_sm));
+            bench->set_max_tokens(max_tokens);
+            bench->set_max_query_len(max_query_len);
             bench->set_work_stealing(steal);
             bench->set_min_calls(static_cast<int>(min_calls));
             bench->set_trace(trace);
@@ -590,9 +612,11 @@ int run_bench(int argc, char** argv) {
     cudaGetDeviceProperties(&prop, 0);
     std::fprintf(f,
                  "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, "
-                 "\"ctas_per_sm\": %lld, \"work_stealing\": %s, \"results\": [\n",
+                 "\"ctas_per_sm\": %lld, \"work_stealing\": %s, \"max_tokens\": %lld, "
+                 "\"max_query_len\": %lld, \"results\": [\n",
                  prop.name, dtype.c_str(), static_cast<long long>(split_pages),
-                 static_cast<long long>(ctas_per_sm), steal ? "true" : "false");
+                 static_cast<long long>(ctas_per_sm), steal ? "true" : "false",
+                 static_cast<long long>(max_tokens), static_cast<long long>(max_query_len));
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       std::fprintf(f,

@@ -19,6 +19,9 @@ struct DecodeConfig {
   int total_heads = 4;               // T: index heads of the model
   int world_size = 1;                // P
   int rank = 0;                      // r
+  // Bounds. max_tokens and max_query_len also size the scoring kernel's shared memory (8 bytes
+  // per row, and T x max_query_len columns), which the page pipeline shares: pass the real
+  // bounds (README, "Sizing"; plan() reports the choice).
   int max_tokens = 0;                // bound on decode rows per call (requests x Q)
   int32_t max_seq_len = 0;           // bound on tokens per request (pass max_model_len)
   int max_query_len = kMaxQueryLen;  // bound on Q
