@@ -51,6 +51,21 @@ TEST(ToolFlags, BadListsAreRefusedAndLeaveTheDefault) {
   EXPECT_EQ(modes, (std::vector<std::string>{"plain1"}));
 }
 
+TEST(ToolFlags, IntegersOutsideTheirRangeAreRefusedAndLeaveTheDefault) {
+  for (const char* bad : {"--rows=-1", "--rows=17M", "--rows=2G"}) {
+    int64_t rows = 5;
+    Flags flags("prog [flags]", "test");
+    flags.add("rows", &rows, "rows", 0, int64_t{1} << 24);
+    EXPECT_EQ(parse(flags, {bad}), Flags::Parse::kError) << bad;
+    EXPECT_EQ(rows, 5) << bad;
+  }
+  int64_t rows = 5;
+  Flags flags("prog [flags]", "test");
+  flags.add("rows", &rows, "rows", 0, int64_t{1} << 24);
+  EXPECT_EQ(parse(flags, {"--rows=16M"}), Flags::Parse::kOk);
+  EXPECT_EQ(rows, int64_t{1} << 24);
+}
+
 TEST(ToolFlags, HelpShowsListDefaultsWithSuffixes) {
   std::vector<int64_t> contexts = {8 << 10, 1 << 20, 3};
   Flags flags("prog [flags]", "test");

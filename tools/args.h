@@ -28,6 +28,13 @@ class Flags {
   Flags& add(const char* name, int64_t* value, const char* help) {
     return add_flag(name, value, help, std::to_string(*value), "N");
   }
+  // An integer in [lo, hi].
+  Flags& add(const char* name, int64_t* value, const char* help, int64_t lo, int64_t hi) {
+    add(name, value, help);
+    flags_.back().lo = lo;
+    flags_.back().hi = hi;
+    return *this;
+  }
   Flags& add(const char* name, double* value, const char* help) {
     char text[32];
     std::snprintf(text, sizeof(text), "%g", *value);
@@ -136,7 +143,7 @@ class Flags {
     Target target;
     std::vector<std::string> choices;
     bool set = false;
-    int64_t lo = INT64_MIN, hi = INT64_MAX;  // integer lists: the range of an item
+    int64_t lo = INT64_MIN, hi = INT64_MAX;  // integers: the range (of each item of a list)
   };
 
   template <typename T>
@@ -197,8 +204,13 @@ class Flags {
   static std::string assign(Flag& flag, std::string_view text, bool has_text) {
     const std::string bad = "bad value '" + std::string(text) + "' for --" + flag.name;
     if (auto* p = std::get_if<int64_t*>(&flag.target)) {
-      const std::string why = parse_int(text, *p);
+      int64_t v = 0;
+      std::string why = parse_int(text, &v);
+      if (why.empty() && (v < flag.lo || v > flag.hi)) {
+        why = "expected " + size_text(flag.lo) + ".." + size_text(flag.hi);
+      }
       if (!why.empty()) return bad + " (" + why + ")";
+      **p = v;
     } else if (auto* p = std::get_if<std::vector<int64_t>*>(&flag.target)) {
       std::vector<std::string_view> items;
       if (!split_list(text, &items)) return bad + " (expected a comma list, no empty items)";

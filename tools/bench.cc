@@ -456,10 +456,11 @@ int run_bench(int argc, char** argv) {
       .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1 or 2)")
       .add("max-tokens", &max_tokens,
            "the Decoders' max_tokens at least this (0: each shape's rows); the scoring kernel's "
-           "shared memory grows with it (grid/stg shows the plan it gets)")
+           "shared memory grows with it (grid/stg shows the plan it gets)", 0, int64_t{1} << 24)
       .add("max-query-len", &max_query_len,
            "the Decoders' max_query_len at least this (0: each shape's Q; the library's default "
-           "is 8): the scoring kernel's plan is sized for max heads x max_query_len columns")
+           "is 8): the scoring kernel's plan is sized for max heads x max_query_len columns", 0,
+           kMaxQueryLen)
       .add("steal", &steal,
            "split-path CTAs take unclaimed pages from others' ranges (DecodeConfig::work_stealing)")
       .add("min-calls", &min_calls,
@@ -469,16 +470,6 @@ int run_bench(int argc, char** argv) {
       .add("json", &json, "write the results as JSON to this file");
   if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   // Each mode is a kind and a number: plainH (heads 1..8), cpP / stepP (ranks 2..8).
-  if (max_tokens < 0 || max_tokens > (int64_t{1} << 24)) {
-    std::fprintf(stderr, "cpidx bench: --max-tokens must be in [0, 2^24], got %lld\n",
-                 static_cast<long long>(max_tokens));
-    return kExitUsage;
-  }
-  if (max_query_len < 0 || max_query_len > kMaxQueryLen) {
-    std::fprintf(stderr, "cpidx bench: --max-query-len must be in [0, %d], got %lld\n",
-                 kMaxQueryLen, static_cast<long long>(max_query_len));
-    return kExitUsage;
-  }
   struct Mode {
     std::string name, kind;
     int x = 0;
