@@ -79,7 +79,7 @@ struct Result {
   Shape shape;
   double us = 0, gbps = 0, cache_mb = 0, floor_us = 0;
   double gpu_us = 0;  // the same replays with the stream held until they are queued
-  int sets = 0, calls = 0, grid = 0, stages = 0;
+  int sets = 0, calls = 0, grid = 0, stages = 0, offset_stride = 1;
   std::string check;
 };
 
@@ -258,6 +258,7 @@ Result Bench::run(const Shape& sh, int replays) {
   const int L = decs[0]->geometry().local_heads;
   res.grid = decs[0]->plan().grid;
   res.stages = decs[0]->plan().stages;
+  res.offset_stride = decs[0]->plan().offset_stride;
   int32_t* ids = nullptr;
   Key* gathered = nullptr;
   BENCH_CUDA(cudaMalloc(&ids, static_cast<size_t>(T * n * K) * 4));
@@ -586,10 +587,13 @@ int run_bench(int argc, char** argv) {
           sh.qlen = static_cast<int>(q);
           Result r = bench->run(sh, static_cast<int>(replays));
           all_ok = all_ok && r.check.rfind("ok", 0) == 0;
-          std::printf("%-7s %5d %4d %8lld %3d %5d/%-4d %10.1f %9.1f %9.0f %9.1f %9.1f %5d/%-3d  %s\n",
+          // stg: pages in flight, then "s<N>" when the kernel keeps every N-th request offset.
+          std::string stg = std::to_string(r.stages);
+          if (r.offset_stride > 1) stg += "s" + std::to_string(r.offset_stride);
+          std::printf("%-7s %5d %4d %8lld %3d %5d/%-4d %10.1f %9.1f %9.0f %9.1f %9.1f %5d/%-3s  %s\n",
                       m.c_str(), sh.heads, sh.reqs, static_cast<long long>(sh.context), sh.qlen,
                       r.sets, r.calls, r.cache_mb, r.us, r.gbps, r.gpu_us, r.floor_us, r.grid,
-                      r.stages, r.check.c_str());
+                      stg.c_str(), r.check.c_str());
           std::fflush(stdout);
           results.push_back(r);
         }
@@ -614,10 +618,12 @@ int run_bench(int argc, char** argv) {
                    "  {\"mode\": \"%s\", \"heads\": %d, \"world\": %d, \"reqs\": %d, \"context\": %lld, "
                    "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, \"us\": %.3f, "
                    "\"gbps\": %.1f, \"gpu_us\": %.3f, "
-                   "\"floor_us\": %.3f, \"grid\": %d, \"stages\": %d, \"check\": \"%s\"}%s\n",
+                   "\"floor_us\": %.3f, \"grid\": %d, \"stages\": %d, \"offset_stride\": %d, "
+                   "\"check\": \"%s\"}%s\n",
                    r.shape.mode.c_str(), r.shape.heads, r.shape.world, r.shape.reqs,
                    static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.calls, r.cache_mb,
-                   r.us, r.gbps, r.gpu_us, r.floor_us, r.grid, r.stages, r.check.c_str(), i + 1 < results.size() ? "," : "");
+                   r.us, r.gbps, r.gpu_us, r.floor_us, r.grid, r.stages, r.offset_stride,
+                   r.check.c_str(), i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "], \"step_results\": [\n");
     for (size_t i = 0; i < step_results.size(); ++i) {

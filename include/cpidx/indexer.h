@@ -20,8 +20,9 @@ struct DecodeConfig {
   int world_size = 1;                // P
   int rank = 0;                      // r
   // Bounds. max_tokens and max_query_len also size the scoring kernel's shared memory (8 bytes
-  // per row, and T x max_query_len columns), which the page pipeline shares: pass the real
-  // bounds (README, "Sizing"; plan() reports the choice).
+  // per row, and T x max_query_len columns), which the page pipeline shares. Large bounds keep
+  // two CTAs per SM by keeping fewer request offsets (plan().offset_stride), which costs small
+  // steps a few us: pass the real bounds (README, "Sizing").
   int max_tokens = 0;                // bound on decode rows per call (requests x Q)
   int32_t max_seq_len = 0;           // bound on tokens per request (pass max_model_len)
   int max_query_len = kMaxQueryLen;  // bound on Q
@@ -69,6 +70,10 @@ struct DecodeConfig {
 struct DecodePlan {
   int grid = 0;             // persistent CTAs of the scoring kernel
   int stages = 0;           // key pages in flight per CTA
+  // Requests per request offset the scoring kernel keeps in shared memory: 1 (every one) unless
+  // max_tokens is large enough that keeping them all would cost the second CTA per SM (README,
+  // "Sizing"); the offsets between kept ones are summed again from seq_lens (L2) when needed.
+  int offset_stride = 1;
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
   int64_t split_max_pages = 0;  // the split path's capacity: steps with more pages are fused
   int64_t split_any_pages = 0;  // steps with at most this many pages split whatever their lengths

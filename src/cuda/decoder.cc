@@ -236,6 +236,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   }
   impl->plan.grid = impl->launch.grid;
   impl->plan.stages = impl->launch.stages;
+  impl->plan.offset_stride = 1 << impl->launch.prefix_shift;
   impl->plan.smem_bytes = impl->launch.smem_bytes;
   impl->plan.split_max_pages = impl->layout.split_max_pages;
   impl->plan.split_any_pages = impl->layout.split_any_pages;

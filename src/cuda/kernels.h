@@ -82,6 +82,7 @@ struct ScoreTopkLaunch {
   int stages = 0;         // key pages in flight per CTA
   size_t smem_bytes = 0;  // dynamic shared memory
   int max_reqs = 0;       // bound used to size the request prefix in shared memory
+  int prefix_shift = 0;   // the prefix keeps every 2^prefix_shift-th offset (page_order.cuh)
   int ncols_pad = 0;      // padded columns (H * Q rounded up to 8) the launch was sized for
   int topk = 0;           // K the layout was sized for
   int select_grid = 0;    // CTAs of select_topk (256 threads each), fixed at construction

@@ -29,7 +29,8 @@ constexpr int kQStride = kHeadDim + 8;  // bf16 elements per query row in smem (
 struct SmemLayout {
   size_t stages_off, q_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, prefix_off, full_off,
       empty_off, stage_x_off, misc_off, total;
-  __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int max_reqs) {
+  __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int max_reqs,
+                                 int prefix_shift) {
     size_t o = 0;
     auto take = [&](size_t bytes, size_t align) {
       o = (o + align - 1) / align * align;
@@ -45,7 +46,7 @@ struct SmemLayout {
     tmp_off = take(static_cast<size_t>(ncols) * topk * sizeof(Key), 16);
     cnt_off = take(static_cast<size_t>(ncols) * sizeof(int), 16);
     tau_off = take(static_cast<size_t>(ncols) * sizeof(Key), 16);
-    prefix_off = take((static_cast<size_t>(max_reqs) + 1) * sizeof(int64_t), 16);
+    prefix_off = take((static_cast<size_t>(max_reqs >> prefix_shift) + 1) * sizeof(int64_t), 16);
     full_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
     empty_off = take(static_cast<size_t>(stages) * sizeof(uint64_t), 8);
     stage_x_off = take(static_cast<size_t>(stages) * sizeof(int64_t), 8);
@@ -123,15 +124,6 @@ __device__ __forceinline__ uint2 query_frag(const Smem& s, int nt, int g, int j,
                                          half * 4);
 }
 
-__device__ __forceinline__ int find_req(const int64_t* prefix, int num_reqs, int64_t x) {
-  int lo = 0, hi = num_reqs - 1;  // last r with prefix[r] <= x: the request holding page x
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (prefix[mid] <= x) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
@@ -172,20 +164,27 @@ __device__ __forceinline__ unsigned long long load_word(const unsigned long long
 // Producer warp: fills the stage ring with the CTA's pages (32 block-table reads at a time),
 // recording each stage's page in s.stage_x, then stores -1 in the next stage: no more pages.
 // steal: the split path's run-time share (work_steal.h); else the static range [w.start, w.end).
-template <DType kDType>
-__device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange& w, bool steal,
-                        int stages, int32_t* err) {
+template <DType kDType, bool kSparse>
+__device__ void produce(const ScoreTopkParams& p, const Smem& s,
+                        const RequestOffsets<kSparse>& offs, const WorkRange& w, int64_t total,
+                        bool steal, int stages, int32_t* err) {
   using Page = PageTraits<kDType>;
   const int lane = threadIdx.x % 32;
-  int64_t lp = 0, last = -1;
+  int64_t lp = 0;
+  // The request of the last page issued and its pages [cur_lo, cur_hi) (-1: none yet): most
+  // pages of a batch belong to it, and need no lookup.
+  int cur = -1;
+  int64_t cur_lo = 0, cur_hi = 0;
   auto issue = [&](int64_t from, int64_t to) {  // pages [from, to)
     for (int64_t x0 = from; x0 < to; x0 += 32) {
       const int64_t x = x0 + lane;
       uint32_t bytes = 0;
       const uint8_t* src = nullptr;
+      int r = cur;
+      int64_t lo = cur_lo;
+      if (x < to && (x < cur_lo || x >= cur_hi)) r = offs.find(p, x, &lo);
       if (x < to) {
-        const int r = find_req(s.prefix, p.num_reqs, x);
-        const int64_t gblk = (x - s.prefix[r]) * p.world + p.rank;
+        const int64_t gblk = (x - lo) * p.world + p.rank;
         const int32_t seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, err);
         const int64_t page =
             clamp_page(p.block_table[r * p.bt_row_stride + gblk], p.num_pages, err);
@@ -195,6 +194,9 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange
         src = static_cast<const uint8_t*>(p.cache) + page * Page::kBytes;
       }
       const int count = to - x0 < 32 ? static_cast<int>(to - x0) : 32;
+      cur = __shfl_sync(0xffffffffu, r, count - 1);
+      cur_lo = __shfl_sync(0xffffffffu, lo, count - 1);
+      cur_hi = cur_lo + offs.pages(p, cur);
       for (int i = 0; i < count; ++i, ++lp) {
         const uint32_t b = __shfl_sync(0xffffffffu, bytes, i);
         const uint8_t* from_ptr = reinterpret_cast<const uint8_t*>(
@@ -210,14 +212,12 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange
                         &s.full[st]);
         }
       }
-      last = to - 1 < x0 + 31 ? to - 1 : x0 + 31;
     }
   };
   if (!steal) {
     issue(w.start, w.end);
   } else {
     unsigned long long* const words = p.steal_words;
-    const int64_t total = s.prefix[p.num_reqs];
     int64_t front = w.start + own_chunk(w.end - w.start), back = w.end;
     unsigned long long old = 0;
     if (lane == 0) old = atomicCAS(words + blockIdx.x, kUnstarted, pack_range(front, back));
@@ -241,8 +241,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange
     // Pages of request rt (the last one issued) from the backs of the CTAs that share it: each
     // lane looks at one of them (steal_victim), the lane that sees the most left takes up to
     // kStealPages by compare-and-swap on the value it read.
-    const int rt = last >= 0 ? find_req(s.prefix, p.num_reqs, last) : -1;
-    const int64_t lo = rt >= 0 ? s.prefix[rt] : 0, hi = rt >= 0 ? s.prefix[rt + 1] : 0;
+    const int rt = cur;
+    const int64_t lo = rt >= 0 ? cur_lo : 0, hi = rt >= 0 ? cur_hi : 0;
     const int64_t c_lo = rt >= 0 ? cta_of(lo, total, w.ctas) : 0;
     const int64_t c_hi = rt >= 0 ? cta_of(hi - 1, total, w.ctas) : -1;
     const int64_t victim = steal_victim(blockIdx.x, lane);
@@ -288,24 +288,25 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s, const WorkRange
     // NOTE: compute-sanitizer's racecheck reports this write, and the page indices written in
     // issue(), against the consumers' reads of stage_x, although the arrive (release) and their
     // wait (acquire) order them; completing this phase by a 16-byte copy did not change that
-    // (docs/perf/README.md, v16-racecheck). Storing the index through the async proxy
-    // (st.async, completing 8 bytes on the same barrier) is the next try, compiled and not yet
-    // run: docs/perf/raw/v16_stage_x_st_async.patch.
+    // (docs/perf/README.md, v16-racecheck), and storing the index by st.async (completing 8
+    // bytes on the same barrier) traps with an illegal instruction in a launch without clusters
+    // (v17-st.async).
     mbar_arrive(&s.full[st]);
   }
   __syncwarp();
 }
 
-template <int NT, DType kDType>
+template <int NT, DType kDType, bool kSparse>
 __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopkParams p,
                                                               const int stages,
-                                                              const int max_reqs_smem) {
+                                                              const int max_reqs_smem,
+                                                              const int prefix_shift) {
   using Page = PageTraits<kDType>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const int Q = p.query_len, H = p.num_heads, K = p.topk, cap = cand_capacity(K);
   const int ncols = H * Q;  // <= NT * 8
   const int grid = gridDim.x;
-  const SmemLayout lay(stages, Page::kBytes, NT * 8, K, max_reqs_smem);
+  const SmemLayout lay(stages, Page::kBytes, NT * 8, K, max_reqs_smem, prefix_shift);
   const Smem s{smem_raw + lay.stages_off,
                reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.q_off),
                reinterpret_cast<float*>(smem_raw + lay.red_off),
@@ -344,10 +345,13 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   if (tid < NT * 8) { s.cnt[tid] = 0; s.tau[tid] = kPadKey; }
   if (tid < stages) { mbar_init(&s.full[tid], 1); mbar_init(&s.empty[tid], kConsumerWarps); }
   if (tid == 0) fence_barrier_init();
-  int64_t longest = pages_prefix<kThreads>(p, s.prefix, r0, r1);
-  WorkRange w = work_range(p, s.prefix[B], longest, grid);
+  const RequestOffsets<kSparse> offs{s.prefix, prefix_shift, B};
+  int64_t total = 0;
+  int64_t longest = pages_prefix<kThreads>(p, s.prefix, prefix_shift, r0, r1, &total);
+  WorkRange w = work_range(p, total, longest, grid);
   if (tid < ncols && w.start < w.end) {
-    const int r = find_req(s.prefix, B, w.start), h = tid / Q, t = tid % Q;
+    int64_t unused = 0;
+    const int r = offs.find(p, w.start, &unused), h = tid / Q, t = tid % Q;
     const __nv_bfloat16* q = p.q_head[h] + (static_cast<int64_t>(r) * Q + t) * p.q_row_stride;
     prefetch_l2(q);
     prefetch_l2(q + kHeadDim - 8);  // a 256-byte row may span two lines
@@ -355,31 +359,32 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   pdl_wait();
   pdl_launch_dependents();
   CPIDX_TRACE_STAMP(tid == 0, kTWaited);
-  bool changed = false;
+  bool changed = prefix_shift > 0;  // offsets kept every 2^shift requests: always recomputed
   for (int r = r0; r < r1; ++r) {
-    changed |= owned_pages(p, __ldcg(p.seq_lens + r), &err) != s.prefix[r + 1] - s.prefix[r];
+    const int64_t own = owned_pages(p, __ldcg(p.seq_lens + r), &err);
+    changed |= prefix_shift == 0 && own != s.prefix[r + 1] - s.prefix[r];
   }
   if (__syncthreads_or(changed)) {
-    longest = pages_prefix<kThreads>(p, s.prefix, r0, r1);
-    w = work_range(p, s.prefix[B], longest, grid);
+    longest = pages_prefix<kThreads>(p, s.prefix, prefix_shift, r0, r1, &total);
+    w = work_range(p, total, longest, grid);
   }
   CPIDX_TRACE_STAMP(tid == 0, kTPrefix);
   if (blockIdx.x == 0 && err) atomicOr(p.error_flag, err);
   err = 0;
-  const int64_t total = s.prefix[B], g_eff = w.ctas, start = w.start, end = w.end;
+  const int64_t g_eff = w.ctas, start = w.start, end = w.end;
   const bool split = w.split;
 
   // Every CTA has a share (g_eff == grid) when it steals: all of them count out of the words.
   const bool steal = steals(split, p.steal_words != nullptr, total, grid);
   if (warp == kConsumerWarps) {  // ---- the producer warp ------------------------------------
-    produce<kDType>(p, s, w, steal, stages, &err);
+    produce<kDType, kSparse>(p, s, offs, w, total, steal, stages, &err);
     if (err) atomicOr(p.error_flag, err);
     return;
   }
 
   // ---- 2. Requests with no owned page: their outputs are all padding. ----------------------
   for (int r = blockIdx.x; !split && r < B; r += grid) {
-    if (s.prefix[r + 1] != s.prefix[r]) continue;
+    if (offs.pages(p, r) != 0) continue;
     for (int idx = tid; idx < ncols * cap; idx += kConsumerThreads) s.cbuf[idx] = kPadKey;
     consumer_sync();
     finalize_request(p, s, r, clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err), ncols);
@@ -388,7 +393,21 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   if (blockIdx.x >= g_eff) return;
 
   // ---- 3. Consume this CTA's pages [start, end). -------------------------------------------
-  int r = find_req(s.prefix, B, start);
+  // The request being scored and its pages [req_lo(), req_hi()): dense offsets are read from
+  // shared memory, sparse ones kept in registers (offs.pages reads L2).
+  int64_t r_lo = 0, r_hi = 0;  // sparse only
+  int r = offs.find(p, start, &r_lo);
+  if constexpr (kSparse) r_hi = r_lo + offs.pages(p, r);
+  auto req_lo = [&]() -> int64_t {
+    if constexpr (kSparse) return r_lo; else return s.prefix[r];
+  };
+  auto req_hi = [&]() -> int64_t {
+    if constexpr (kSparse) return r_hi; else return s.prefix[r + 1];
+  };
+  auto find_req = [&](int64_t x) {
+    r = offs.find(p, x, &r_lo);
+    if constexpr (kSparse) r_hi = r_lo + offs.pages(p, r);
+  };
   int seg_req = -1;
   // NOTE: above 16 columns (NT >= 4) the accumulators leave no registers for the swizzle's
   // chunk groups and selects (ptxas spills): those instances load straight, bank conflicts and
@@ -431,7 +450,13 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   // flight; a page that did not follow (the split path's share moved) is checked after it lands.
   for (int64_t lp = 0, next = start;; ++lp) {
     if (next < end) {
-      while (s.prefix[r + 1] <= next) ++r;
+      while (req_hi() <= next && r + 1 < B) {
+        ++r;
+        if constexpr (kSparse) {
+          r_lo = r_hi;
+          r_hi = r_lo + offs.pages(p, r);
+        }
+      }
       if (r != seg_req) load_queries(r);
     }
     const int st = static_cast<int>(lp % stages);
@@ -441,11 +466,11 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     const int64_t x = s.stage_x[st];
     if (x < 0) break;
     next = x >= start && x < end ? x + 1 : end;  // a taken page predicts nothing
-    if (x < s.prefix[r] || x >= s.prefix[r + 1]) r = find_req(s.prefix, B, x);
+    if (x < req_lo() || x >= req_hi()) find_req(x);
     if (r != seg_req) load_queries(r);
     CPIDX_TRACE_ADD(tid == 0, kTPages, 1);
     if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstPage);
-    const int64_t gblk = (x - s.prefix[r]) * p.world + p.rank;
+    const int64_t gblk = (x - req_lo()) * p.world + p.rank;
     const uint8_t* page = s.pages + static_cast<size_t>(st) * Page::kBytes;
 
     // Tensor-core scores of this warp's 32 tokens x all columns. Dims are permuted identically
@@ -542,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
       }
     }
     CPIDX_TRACE_STAMP(tid == 0 && split, kTLastPage);  // split: no segment end
-    if (split || (x + 1 != s.prefix[r + 1] && x + 1 != end)) continue;
+    if (split || (x + 1 != req_hi() && x + 1 != end)) continue;
 
     // ---- 4. End of this CTA's part of request r: finish it, or leave its list for the merge.
     CPIDX_TRACE_STAMP(tid == 0, kTLastPage);  // the last one recorded is the CTA's last page
@@ -550,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     consumer_sync();
     if (tid == 0) s.misc[0] = 0;
     compact_all(s, ncols, K);
-    if (cta_of(s.prefix[r], total, g_eff) == cta_of(s.prefix[r + 1] - 1, total, g_eff)) {
+    if (cta_of(req_lo(), total, g_eff) == cta_of(req_hi() - 1, total, g_eff)) {
       finalize_request(p, s, r, seq_len, ncols);  // the whole request was scored here
     } else {
       for (int idx = tid; idx < ncols * K; idx += kConsumerThreads) {
@@ -573,18 +598,22 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
 // with a smaller layout would lower it under an earlier one's launches.
 template <int NT, DType kDType>
 cudaError_t raise_smem_cap(int smem_optin) {
-  cudaFuncAttributes attr{};
-  cudaError_t e = cudaFuncGetAttributes(&attr, score_topk_kernel<NT, kDType>);
-  if (e != cudaSuccess) return e;
-  return cudaFuncSetAttribute(score_topk_kernel<NT, kDType>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              smem_optin - static_cast<int>(attr.sharedSizeBytes));
+  for (auto kernel : {score_topk_kernel<NT, kDType, false>, score_topk_kernel<NT, kDType, true>}) {
+    cudaFuncAttributes attr{};
+    cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+    if (e != cudaSuccess) return e;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem_optin - static_cast<int>(attr.sharedSizeBytes));
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 template <int NT, DType kDType>
-cudaError_t occupancy(int* blocks, size_t bytes) {
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, score_topk_kernel<NT, kDType>,
-                                                       kThreads, bytes);
+cudaError_t occupancy(int* blocks, size_t bytes, bool sparse) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      blocks, sparse ? score_topk_kernel<NT, kDType, true> : score_topk_kernel<NT, kDType, false>,
+      kThreads, bytes);
 }
 
 // Runtime (ncols, dtype) -> template instance.
@@ -625,6 +654,12 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   const int page_bytes = kBlockSize * kHeadDim * dtype_bytes(dtype);
   // NOTE: two CTAs per SM keep one CTA streaming while the other selects or merges; each keeps
   // `stages` pages in flight. Take the deepest pipeline that still fits two CTAs, else one.
+  // The request offsets (8 bytes per request of max_reqs) are kept for every 2^shift-th request
+  // when that is what lets two CTAs fit (the sparse instance): at plain 8 x 256K one CTA per SM
+  // (4 pages in flight) took 162 us at Q = 1 and 181 us at Q = 4, two CTAs with every 2nd or
+  // 8th offset kept 140-142 us, two with all kept 134-138 (2 or 3 pages in flight: the same);
+  // small steps pay the sparse lookups' L2 reads, +2.5-3.5 us at 1 x 8K (docs/perf/README.md,
+  // v17).
   for (int nc = 8; nc <= 64; nc *= 2) {
     e = dispatch(nc, dtype, [&](auto nt, auto dt) {
       return raise_smem_cap<decltype(nt)::value, decltype(dt)::value>(smem_optin);
@@ -633,23 +668,27 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   }
   const int most = ctas_per_sm == 1 ? 1 : 2, least = ctas_per_sm == 2 ? 2 : 1;
   for (int ctas = most; ctas >= least; --ctas) {
-    for (int stages = 6; stages >= 2; --stages) {
-      SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs);
-      // NOTE: static shared memory (a few hundred bytes) counts against the same opt-in limit.
-      if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
-      int blocks = 0;
-      e = dispatch(ncols, dtype, [&](auto nt, auto dt) {
-        return occupancy<decltype(nt)::value, decltype(dt)::value>(&blocks, lay.total);
-      });
-      if (e != cudaSuccess) return e;
-      if (blocks < ctas) continue;
-      launch->grid = ctas * sms;
-      launch->stages = stages;
-      launch->smem_bytes = lay.total;
-      launch->max_reqs = max_reqs;
-      launch->ncols_pad = ncols;
-      launch->topk = topk;
-      return cudaSuccess;
+    for (int shift = 0; shift == 0 || (max_reqs >> (shift - 1)) > 0; ++shift) {
+      for (int stages = 6; stages >= 2; --stages) {
+        SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs, shift);
+        // NOTE: static shared memory (a few hundred bytes) counts against the same opt-in limit.
+        if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
+        int blocks = 0;
+        e = dispatch(ncols, dtype, [&](auto nt, auto dt) {
+          return occupancy<decltype(nt)::value, decltype(dt)::value>(&blocks, lay.total,
+                                                                     shift > 0);
+        });
+        if (e != cudaSuccess) return e;
+        if (blocks < ctas) continue;
+        launch->grid = ctas * sms;
+        launch->stages = stages;
+        launch->prefix_shift = shift;
+        launch->smem_bytes = lay.total;
+        launch->max_reqs = max_reqs;
+        launch->ncols_pad = ncols;
+        launch->topk = topk;
+        return cudaSuccess;
+      }
     }
   }
   return cudaErrorInvalidConfiguration;
@@ -669,9 +708,13 @@ cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const Score
   return dispatch(ncols, dtype, [&](auto nt, auto dt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
     constexpr DType DT = decltype(dt)::value;
-    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, l.max_reqs);
-    return launch_with_pdl(p.pdl, score_topk_kernel<NT, DT>, l.grid, kThreads, lay.total, stream, p,
-                           l.stages, l.max_reqs);
+    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, l.max_reqs,
+                         l.prefix_shift);
+    return launch_with_pdl(p.pdl,
+                           l.prefix_shift > 0 ? score_topk_kernel<NT, DT, true>
+                                              : score_topk_kernel<NT, DT, false>,
+                           l.grid, kThreads, lay.total, stream, p, l.stages, l.max_reqs,
+                           l.prefix_shift);
   });
 }
 

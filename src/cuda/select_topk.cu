@@ -259,7 +259,8 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
   // let this grid launch after its own wait, so the lengths it used are the ones read here.
   int r0 = 0, r1 = 0;
   thread_requests<kThreads>(B, &r0, &r1);
-  const int64_t longest = pages_prefix<kThreads>(p, s.prefix, r0, r1);
+  int64_t total = 0;
+  const int64_t longest = pages_prefix<kThreads>(p, s.prefix, 0, r0, r1, &total);
   pdl_wait();
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSWaited);
   // Fused exchange: the channel's use count is read before merge_topk may launch (it counts the
@@ -267,7 +268,6 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
   const bool channel = p.channel.world > 0;
   const uint32_t uses = channel ? channel_uses(p.channel) : 0;
   pdl_launch_dependents();
-  const int64_t total = s.prefix[B];
   const bool split = split_path(p, total, longest);
   const int64_t g_eff = fused_ctas(total, p.fused_grid);
 

@@ -153,6 +153,13 @@ struct ScopedChoice {
 };
 // Sets the path for the helpers while in scope.
 using UsePath = ScopedChoice<Path, test_path>;
+// A floor under the helpers' DecodeConfig::max_tokens (0: each batch's own rows), as an engine
+// that plans for far more tokens than a test's batch has.
+inline int& test_max_tokens() {
+  static int floor = 0;
+  return floor;
+}
+using UseMaxTokens = ScopedChoice<int, test_max_tokens>;
 
 inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selection& sel,
                                       int world = 1, int rank = 0, int max_tokens = 0) {
@@ -161,6 +168,7 @@ inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selectio
   c.world_size = world;
   c.rank = rank;
   c.max_tokens = max_tokens > 0 ? max_tokens : static_cast<int>(std::max<int64_t>(d.rows(), 1));
+  c.max_tokens = std::max(c.max_tokens, test_max_tokens());
   c.max_seq_len = d.max_seq_len;
   c.sel = sel;
   c.cache_dtype = d.dtype;

@@ -327,6 +327,46 @@ TEST(GpuDecode, StepsWithMoreItemsThanTheWideSelectionGrid) {
   }
 }
 
+// A Decoder planned for many more tokens than shared memory holds request offsets for at two
+// CTAs per SM keeps every N-th request's offset (DecodePlan::offset_stride) and sums the others
+// again from the lengths. Its ids: the reference's on both paths, and bit for bit those of a
+// Decoder sized to the batch (every offset kept), plain and context-parallel (requests that own
+// no page on a rank), with runs of padding requests across kept offsets; strides from 4 up.
+TEST(GpuDecode, SparseRequestOffsetsForLargeMaxTokens) {
+  SKIP_WITHOUT_GPU();
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  std::mt19937 rng(71);
+  struct Case {
+    int T, Q, reqs;
+    int32_t max_len;
+    int max_tokens;
+  };
+  const Selection sel = sel_of(16);
+  for (const Case c : {Case{4, 1, 300, 6000, 16384}, Case{2, 4, 150, 3000, 16384},
+                       Case{8, 8, 40, 5000, 8192}, Case{1, 1, 2000, 700, 16384}}) {
+    const std::string what = "T=" + std::to_string(c.T) + " Q=" + std::to_string(c.Q) +
+                             " reqs=" + std::to_string(c.reqs);
+    SCOPED_TRACE(what);
+    std::vector<int32_t> lens = lengths(rng, c.reqs, c.max_len, true);
+    for (int r = 8; r < 21 && r < c.reqs; ++r) lens[r] = 0;  // padding across kept offsets
+    // A page or two: requests that own no page on some ranks.
+    for (int r = 30; r < c.reqs; r += 7) lens[r] = 1 + r % 300;
+    DecodeData d = random_decode(7100 + c.T * 10 + c.Q, c.T, c.Q, lens, c.max_len);
+    const std::vector<int32_t> every_offset = gpu_decode(d, sel);
+    UseMaxTokens large(c.max_tokens);
+    std::unique_ptr<cpidx::Decoder> dec;
+    ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+    EXPECT_GT(dec->plan().offset_stride, 1);
+    EXPECT_EQ(dec->plan().grid, 2 * sms);
+    expect_matches_reference(d, sel, what.c_str());
+    EXPECT_EQ(gpu_decode(d, sel), every_offset);
+    for (int world : {2, 4}) {
+      EXPECT_EQ(gpu_cp_simulated(d, sel, world), every_offset) << "P=" << world;
+    }
+  }
+}
+
 // ---- CUDA graphs -----------------------------------------------------------------------------
 TEST(GpuDecode, GraphReplayFollowsNewLengthsAndTables) {
   SKIP_WITHOUT_GPU();
@@ -436,6 +476,17 @@ void graph_replay_follows_new_lengths_and_tables() {
   }
 }
 
+// The same with sparse request offsets (a Decoder planned for 16K tokens: every 8th kept).
+TEST(GpuDecode, GraphReplayFollowsNewLengthsWithSparseRequestOffsets) {
+  SKIP_WITHOUT_GPU();
+  UseMaxTokens large(1 << 14);
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    SCOPED_TRACE(path_name(path));
+    graph_replay_follows_new_lengths_and_tables();
+  }
+}
+
 // ---- Bad device values -------------------------------------------------------------------------
 TEST(GpuDecode, BadDeviceValuesAreClampedAndFlagged) {
   SKIP_WITHOUT_GPU();
@@ -444,6 +495,8 @@ TEST(GpuDecode, BadDeviceValuesAreClampedAndFlagged) {
     SCOPED_TRACE(path_name(path));
     bad_device_values_are_clamped_and_flagged();
   }
+  UseMaxTokens large(1 << 14);  // every 8th request offset kept: lengths read again, clamped alike
+  bad_device_values_are_clamped_and_flagged();
 }
 
 void bad_device_values_are_clamped_and_flagged() {
