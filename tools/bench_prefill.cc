@@ -287,8 +287,8 @@ int run_prefill_bench(int argc, char** argv) {
   flags.add("prefill", &prefill, "run the prefill benchmark (this mode)")
       .add("chunks", &chunk_list, "chunk lengths (new tokens)", 1, 1 << 24)
       .add("contexts", &context_list, "cached context lengths", 0, 1 << 24)
-      .add("heads", &heads, "index heads scored (1..8)")
-      .add("topk", &topk, "K (1..64)")
+      .add("heads", &heads, "index heads scored", 1, kMaxHeads)
+      .add("topk", &topk, "K", 1, kMaxTopK)
       .add("dtype", &dtype, "index cache dtype", {"bf16", "fp8"})
       .add("kernel", &kernel, "score kernel: mma (mma.sync), wgmma (Hopper), or both (one row each)",
            {"mma", "wgmma", "both"})
@@ -296,11 +296,6 @@ int run_prefill_bench(int argc, char** argv) {
       .add("check", &check, "check the smallest shape against the CPU reference")
       .add("json", &json, "write the results as JSON to this file");
   if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
-  if (heads < 1 || heads > kMaxHeads || topk < 1 || topk > kMaxTopK) {
-    std::fprintf(stderr, "cpidx bench --prefill: --heads must be in 1..%d and --topk in 1..%d\n",
-                 kMaxHeads, kMaxTopK);
-    return kExitUsage;
-  }
   if (!gpu_available()) {
     std::fprintf(stderr, "cpidx bench --prefill: no usable GPU\n");
     return kExitFailed;
