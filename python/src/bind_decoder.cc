@@ -220,6 +220,9 @@ void bind_decoder(nb::module_& m) {
       .def_prop_ro("workspace_bytes",
                    [](const PyDecoder& d) { return d.decoder->plan().workspace_bytes; })
       .def_prop_ro("grid", [](const PyDecoder& d) { return d.decoder->plan().grid; })
+      .def_prop_ro("stages", [](const PyDecoder& d) { return d.decoder->plan().stages; })
+      .def_prop_ro("offset_stride",
+                   [](const PyDecoder& d) { return d.decoder->plan().offset_stride; })
       .def("decode", &PyDecoder::decode, "index_query"_a, "index_cache"_a, "block_table"_a,
            "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
            "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),

@@ -71,6 +71,25 @@ def test_op_equals_decoder_and_reference(T, Q, K, init, local):
     assert int(dec.error_flag().item()) == 0
 
 
+def test_large_max_tokens_keep_two_ctas_per_sm():
+    # A Decoder planned for far more tokens than its batch keeps every N-th request offset
+    # (offset_stride) instead of leaving one scoring CTA per SM; the ids do not change.
+    rng = np.random.default_rng(5)
+    b = random_decode(rng, 4, 1, [3000, 1, 0, 129, 2049], max_seq_len=4096)
+    q, k, bt, sl = to_dev(b)
+    kw = dict(total_heads=4, world_size=1, rank=0, max_seq_len=4096, topk=16, init_blocks=0,
+              local_blocks=1, device=0)
+    small, large = cpidx.Decoder(max_tokens=b.rows, **kw), cpidx.Decoder(max_tokens=16384, **kw)
+    assert small.offset_stride == 1 and large.offset_stride > 1
+    assert large.grid == small.grid == 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    for dec in (small, large):
+        out = torch.full((4, b.rows, 16), -7, dtype=torch.int32, device=DEV)
+        dec.decode(q, k, bt, sl, 1, out, scale=b.scale,
+                   stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(out.cpu().numpy(), host_ids(b, 16, 0, 1))
+
+
 def test_fp8_cache_gpu():
     if not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("torch without float8_e4m3fn")
