@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# scripts/device_ab.sh [options] PATCH: on the GPU machine, one A/B of a kernel patch in one call.
+# Builds the working tree ("base", build-device/) and a copy with PATCH applied ("new",
+# build-ab/<patch name>/, its own build-device/), side by side; runs `cpidx bench` on both,
+# alternated, for each --config; then, if asked, the new build's GPU tests and sanitizers.
+# Results under $OUT (default ./device-out), within the device tool's 8 files:
+#   ab.txt      every bench table, each under "== base|new rep=N <config flags>"
+#   ab.json     the same rows as JSON ({"runs": [{"build", "rep", "config", "results"}]})
+#   tests.log   the new build's GPU tests (--tests)
+#   sanitize_summary.txt   compute-sanitizer on the new build (--sanitize)
+# Options:
+#   --config "FLAGS"   bench flags added to the shapes for one block (repeatable; default: one
+#                      block with none)
+#   --shapes "FLAGS"   the bench shapes (default: --modes plain4,cp2 --reqs 1,8
+#                      --contexts 8192,262144 --qlens 1,4)
+#   --reps N           alternations per config (default 2)
+#   --tests FILTER     then run the new build's cpidx_gpu_tests with this gtest filter
+#   --sanitize TOOL    then scripts/gpu_sanitize.sh TOOL in the new tree (memcheck|racecheck|
+#                      synccheck|all)
+# Everything stops short of the device tool's 10-minute limit (the tests get what is left).
+# Example (the v17e patch):
+#   scripts/device_ab.sh --config "" --config "--max-tokens 8192" \
+#     --tests 'GpuDecode.*:GpuWorkStealing.*' docs/perf/raw/v17e_dense_offsets_when_the_batch_fits.patch
+set -uo pipefail
+configs=() shapes="--modes plain4,cp2 --reqs 1,8 --contexts 8192,262144 --qlens 1,4" reps=2
+tests="" sanitize="" patch=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --config) configs+=("$2"); shift 2 ;;
+    --shapes) shapes=$2; shift 2 ;;
+    --reps) reps=$2; shift 2 ;;
+    --tests) tests=$2; shift 2 ;;
+    --sanitize) sanitize=$2; shift 2 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -*) echo "device_ab.sh: unknown option $1" >&2; exit 2 ;;
+    *) [ -z "$patch" ] || { echo "device_ab.sh: one PATCH only" >&2; exit 2; }; patch=$1; shift ;;
+  esac
+done
+if [ -z "$patch" ] || [ ! -f "$patch" ]; then
+  echo "device_ab.sh: PATCH file needed (see --help)" >&2
+  exit 2
+fi
+patch_file=$(realpath "$patch")
+[ ${#configs[@]} -eq 0 ] && configs=("")
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
+t0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - t0 )); }
+log=$OUT/ab.txt
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$log"
+
+# The patched copy: the tree without build outputs, then the patch (git apply in a repository of
+# its own: inside this one it would skip the paths outside the copy).
+name=$(basename "$patch" .patch)
+new=build-ab/$name
+sum=$(sha256sum "$patch_file" | cut -c1-16)
+if [ "$(cat "$new/.applied" 2>/dev/null)" != "$sum" ]; then  # new, or the patch changed
+  rm -rf "$new" && mkdir -p "$new"
+  tar --exclude='./build*' --exclude=./device-out --exclude=./.git -cf - . | tar -xf - -C "$new"
+  (cd "$new" && git init -q . && git apply "$patch_file") ||
+    { echo "device_ab.sh: $patch does not apply to this tree" | tee -a "$log"; exit 1; }
+  echo "$sum" >"$new/.applied"
+fi
+gtest_src=()
+[ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
+build() {  # build SOURCE_DIR TARGET...: its build-device/ (log: build-device/ab_build.log)
+  local dir=$1/build-device
+  mkdir -p "$dir"
+  if ! { cmake -S "$1" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
+           -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" &&
+         cmake --build "$dir" -j"$(( $(nproc) / 2 ))" --target "${@:2}"; } >"$dir/ab_build.log" 2>&1; then
+    echo "device_ab.sh: build of $1 failed"
+    grep -E "error" -A3 "$dir/ab_build.log" | head -30
+    return 1
+  fi
+}
+new_targets=(cpidx_tool)
+[ -n "$tests" ] && new_targets+=(cpidx_gpu_tests)
+build . cpidx_tool & base_pid=$!
+build "$new" "${new_targets[@]}" & new_pid=$!
+wait $base_pid; base_rc=$?
+wait $new_pid; new_rc=$?
+[ $base_rc -eq 0 ] && [ $new_rc -eq 0 ] || exit 1
+echo "# built in $(elapsed) s; base = the working tree, new = + $patch" | tee -a "$log"
+
+jsons=()
+for ((rep = 1; rep <= reps; ++rep)); do
+  for cfg in "${configs[@]}"; do
+    for which in base new; do
+      bin=./build-device/cpidx
+      [ $which = new ] && bin=$new/build-device/cpidx
+      json=$new/ab_${which}_${rep}_${#jsons[@]}.json
+      echo "== $which rep=$rep $cfg (t=$(elapsed) s)" >>"$log"
+      # shellcheck disable=SC2086  # shapes and cfg hold separate flags
+      timeout 150 "$bin" bench $shapes $cfg --json "$json" 2>&1 | grep -v '^#' >>"$log"
+      jsons+=("$which|$rep|$cfg|$json")
+    done
+  done
+done
+echo "# benches done at $(elapsed) s" | tee -a "$log"
+python3 - "$OUT/ab.json" "${jsons[@]}" <<'EOF'
+import json, os, sys
+runs = []
+for spec in sys.argv[2:]:
+    build, rep, config, path = spec.split("|", 3)
+    results = json.load(open(path))["results"] if os.path.exists(path) else None
+    runs.append({"build": build, "rep": int(rep), "config": config, "results": results})
+json.dump({"runs": runs}, open(sys.argv[1], "w"), indent=1)
+EOF
+
+rc=0
+if [ -n "$tests" ]; then
+  left=$(( 580 - $(elapsed) ))
+  timeout "$left" "$new/build-device/tests/cpidx_gpu_tests" --gtest_filter="$tests" \
+    >"$OUT/tests.log" 2>&1
+  rc=$?
+  echo "# tests (new) exit $rc at $(elapsed) s ($left s allowed)" | tee -a "$log"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/tests.log" | tee -a "$log"
+fi
+if [ -n "$sanitize" ] && [ $(( 560 - $(elapsed) )) -gt 60 ]; then
+  if ! (cd "$new" && OUT=$OUT/san scripts/gpu_sanitize.sh "$sanitize" >/dev/null 2>&1); then
+    rc=1
+  fi
+  cp "$OUT/san/sanitize_summary.txt" "$OUT/sanitize_summary.txt" 2>/dev/null
+  rm -rf "$OUT/san"
+  [ -f "$OUT/sanitize_summary.txt" ] && tee -a "$log" <"$OUT/sanitize_summary.txt"
+fi
+echo "# done at $(elapsed) s" | tee -a "$log"
+exit $rc
