@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # scripts/device.sh: one call on the GPU machine: build for sm_90a, run the GPU tests and the
-# benchmark, write logs and JSON under $OUT. Usage: scripts/device.sh [tests|bench|all] [bench flags...]
+# benchmark, write logs and JSON under $OUT. Usage: scripts/device.sh [tests|bench|all|build]
+# [bench flags...]; `build` only builds (TARGETS="..." replaces cpidx_tool cpidx_gpu_tests).
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
+[ "$what" = build ] || nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
 # Few files come back from the device machine: build logs stay in build-device/ (printed on
 # failure); $OUT gets the test log and the bench JSON.
 mkdir -p build-device
@@ -15,7 +16,7 @@ gtest_src=()
 cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" >build-device/configure.log 2>&1 ||
   { tail -30 build-device/configure.log; exit 1; }
-targets=(cpidx_tool cpidx_gpu_tests)
+read -r -a targets <<<"${TARGETS:-cpidx_tool cpidx_gpu_tests}"
 [ -n "${EXTRA_TARGETS:-}" ] && targets+=($EXTRA_TARGETS)
 cmake --build build-device -j"$(nproc)" --target "${targets[@]}" >build-device/build.log 2>&1 ||
   { grep -E "error" -A3 build-device/build.log | head -60; exit 1; }

@@ -62,18 +62,9 @@ if [ "$(cat "$new/.applied" 2>/dev/null)" != "$sum" ]; then  # new, or the patch
     { echo "device_ab.sh: $patch does not apply to this tree" | tee -a "$log"; exit 1; }
   echo "$sum" >"$new/.applied"
 fi
-gtest_src=()
-[ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
-build() {  # build SOURCE_DIR TARGET...: its build-device/ (log: build-device/ab_build.log)
-  local dir=$1/build-device
-  mkdir -p "$dir"
-  if ! { cmake -S "$1" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
-           -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" &&
-         cmake --build "$dir" -j"$(( $(nproc) / 2 ))" --target "${@:2}"; } >"$dir/ab_build.log" 2>&1; then
-    echo "device_ab.sh: build of $1 failed"
-    grep -E "error" -A3 "$dir/ab_build.log" | head -30
-    return 1
-  fi
+build() {  # build SOURCE_DIR TARGET...: scripts/device.sh's build in SOURCE_DIR/build-device
+  (cd "$1" && TARGETS="${*:2}" OUT="$OUT" scripts/device.sh build) ||
+    { echo "device_ab.sh: build of $1 failed"; return 1; }
 }
 new_targets=(cpidx_tool)
 [ -n "$tests" ] && new_targets+=(cpidx_gpu_tests)

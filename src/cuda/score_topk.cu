@@ -668,6 +668,7 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   }
   const int most = ctas_per_sm == 1 ? 1 : 2, least = ctas_per_sm == 2 ? 2 : 1;
   for (int ctas = most; ctas >= least; --ctas) {
+    // Every offset kept first (shift 0), then sparser, down to a single kept offset.
     for (int shift = 0; shift == 0 || (max_reqs >> (shift - 1)) > 0; ++shift) {
       for (int stages = 6; stages >= 2; --stages) {
         SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs, shift);
