@@ -73,6 +73,7 @@ struct DecodePlan {
   // Requests per request offset the scoring kernel keeps in shared memory: 1 (every one) unless
   // max_tokens is large enough that keeping them all would cost the second CTA per SM (README,
   // "Sizing"); the offsets between kept ones are summed again from seq_lens (L2) when needed.
+  // Steps of at most max_tokens / offset_stride requests keep every offset all the same.
   int offset_stride = 1;
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
   int64_t split_max_pages = 0;  // the split path's capacity: steps with more pages are fused

@@ -658,8 +658,9 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   // when that is what lets two CTAs fit (the sparse instance): at plain 8 x 256K one CTA per SM
   // (4 pages in flight) took 162 us at Q = 1 and 181 us at Q = 4, two CTAs with every 2nd or
   // 8th offset kept 140-142 us, two with all kept 134-138 (2 or 3 pages in flight: the same);
-  // small steps pay the sparse lookups' L2 reads, +2.5-3.5 us at 1 x 8K (docs/perf/README.md,
-  // v17).
+  // small steps paid the sparse lookups' L2 reads, +2.5-3.5 us at 1 x 8K, until steps of at
+  // most max_reqs >> shift requests launched the dense instance (launch_score_topk;
+  // docs/perf/README.md, v17 and v17e).
   for (int nc = 8; nc <= 64; nc *= 2) {
     e = dispatch(nc, dtype, [&](auto nt, auto dt) {
       return raise_smem_cap<decltype(nt)::value, decltype(dt)::value>(smem_optin);
@@ -705,17 +706,21 @@ cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const Score
   if (ncols > l.ncols_pad || p.num_reqs > l.max_reqs || p.topk != l.topk) {
     return cudaErrorInvalidValue;
   }
+  // A step of at most max_reqs >> prefix_shift requests fits the planned prefix with every
+  // offset kept: the dense instance runs on the same shared memory (the same bytes, so the
+  // same CTAs per SM). The request count is a host value, so a captured graph keeps its choice.
+  const int dense_reqs = l.max_reqs >> l.prefix_shift;
+  const bool sparse = p.num_reqs > dense_reqs;
+  const int reqs_smem = sparse ? l.max_reqs : dense_reqs;
+  const int shift = sparse ? l.prefix_shift : 0;
   // plan_score_topk raised every instance's shared-memory cap to the device's limit.
   return dispatch(ncols, dtype, [&](auto nt, auto dt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
     constexpr DType DT = decltype(dt)::value;
-    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, l.max_reqs,
-                         l.prefix_shift);
+    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, reqs_smem, shift);
     return launch_with_pdl(p.pdl,
-                           l.prefix_shift > 0 ? score_topk_kernel<NT, DT, true>
-                                              : score_topk_kernel<NT, DT, false>,
-                           l.grid, kThreads, lay.total, stream, p, l.stages, l.max_reqs,
-                           l.prefix_shift);
+                           sparse ? score_topk_kernel<NT, DT, true> : score_topk_kernel<NT, DT, false>,
+                           l.grid, kThreads, lay.total, stream, p, l.stages, reqs_smem, shift);
   });
 }
 

@@ -328,10 +328,11 @@ TEST(GpuDecode, StepsWithMoreItemsThanTheWideSelectionGrid) {
 }
 
 // A Decoder planned for many more tokens than shared memory holds request offsets for at two
-// CTAs per SM keeps every N-th request's offset (DecodePlan::offset_stride) and sums the others
-// again from the lengths. Its ids: the reference's on both paths, and bit for bit those of a
-// Decoder sized to the batch (every offset kept), plain and context-parallel (requests that own
-// no page on a rank), with runs of padding requests across kept offsets; strides from 4 up.
+// CTAs per SM keeps every N-th request's offset (DecodePlan::offset_stride): steps of more than
+// max_tokens / N requests sum the others again from the lengths (the sparse kernel), smaller
+// ones keep them all on the same layout. Both: the reference's ids on both paths, and bit for
+// bit those of a Decoder sized to the batch, plain and context-parallel (requests that own no
+// page on a rank), with runs of padding requests across kept offsets; strides from 4 up.
 TEST(GpuDecode, SparseRequestOffsetsForLargeMaxTokens) {
   SKIP_WITHOUT_GPU();
   int sms = 0;
@@ -341,10 +342,12 @@ TEST(GpuDecode, SparseRequestOffsetsForLargeMaxTokens) {
     int T, Q, reqs;
     int32_t max_len;
     int max_tokens;
+    bool sparse;  // more requests than max_tokens / offset_stride
   };
   const Selection sel = sel_of(16);
-  for (const Case c : {Case{4, 1, 300, 6000, 16384}, Case{2, 4, 150, 3000, 16384},
-                       Case{8, 8, 40, 5000, 8192}, Case{1, 1, 2000, 700, 16384}}) {
+  for (const Case c : {Case{1, 1, 4500, 600, 16384, true}, Case{4, 1, 2300, 1500, 16384, true},
+                       Case{2, 2, 4200, 500, 16384, true}, Case{8, 8, 600, 800, 8192, true},
+                       Case{4, 1, 300, 6000, 16384, false}, Case{8, 8, 40, 5000, 8192, false}}) {
     const std::string what = "T=" + std::to_string(c.T) + " Q=" + std::to_string(c.Q) +
                              " reqs=" + std::to_string(c.reqs);
     SCOPED_TRACE(what);
@@ -352,12 +355,14 @@ TEST(GpuDecode, SparseRequestOffsetsForLargeMaxTokens) {
     for (int r = 8; r < 21 && r < c.reqs; ++r) lens[r] = 0;  // padding across kept offsets
     // A page or two: requests that own no page on some ranks.
     for (int r = 30; r < c.reqs; r += 7) lens[r] = 1 + r % 300;
-    DecodeData d = random_decode(7100 + c.T * 10 + c.Q, c.T, c.Q, lens, c.max_len);
+    DecodeData d = random_decode(7100 + c.T * 10 + c.Q + c.reqs, c.T, c.Q, lens, c.max_len);
     const std::vector<int32_t> every_offset = gpu_decode(d, sel);
     UseMaxTokens large(c.max_tokens);
     std::unique_ptr<cpidx::Decoder> dec;
     ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
-    EXPECT_GT(dec->plan().offset_stride, 1);
+    const int stride = dec->plan().offset_stride;
+    EXPECT_GT(stride, 1);
+    EXPECT_EQ(c.reqs > c.max_tokens / stride, c.sparse) << "stride " << stride;
     EXPECT_EQ(dec->plan().grid, 2 * sms);
     expect_matches_reference(d, sel, what.c_str());
     EXPECT_EQ(gpu_decode(d, sel), every_offset);
@@ -476,7 +481,8 @@ void graph_replay_follows_new_lengths_and_tables() {
   }
 }
 
-// The same with sparse request offsets (a Decoder planned for 16K tokens: every 8th kept).
+// The same on a Decoder planned for 16K tokens: 8 requests keep every offset on the sparse
+// layout; 4,500 take the sparse kernel (one head, Q = 1: every 4th offset kept).
 TEST(GpuDecode, GraphReplayFollowsNewLengthsWithSparseRequestOffsets) {
   SKIP_WITHOUT_GPU();
   UseMaxTokens large(1 << 14);
@@ -484,6 +490,17 @@ TEST(GpuDecode, GraphReplayFollowsNewLengthsWithSparseRequestOffsets) {
     UsePath use(path);
     SCOPED_TRACE(path_name(path));
     graph_replay_follows_new_lengths_and_tables();
+    std::mt19937 rng(73);
+    const int reqs = 4500;
+    DecodeData d = random_decode(840, 1, 1, lengths(rng, reqs, 700, true), 700);
+    const Selection sel = sel_of(16);
+    DeviceBatch b(d);
+    std::unique_ptr<cpidx::Decoder> dec;
+    ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+    ASSERT_LT((1 << 14) / dec->plan().offset_stride, reqs);
+    std::vector<int32_t> shorter = lengths(rng, reqs, 300, true), zeros(reqs, 0);
+    for (int r = 0; r < reqs; r += 3) zeros[r] = 1 + r % 700;  // two of three requests empty
+    expect_replays_follow_lengths(*dec, d, b, sel, {d.seq_lens, shorter, zeros, d.seq_lens});
   }
 }
 
