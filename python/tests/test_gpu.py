@@ -73,7 +73,9 @@ def test_op_equals_decoder_and_reference(T, Q, K, init, local):
 
 def test_large_max_tokens_keep_two_ctas_per_sm():
     # A Decoder planned for far more tokens than its batch keeps every N-th request offset
-    # (offset_stride) instead of leaving one scoring CTA per SM; the ids do not change.
+    # (offset_stride) instead of leaving one scoring CTA per SM; the ids do not change, for a
+    # small step (every offset kept in the same bytes) nor for one of more than max_tokens / N
+    # requests (the others summed again from the lengths).
     rng = np.random.default_rng(5)
     b = random_decode(rng, 4, 1, [3000, 1, 0, 129, 2049], max_seq_len=4096)
     q, k, bt, sl = to_dev(b)
@@ -88,6 +90,21 @@ def test_large_max_tokens_keep_two_ctas_per_sm():
                    stream=torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
         np.testing.assert_array_equal(out.cpu().numpy(), host_ids(b, 16, 0, 1))
+    reqs = 16384 // large.offset_stride + 37
+    lens = rng.integers(0, 257, size=reqs)
+    lens[40:60] = 0  # a run of padding across kept offsets
+    many = random_decode(rng, 4, 1, lens.tolist(), max_seq_len=256, spare_pages=0)
+    # The Decoder's max_seq_len is 4096: its table rows are 32 entries wide (garbage past 2).
+    wide = np.full((reqs, 32), -7, dtype=np.int32)
+    wide[:, :2] = many.block_table[:, :2]
+    many.block_table, many.max_seq_len = wide, 4096
+    q, k, bt, sl = to_dev(many)
+    out = torch.full((4, reqs, 16), -7, dtype=torch.int32, device=DEV)
+    large.decode(q, k, bt, sl, 1, out, scale=many.scale,
+                 stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(out.cpu().numpy(), host_ids(many, 16, 0, 1))
+    assert int(large.error_flag().item()) == 0
 
 
 def test_fp8_cache_gpu():

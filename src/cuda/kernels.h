@@ -123,7 +123,8 @@ cudaError_t read_select_trace(long long* host, int ctas);
 
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream);
-// Sets l->select_grid and the selection kernel's shared-memory cap (needs l->max_reqs).
+// Sets l->select_grid, l->select_narrow_grid and the selection kernels' shared-memory cap (the
+// request offsets are sized per launch, from the step's requests).
 cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l);
 // The selection after every score_topk: the split path's top K, or the fused path's merge of the
 // requests that spanned CTAs.

@@ -88,6 +88,13 @@ struct RequestOffsets {
     int32_t unused = 0;
     return owned_pages(p, __ldcg(p.seq_lens + r), &unused);
   }
+  // Request r's first flattened page (0 <= r < num_reqs).
+  __device__ __forceinline__ int64_t first(const ScoreTopkParams& p, int r) const {
+    if constexpr (!kSparse) return prefix[r];
+    int64_t at = prefix[r >> shift];
+    for (int q = (r >> shift) << shift; q < r; ++q) at += pages(p, q);
+    return at;
+  }
   // The request holding flattened page x (the last r whose first page is <= x; num_reqs - 1 past
   // the end), and its first page in *start.
   __device__ __forceinline__ int find(const ScoreTopkParams& p, int64_t x, int64_t* start) const {

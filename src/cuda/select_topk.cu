@@ -58,10 +58,16 @@ static_assert(kCand >= kMaxTopK, "a long list's K winners must fit the candidate
 // Key groups whose maxima bound the K-th key (K <= kGroups): thread t's keys belong to group
 // t / (threads / kGroups), so a group is 8 (wide) or 4 (narrow) adjacent lanes of one warp.
 constexpr int kGroups = 32;
+// NOTE: the request offsets in dynamic shared memory are kept for every 2^shift-th request when
+// all of them would pass this many bytes (1,023 requests). Sized per launch from the step's
+// requests: sized by max_tokens instead (16384: 128 KB a CTA), the select CTAs no longer fit
+// beside the scoring grid and 64 x 8K at Q = 4 took 66 us instead of 47 (docs/perf/README.md,
+// v17f).
+constexpr size_t kPrefixBytes = 8192;
 static_assert(kNarrow % kGroups == 0 && kWide % kGroups == 0, "one warp ranks the maxima");
 
 struct SelectSmem {
-  int64_t* prefix;                 // [num_reqs + 1] (dynamic): flattened page offset per request
+  int64_t* prefix;                 // [(num_reqs >> shift) + 1] (dynamic): RequestOffsets
   int hist[kBins];
   Key cand[kCand];                 // the winners, unordered
   Key sorted[kMaxTopK];            // the winners, descending, padded with kPadKey
@@ -239,9 +245,11 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSRanked);
 }
 
-template <int kThreads>
+// kSparse: the request offsets of a step of more than kPrefixBytes / 8 - 1 requests, every
+// 2^prefix_shift-th kept; the dense instance carries none of it.
+template <int kThreads, bool kSparse>
 __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
-    select_topk_kernel(const ScoreTopkParams p) {
+    select_topk_kernel(const ScoreTopkParams p, int prefix_shift) {
   __shared__ SelectSmem s;
   extern __shared__ int64_t prefix_smem[];
   const int Q = p.query_len, K = p.topk, ncols = p.num_heads * Q, B = p.num_reqs;
@@ -255,12 +263,13 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
   const int ctas = static_cast<int>(items < static_cast<int64_t>(gridDim.x) ? items : gridDim.x);
   if (threadIdx.x == 0) s.prefix = prefix_smem;
   __syncthreads();
+  const int shift = kSparse ? prefix_shift : 0;
   // Before the wait: only the step's inputs (seq_lens), never score_topk's outputs. score_topk
   // let this grid launch after its own wait, so the lengths it used are the ones read here.
   int r0 = 0, r1 = 0;
   thread_requests<kThreads>(B, &r0, &r1);
   int64_t total = 0;
-  const int64_t longest = pages_prefix<kThreads>(p, s.prefix, 0, r0, r1, &total);
+  const int64_t longest = pages_prefix<kThreads>(p, s.prefix, shift, r0, r1, &total);
   pdl_wait();
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSWaited);
   // Fused exchange: the channel's use count is read before merge_topk may launch (it counts the
@@ -275,7 +284,8 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
     const int r = static_cast<int>(item / ncols), col = static_cast<int>(item % ncols);
     const int h = col / Q, t = col % Q;
     const int64_t row = static_cast<int64_t>(r) * Q + t;
-    const int64_t first = s.prefix[r], n = s.prefix[r + 1] - first;
+    const RequestOffsets<kSparse> offs{s.prefix, shift, B};  // sparse: L2 reads too
+    const int64_t first = offs.first(p, r), n = offs.pages(p, r);
     if (split) {
       select_item<kThreads>(p.split_keys + col * p.split_max_pages + first, n, K, s);
     } else {
@@ -324,15 +334,18 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
   if (e != cudaSuccess) return e;
   e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
-  const size_t smem = (static_cast<size_t>(l->max_reqs) + 1) * sizeof(int64_t);
-  for (auto kernel : {select_topk_kernel<kWide>, select_topk_kernel<kNarrow>}) {
+  for (auto kernel : {select_topk_kernel<kWide, false>, select_topk_kernel<kNarrow, false>,
+                      select_topk_kernel<kWide, true>, select_topk_kernel<kNarrow, true>}) {
     cudaFuncAttributes attr{};
     e = cudaFuncGetAttributes(&attr, kernel);
     if (e != cudaSuccess) return e;
-    if (smem + attr.sharedSizeBytes > static_cast<size_t>(smem_optin)) {
+    if (kPrefixBytes + attr.sharedSizeBytes > static_cast<size_t>(smem_optin)) {
       return cudaErrorInvalidConfiguration;
     }
     // The cap is process-wide: raise it to the device limit, never to one Decoder's need.
+    // NOTE: the offsets need no opt-in, but a first v17f build that left the cap at the default
+    // (and had one instance for dense and sparse offsets) measured small steps 0.2-0.6 us
+    // slower; with both as here, unchanged (docs/perf/README.md, v17f).
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem_optin - static_cast<int>(attr.sharedSizeBytes));
     if (e != cudaSuccess) return e;
@@ -353,14 +366,20 @@ cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& 
       (p.split_max_pages >= 0 && p.split_keys == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  const size_t smem = (static_cast<size_t>(l.max_reqs) + 1) * sizeof(int64_t);
+  // The request count is a host value, so a captured graph keeps its offsets' layout.
+  int shift = 0;
+  while (((static_cast<size_t>(p.num_reqs) >> shift) + 1) * sizeof(int64_t) > kPrefixBytes) ++shift;
+  const size_t smem = ((static_cast<size_t>(p.num_reqs) >> shift) + 1) * sizeof(int64_t);
   // Items per step are host values (requests x heads x Q), so a captured graph keeps its choice.
   const int64_t items = static_cast<int64_t>(p.num_reqs) * p.num_heads * p.query_len;
-  if (items > l.select_grid) {
-    return launch_with_pdl(p.pdl, select_topk_kernel<kNarrow>, l.select_narrow_grid, kNarrow, smem,
-                           stream, p);
-  }
-  return launch_with_pdl(p.pdl, select_topk_kernel<kWide>, l.select_grid, kWide, smem, stream, p);
+  const bool narrow = items > l.select_grid;
+  const int grid = narrow ? l.select_narrow_grid : l.select_grid;
+  const int threads = narrow ? kNarrow : kWide;
+  auto kernel = narrow ? (shift > 0 ? select_topk_kernel<kNarrow, true>
+                                    : select_topk_kernel<kNarrow, false>)
+                       : (shift > 0 ? select_topk_kernel<kWide, true>
+                                    : select_topk_kernel<kWide, false>);
+  return launch_with_pdl(p.pdl, kernel, grid, threads, smem, stream, p, shift);
 }
 
 }  // namespace cuda

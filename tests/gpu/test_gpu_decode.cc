@@ -332,7 +332,9 @@ TEST(GpuDecode, StepsWithMoreItemsThanTheWideSelectionGrid) {
 // max_tokens / N requests sum the others again from the lengths (the sparse kernel), smaller
 // ones keep them all on the same layout. Both: the reference's ids on both paths, and bit for
 // bit those of a Decoder sized to the batch, plain and context-parallel (requests that own no
-// page on a rank), with runs of padding requests across kept offsets; strides from 4 up.
+// page on a rank), with runs of padding requests across kept offsets; strides from 4 up. Steps
+// of more than 1,023 requests also keep sparse offsets in the selection kernel; 12,000 requests
+// on a Decoder planned for 65,536 tokens (once refused: the selection sized them by max_tokens).
 TEST(GpuDecode, SparseRequestOffsetsForLargeMaxTokens) {
   SKIP_WITHOUT_GPU();
   int sms = 0;
@@ -347,6 +349,7 @@ TEST(GpuDecode, SparseRequestOffsetsForLargeMaxTokens) {
   const Selection sel = sel_of(16);
   for (const Case c : {Case{1, 1, 4500, 600, 16384, true}, Case{4, 1, 2300, 1500, 16384, true},
                        Case{2, 2, 4200, 500, 16384, true}, Case{8, 8, 600, 800, 8192, true},
+                       Case{1, 1, 12000, 128, 1 << 16, true},
                        Case{4, 1, 300, 6000, 16384, false}, Case{8, 8, 40, 5000, 8192, false}}) {
     const std::string what = "T=" + std::to_string(c.T) + " Q=" + std::to_string(c.Q) +
                              " reqs=" + std::to_string(c.reqs);
@@ -354,7 +357,7 @@ TEST(GpuDecode, SparseRequestOffsetsForLargeMaxTokens) {
     std::vector<int32_t> lens = lengths(rng, c.reqs, c.max_len, true);
     for (int r = 8; r < 21 && r < c.reqs; ++r) lens[r] = 0;  // padding across kept offsets
     // A page or two: requests that own no page on some ranks.
-    for (int r = 30; r < c.reqs; r += 7) lens[r] = 1 + r % 300;
+    for (int r = 30; r < c.reqs; r += 7) lens[r] = 1 + r % std::min<int32_t>(300, c.max_len);
     DecodeData d = random_decode(7100 + c.T * 10 + c.Q + c.reqs, c.T, c.Q, lens, c.max_len);
     const std::vector<int32_t> every_offset = gpu_decode(d, sel);
     UseMaxTokens large(c.max_tokens);

@@ -528,6 +528,31 @@ TEST(GpuSanitize, ManyItemsTakeTheNarrowSelection) {
   }
 }
 
+TEST(GpuSanitize, SparseRequestOffsetsInBothKernels) {
+  SKIP_WITHOUT_GPU();
+  // A Decoder planned for 16K tokens of 64 columns keeps every 32nd request offset in the
+  // scoring kernel; a step of 1,100 requests takes its sparse instance, and more than 1,023
+  // requests keep every other offset in the selection kernel too (both paths).
+  const int T = 8, Q = 8, reqs = 1100;
+  std::mt19937 rng(5757);
+  std::vector<int32_t> lens(static_cast<size_t>(reqs));
+  for (auto& x : lens) x = static_cast<int32_t>(rng() % 257);
+  for (int r = 40; r < 75; ++r) lens[static_cast<size_t>(r)] = 0;  // padding across kept offsets
+  const Selection sel{16, 1, 1};
+  cpidx_test::DecodeData d = random_decode(5757, T, Q, lens, 256);
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  UseMaxTokens large(1 << 14);
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+  const int stride = dec->plan().offset_stride;
+  ASSERT_LT((1 << 14) / stride, reqs) << "stride " << stride;
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    const CompareResult r = compare_ids(d, sel, gpu_decode(d, sel), cpu);
+    EXPECT_EQ(r.bad_rows, 0) << path_name(path) << ": " << r.first_bad;
+  }
+}
+
 TEST(GpuSanitize, WorkStealingSplitStep) {
   SKIP_WITHOUT_GPU();
   // A split step with >= 16 pages for each of two CTAs on up to 132 SMs: the CTAs take pages
