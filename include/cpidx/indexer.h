@@ -21,8 +21,9 @@ struct DecodeConfig {
   int rank = 0;                      // r
   // Bounds. max_tokens and max_query_len also size the scoring kernel's shared memory (8 bytes
   // per row, and T x max_query_len columns), which the page pipeline shares. Large bounds keep
-  // two CTAs per SM by keeping fewer request offsets (plan().offset_stride), which costs small
-  // steps a few us: pass the real bounds (README, "Sizing").
+  // two CTAs per SM by keeping fewer request offsets (plan().offset_stride), which costs steps
+  // of more than max_tokens / offset_stride requests a few us: pass the real bounds (README,
+  // "Sizing").
   int max_tokens = 0;                // bound on decode rows per call (requests x Q)
   int32_t max_seq_len = 0;           // bound on tokens per request (pass max_model_len)
   int max_query_len = kMaxQueryLen;  // bound on Q
