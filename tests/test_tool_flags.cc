@@ -66,6 +66,25 @@ TEST(ToolFlags, IntegersOutsideTheirRangeAreRefusedAndLeaveTheDefault) {
   EXPECT_EQ(rows, int64_t{1} << 24);
 }
 
+TEST(ToolFlags, BooleanValuesGoAfterTheEqualsSign) {
+  bool steal = true;
+  Flags flags("prog [flags]", "test");
+  flags.add("steal", &steal, "steal");
+  EXPECT_EQ(parse(flags, {"--steal=false"}), Flags::Parse::kOk);
+  EXPECT_FALSE(steal);
+  EXPECT_EQ(parse(flags, {"--steal"}), Flags::Parse::kOk);
+  EXPECT_TRUE(steal);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(parse(flags, {"--steal", "false"}), Flags::Parse::kError);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("flag --steal takes its value after '=': --steal=false"), std::string::npos)
+      << err;
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(parse(flags, {"--steal=true", "false"}), Flags::Parse::kError);
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("unexpected argument 'false'"),
+            std::string::npos);
+}
+
 TEST(ToolFlags, HelpShowsListDefaultsWithSuffixes) {
   std::vector<int64_t> contexts = {8 << 10, 1 << 20, 3};
   Flags flags("prog [flags]", "test");

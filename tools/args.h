@@ -89,6 +89,12 @@ class Flags {
         return Parse::kHelp;
       }
       if (arg.substr(0, 2) != "--" || arg.size() == 2) {
+        // `--steal false`: a boolean flag takes its value after '=' only.
+        if (const Flag* prev = i > first ? bare_bool(argv[i - 1]) : nullptr;
+            prev != nullptr && (arg == "true" || arg == "false" || arg == "0" || arg == "1")) {
+          return fail("flag --" + prev->name + " takes its value after '=': --" + prev->name +
+                      "=" + std::string(arg));
+        }
         return fail("unexpected argument '" + std::string(arg) + "'");
       }
       arg.remove_prefix(2);
@@ -158,6 +164,13 @@ class Flags {
       if (f.name == name) return &f;
     }
     return nullptr;
+  }
+
+  // The boolean flag `arg` names when given without '=' ("--steal"), else null.
+  const Flag* bare_bool(std::string_view arg) {
+    if (arg.substr(0, 2) != "--" || arg.find('=') != std::string_view::npos) return nullptr;
+    const Flag* flag = find(arg.substr(2));
+    return flag != nullptr && std::holds_alternative<bool*>(flag->target) ? flag : nullptr;
   }
 
   Parse fail(const std::string& message) const {
