@@ -11,7 +11,9 @@ struct DecodeConfig;
 
 struct DecodeWorkspaceLayout {
   // Byte offsets from the workspace base.
-  size_t partial = 0;     // [T * Qmax, grid + max_tokens, K] keys: per-(CTA, request) lists
+  // Per-(CTA, request) lists: a call's [H * Q, grid + num_reqs, K] keys, so
+  // T * (Qmax * grid + max_tokens) * K in all (Q * num_reqs <= max_tokens).
+  size_t partial = 0;
   size_t error_flag = 0;  // int32
   size_t q_send = 0;      // [max_tokens, L, D] bf16 (context-parallel only)
   size_t q_recv = 0;      // [P, max_tokens, L, D] bf16
@@ -27,7 +29,6 @@ struct DecodeWorkspaceLayout {
   int64_t split_any_pages = 0;
   int64_t split_longest_pages = 0;
   size_t total = 0;       // bytes to allocate
-  int64_t num_slots = 0;  // rows of `partial`
 };
 
 // `grid` is the scoring kernel's CTA count (DecodePlan::grid).

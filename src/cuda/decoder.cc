@@ -36,8 +36,9 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
     o += bytes;
     return at;
   };
-  w.num_slots = static_cast<int64_t>(grid) + c.max_tokens;
-  w.partial = take(static_cast<size_t>(w.num_slots) * T * c.max_query_len * K * sizeof(Key));
+  // A call lays out its H x Q columns grid + num_reqs slots apart (partial_slots); with
+  // H <= T, Q <= max_query_len and Q x num_reqs <= max_tokens, no call needs more than this.
+  w.partial = take(T * (static_cast<size_t>(c.max_query_len) * grid + n) * K * sizeof(Key));
   w.error_flag = take(sizeof(int32_t));
   const bool cp = P > 1;
   w.q_send = take(cp ? n * L * kHeadDim * 2 : 0);
@@ -111,7 +112,7 @@ struct Decoder::Impl {
     p.world = world;
     p.rank = rank;
     p.partial = at<Key>(layout.partial);
-    p.num_slots = layout.num_slots;
+    p.num_slots = cuda::partial_slots(launch.grid, in.num_reqs);
     p.fused_grid = launch.grid;
     p.error_flag = at<int32_t>(layout.error_flag);
     if (layout.split_max_pages > 0) {

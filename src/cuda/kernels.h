@@ -62,7 +62,7 @@ struct ScoreTopkParams {
 
   // Workspace.
   Key* partial = nullptr;                 // [H * Q][num_slots][K]: per-(CTA, request) lists
-  int64_t num_slots = 0;
+  int64_t num_slots = 0;                  // partial_slots(grid, num_reqs)
   int fused_grid = 0;                     // score_topk's grid (select_topk finds the lists by it)
   int32_t* error_flag = nullptr;          // OR of DeviceError bits
   // Split path (split_path() in page_order.cuh): steps of <= split_any_pages owned pages, and
@@ -110,6 +110,12 @@ __host__ __device__ inline int64_t fused_ctas(int64_t total, int grid) {
 }
 __host__ __device__ inline int64_t cta_of(int64_t x, int64_t total, int64_t g) {
   return ((x + 1) * g - 1) / total;  // largest c with floor(c * total / g) <= x
+}
+// Slots per column of a call's per-CTA lists: every slot c + r lies below it. Sized per call
+// (not by max_tokens), so the workspace holds T * (Qmax * grid + max_tokens) lists, not
+// T * Qmax * (grid + max_tokens).
+inline int64_t partial_slots(int grid, int num_reqs) {
+  return static_cast<int64_t>(grid) + num_reqs;
 }
 __host__ __device__ inline int64_t partial_index(int col, int64_t slot, int64_t num_slots, int K) {
   return (col * num_slots + slot) * K;
