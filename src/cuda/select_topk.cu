@@ -326,6 +326,14 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSExit);
 }
 
+// The instance for a launch: the narrow grid's (128 threads) or the wide one's, with sparse
+// request offsets or every one kept. Plan and launch both go through it.
+using SelectKernel = void (*)(ScoreTopkParams, int);
+SelectKernel select_kernel(bool narrow, bool sparse) {
+  if (narrow) return sparse ? select_topk_kernel<kNarrow, true> : select_topk_kernel<kNarrow, false>;
+  return sparse ? select_topk_kernel<kWide, true> : select_topk_kernel<kWide, false>;
+}
+
 }  // namespace
 
 cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
@@ -334,8 +342,8 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
   if (e != cudaSuccess) return e;
   e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
-  for (auto kernel : {select_topk_kernel<kWide, false>, select_topk_kernel<kNarrow, false>,
-                      select_topk_kernel<kWide, true>, select_topk_kernel<kNarrow, true>}) {
+  for (int i = 0; i < 4; ++i) {
+    const SelectKernel kernel = select_kernel((i & 1) != 0, (i & 2) != 0);
     cudaFuncAttributes attr{};
     e = cudaFuncGetAttributes(&attr, kernel);
     if (e != cudaSuccess) return e;
@@ -375,11 +383,8 @@ cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& 
   const bool narrow = items > l.select_grid;
   const int grid = narrow ? l.select_narrow_grid : l.select_grid;
   const int threads = narrow ? kNarrow : kWide;
-  auto kernel = narrow ? (shift > 0 ? select_topk_kernel<kNarrow, true>
-                                    : select_topk_kernel<kNarrow, false>)
-                       : (shift > 0 ? select_topk_kernel<kWide, true>
-                                    : select_topk_kernel<kWide, false>);
-  return launch_with_pdl(p.pdl, kernel, grid, threads, smem, stream, p, shift);
+  return launch_with_pdl(p.pdl, select_kernel(narrow, shift > 0), grid, threads, smem, stream, p,
+                         shift);
 }
 
 }  // namespace cuda
