@@ -83,7 +83,7 @@ struct Result {
   std::string check;
 };
 
-void print_trace(int grid, int select_items);
+void print_trace(int grid, int select_items, double page_bytes);
 
 class Bench {
  public:
@@ -300,7 +300,7 @@ Result Bench::run(const Shape& sh, int replays) {
   float median_ms = 0, gpu_ms = 0;
   BENCH_CUDA(median_graph_ms(exec, stream, 3, replays, &median_ms));
   BENCH_CUDA(median_graph_ms(exec, stream, 1, replays, &gpu_ms, /*hold_stream=*/true));
-  if (trace_) print_trace(res.grid, sh.reqs * T * sh.qlen);
+  if (trace_) print_trace(res.grid, sh.reqs * T * sh.qlen, static_cast<double>(page_bytes_));
   res.us = median_ms * 1e3 / calls;
   res.gpu_us = gpu_ms * 1e3 / calls;
   res.gbps = shard_bytes / (res.us * 1e-6) / 1e9;
@@ -322,7 +322,7 @@ void print_quantiles(const char* name, std::vector<double> v, const std::string&
 
 // The timeline of the fused kernel's last launch (score_trace.cuh), over the CTAs that scored
 // pages: stamps in us after the earliest entry, cycle sums in us at the SM's rated clock.
-void print_trace(int grid, int select_items) {
+void print_trace(int grid, int select_items, double page_bytes) {
   using namespace cpidx::cuda;
   std::vector<long long> t(static_cast<size_t>(grid) * kTraceSlots);
   if (read_score_trace(t.data(), grid) != cudaSuccess) {
@@ -383,6 +383,31 @@ void print_trace(int grid, int select_items) {
   std::printf("#   sm_last_page_us:");
   for (const auto& [us, sm] : sm_order) std::printf(" %d:%.2f", sm, us);
   std::printf("\n");
+  // The rate at which pages landed (every CTA's first kTracePages, as full pages), per 2 us.
+  std::vector<long long> pt(static_cast<size_t>(grid) * kTracePages);
+  if (read_page_trace(pt.data(), grid) == cudaSuccess) {
+    std::vector<double> at;
+    for (int c : ctas) {
+      const long long n = std::min<long long>(t[static_cast<size_t>(c) * kTraceSlots + kTPages],
+                                              kTracePages);
+      const long long* v = &pt[static_cast<size_t>(c) * kTracePages];
+      for (long long i = 0; i < n; ++i) at.push_back((v[i] - t0) * 1e-3);
+    }
+    std::sort(at.begin(), at.end());
+    if (!at.empty()) {
+      const double bin = 2.0;
+      std::vector<int> hist(static_cast<size_t>(at.back() / bin) + 1);
+      for (double x : at) ++hist[static_cast<size_t>(x / bin)];
+      std::printf("#   landed TB/s per %.0f us (bin start:rate):", bin);
+      for (size_t b = 0; b < hist.size(); ++b) {
+        std::printf(" %.0f:%.2f", b * bin, hist[b] * page_bytes / (bin * 1e-6) / 1e12);
+      }
+      const auto q = [&](double f) { return at[static_cast<size_t>(f * (at.size() - 1))]; };
+      std::printf("\n#   landed: 1%% %.2f 10%% %.2f 50%% %.2f 90%% %.2f 99%% %.2f 100%% %.2f us; "
+                  "10-90%% at %.2f TB/s\n", q(0.01), q(0.1), q(0.5), q(0.9), q(0.99), at.back(),
+                  0.8 * at.size() * page_bytes / ((q(0.9) - q(0.1)) * 1e-6) / 1e12);
+    }
+  }
   // select_topk after the grid (its CTAs with an item), on the same clock.
   const int sel_ctas = std::min(select_items, kTraceCtas);
   std::vector<long long> st(static_cast<size_t>(sel_ctas) * kSelectSlots);
@@ -467,7 +492,8 @@ int run_bench(int argc, char** argv) {
       .add("min-calls", &min_calls,
            "decode calls per graph replay at least this (0: one per input set, as the peer)")
       .add("trace", &trace,
-           "print the fused kernel's per-CTA timeline (a library built with -DCPIDX_TRACE)")
+           "print the fused kernel's per-CTA timeline and the rate its pages landed at (a "
+           "library built with -DCPIDX_TRACE)")
       .add("json", &json, "write the results as JSON to this file");
   if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   // Each mode is a kind and a number: plainH (heads 1..8), cpP / stepP (ranks 2..8).

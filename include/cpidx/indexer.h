@@ -57,8 +57,8 @@ struct DecodeConfig {
   // pipeline that fits both); 1 gives one CTA a deeper pipeline. For tuning and benchmarks.
   int scoring_ctas_per_sm = 0;
   // Split-path steps whose CTAs hold >= 16 pages each balance at run time: a CTA done with its
-  // pages takes the last unclaimed pages of another CTA's range in the same request (two at a
-  // time, one compare-and-swap each). Ids are the same either way. false: static ranges.
+  // pages takes the last unclaimed pages of another CTA's range, of any request (two at a time,
+  // one compare-and-swap each). Ids are the same either way. false: static ranges.
   bool work_stealing = true;
   // cp_decode with a communicator that offers a device channel (the peer communicator): the
   // selection kernel stores the shard's keys straight into every rank's channel and the merge

@@ -124,6 +124,9 @@ __host__ __device__ inline int64_t partial_index(int col, int64_t slot, int64_t 
 // The fused kernel's per-CTA timeline of its last launch (score_trace.cuh: kTraceSlots values per
 // CTA, `ctas` CTAs); cudaErrorNotSupported unless the library was built with -DCPIDX_TRACE.
 cudaError_t read_score_trace(long long* host, int ctas);
+// Each CTA's page landings (kTracePages stamps per CTA, the first kTPages of them this launch's);
+// likewise.
+cudaError_t read_page_trace(long long* host, int ctas);
 // select_topk's stamps (kSelectSlots per CTA with an item) of its last launch; likewise.
 cudaError_t read_select_trace(long long* host, int ctas);
 

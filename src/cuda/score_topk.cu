@@ -238,20 +238,16 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
       issue(front, front + c < back ? front + c : back);
       front += c;
     }
-    // Pages of request rt (the last one issued) from the backs of the CTAs that share it: each
-    // lane looks at one of them (steal_victim), the lane that sees the most left takes up to
-    // kStealPages by compare-and-swap on the value it read.
-    const int rt = cur;
-    const int64_t lo = rt >= 0 ? cur_lo : 0, hi = rt >= 0 ? cur_hi : 0;
-    const int64_t c_lo = rt >= 0 ? cta_of(lo, total, w.ctas) : 0;
-    const int64_t c_hi = rt >= 0 ? cta_of(hi - 1, total, w.ctas) : -1;
+    // Pages from the backs of the 16 CTAs on each side: each lane looks at one of them
+    // (steal_victim), the lane that sees the most left takes up to kStealPages by
+    // compare-and-swap on the value it read.
     const int64_t victim = steal_victim(blockIdx.x, lane);
-    const bool can = victim >= c_lo && victim <= c_hi;
+    const bool can = in_grid(victim, w.ctas);
     for (;;) {
       const unsigned long long seen = can ? load_word(words + victim) : 0;
       int64_t vf = 0, vb = 0;
       unclaimed(seen, victim, total, w.ctas, &vf, &vb);
-      const int64_t avail = stealable(can, vf, vb, lo, hi);
+      const int64_t avail = stealable(can, vf, vb);
       int64_t best = avail;
       for (int o = 16; o > 0; o /= 2) {
         const int64_t other = __shfl_xor_sync(0xffffffffu, best, o);
@@ -470,6 +466,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     if (r != seg_req) load_queries(r);
     CPIDX_TRACE_ADD(tid == 0, kTPages, 1);
     if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstPage);
+    CPIDX_TRACE_PAGE(tid == 0, lp);
     const int64_t gblk = (x - req_lo()) * p.world + p.rank;
     const uint8_t* page = s.pages + static_cast<size_t>(st) * Page::kBytes;
 
@@ -698,6 +695,10 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
 
 cudaError_t read_score_trace(long long* host, int ctas) {
   return CPIDX_COPY_TRACE(g_score_trace, kTraceSlots, host, ctas);
+}
+
+cudaError_t read_page_trace(long long* host, int ctas) {
+  return CPIDX_COPY_TRACE(g_page_trace, kTracePages, host, ctas);
 }
 
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,

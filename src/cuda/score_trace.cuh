@@ -34,6 +34,9 @@ static_assert(kTSlotCount <= kTraceSlots, "trace slots");
 // loaded, winners gathered, ranked) of the CTA's last item (a CTA with several items restamps).
 constexpr int kSelectSlots = 8;
 enum SelectTraceSlot : int { kSEntry = 0, kSWaited, kSBound, kSGathered, kSRanked, kSExit };
+// Each CTA's first kTracePages page landings (stamps, in g_page_trace; kTPages says how many are
+// this launch's): the rate at which the step's bytes arrive, over time.
+constexpr int kTracePages = 512;
 
 #if defined(CPIDX_TRACE) && defined(__CUDACC__)
 static __device__ long long g_score_trace[kTraceCtas * kTraceSlots];
@@ -65,6 +68,10 @@ __device__ __forceinline__ void trace_add(int slot, long long v) {
 #define CPIDX_TRACE_SINCE(name) (clock64() - (name))
 #define CPIDX_TRACE_SMID(cond) ((cond) ? trace_set(kTSmid, trace_smid()) : (void)0)
 static __device__ long long g_select_trace[kTraceCtas * kSelectSlots];
+static __device__ long long g_page_trace[kTraceCtas * kTracePages];
+#define CPIDX_TRACE_PAGE(cond, i)                                                           \
+  ((cond) && blockIdx.x < kTraceCtas && (i) < kTracePages                                   \
+       ? (void)(g_page_trace[blockIdx.x * kTracePages + (i)] = trace_now()) : (void)0)
 #define CPIDX_SELECT_RESET(cond)                                                            \
   do {                                                                                      \
     if ((cond) && blockIdx.x < kTraceCtas)                                                  \
@@ -91,6 +98,7 @@ cudaError_t copy_trace(const Symbol& symbol, int slots, long long* host, int cta
 #define CPIDX_TRACE_SMID(cond) ((void)0)
 #define CPIDX_SELECT_RESET(cond) ((void)0)
 #define CPIDX_SELECT_STAMP(cond, slot) ((void)0)
+#define CPIDX_TRACE_PAGE(cond, i) ((void)0)
 #define CPIDX_COPY_TRACE(symbol, slots, host, ctas) \
   ((void)(host), (void)(ctas), cudaErrorNotSupported)
 #endif

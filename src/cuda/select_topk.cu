@@ -27,6 +27,10 @@
 // outputs written before the PDL wait) was measured slower everywhere: +15 us at 8 x 256K
 // merging whole ranges (they all end in the last few us), +36 us streaming them every 2 pages,
 // +5 to +9 us at 1 x 8K (docs/perf/README.md, v16-overlap); not kept.
+// NOTE: the phases after the wait (keys loaded and bounded ~1.9 us, then ~0.5-1 us each for
+// gathering, ranking, storing) are not cold code: running the item code once before the wait,
+// on made-up keys in registers, left them as long and cost +0.8 to +3.3 us, the warm pass
+// itself taking 4-5 us (docs/perf/README.md, v19-warm).
 // Keys are distinct (the block id is in the low bits); kPadKey marks an invisible block and is
 // never selected: a list with fewer than K real keys is padded, as the fused path pads.
 #include "channel.cuh"

@@ -8,9 +8,10 @@
 // the word is kUnstarted. The owner starts its word (compare-and-swap from kUnstarted) keeping
 // a first chunk, then claims chunks from the front with atomicAdd (what lies below the
 // returned back is its own); a CTA done with its pages takes up to kStealPages from the back
-// of another CTA's range by compare-and-swap on the word it read (starting it, if its owner has
-// not run yet), and only pages of the request whose queries it holds. The last producer done
-// with the words (a count after them) sets them all back to kUnstarted for the next call.
+// of another CTA's range within reach by compare-and-swap on the word it read (starting it, if
+// its owner has not run yet), whatever request they belong to (its consumers load that request's
+// queries when the page lands). The last producer done with the words (a count after them) sets
+// them all back to kUnstarted for the next call.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,12 +53,17 @@ __host__ __device__ inline void unclaimed(unsigned long long seen, int64_t victi
   *front = seen == kUnstarted ? victim * total / ctas : range_front(seen);
   *back = seen == kUnstarted ? (victim + 1) * total / ctas : range_back(seen);
 }
-// Pages a CTA whose queries are request [lo, hi)'s may take from the back of [front, back),
-// the unclaimed pages of a CTA whose static range meets [lo, hi) (`shares`; else none).
-__host__ __device__ inline int64_t stealable(bool shares, int64_t front, int64_t back, int64_t lo,
-                                             int64_t hi) {
-  const int64_t floor_x = front > lo ? front : lo;
-  return shares && back <= hi && back > floor_x ? back - floor_x : 0;
+// Whether the CTA a producer lane looks at (steal_victim) is one of the step's `ctas`.
+// NOTE: v15 looked only at the CTAs sharing the thief's last request, so that it kept its
+// queries; any CTA within reach measured 1.4-8.3 us faster at 64 requests (a request then spans
+// ~4 CTAs) and the same at 8 (docs/perf/README.md, v19-steal).
+__host__ __device__ inline bool in_grid(int64_t victim, int64_t ctas) {
+  return victim >= 0 && victim < ctas;
+}
+// Pages that may be taken from the back of [front, back), the unclaimed pages of a CTA looked at
+// (`can`; else none).
+__host__ __device__ inline int64_t stealable(bool can, int64_t front, int64_t back) {
+  return can && back > front ? back - front : 0;
 }
 
 }  // namespace cuda

@@ -1,6 +1,6 @@
-// The split path's run-time share (score_topk.cu, v15): a CTA done with its pages takes the last
-// unclaimed pages of other CTAs' ranges in its request, starting the range of a CTA that has not
-// run yet. The ids must not depend on who scored a page: here they are compared, bit for bit,
+// The split path's run-time share (score_topk.cu, v15, v19): a CTA done with its pages takes the
+// last unclaimed pages of other CTAs' ranges within reach, of any request, starting the range of
+// a CTA that has not run yet. The ids must not depend on who scored a page: here they are compared, bit for bit,
 // with the static ranges' (DecodeConfig::work_stealing = false) and with the CPU reference, with
 // the CTAs starting together, and with half of the SMs held by another kernel so that half of
 // the CTAs start long after the others (whose pages the early ones take). Consecutive calls and
