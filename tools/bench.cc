@@ -346,7 +346,8 @@ void print_trace(int grid, int select_items, double page_bytes) {
       {kTFirstPage, "first_page", 0}, {kTLastPage, "last_page", 0}, {kTExit, "exit", 0},
       {kTFullWait, "wait_full", 1},   {kTEmptyWait, "wait_empty", 1}, {kTSegEnd, "seg_ends", 1},
       {kTQueries, "queries", 1},      {kTPages, "n_pages", 2},      {kTSegments, "n_segments", 2},
-      {kTStolen, "n_stolen", 2}};
+      {kTStolen, "n_stolen", 2},      {kTFirstIssue, "first_issue", 0},
+      {kTLastIssue, "last_issue", 0}};
   std::printf("# trace over %zu CTAs: min / median / p90 / max (us; n_*: counts)\n", ctas.size());
   for (const auto& row : rows) {
     std::vector<double> v;
@@ -412,14 +413,15 @@ void print_trace(int grid, int select_items, double page_bytes) {
   const int sel_ctas = std::min(select_items, kTraceCtas);
   std::vector<long long> st(static_cast<size_t>(sel_ctas) * kSelectSlots);
   if (sel_ctas > 0 && read_select_trace(st.data(), sel_ctas) == cudaSuccess) {
-    for (int slot : {kSEntry, kSWaited, kSBound, kSGathered, kSRanked, kSExit}) {
+    for (int slot : {kSEntry, kSWaited, kSLoaded, kSMaxima, kSBound, kSGathered, kSRanked, kSExit}) {
       std::vector<double> v;
       for (int c = 0; c < sel_ctas; ++c) {
         const long long x = st[static_cast<size_t>(c) * kSelectSlots + slot];
         if (x != 0) v.push_back((x - t0) * 1e-3);  // 0: the phase did not run (another path)
       }
-      static const char* const names[] = {"select_entry",    "select_waited", "select_bound",
-                                          "select_gathered", "select_ranked", "select_exit"};
+      static const char* const names[] = {"select_entry",  "select_waited",   "select_bound",
+                                          "select_gathered", "select_ranked", "select_exit",
+                                          "select_loaded", "select_maxima"};
       const std::string ctas_note = "  (" + std::to_string(sel_ctas) + " CTAs)";
       if (!v.empty()) print_quantiles(names[slot], std::move(v), ctas_note);
     }

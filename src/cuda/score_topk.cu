@@ -207,6 +207,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
           mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
           CPIDX_TRACE_ADD(true, kTEmptyWait, CPIDX_TRACE_SINCE(t0));
           s.stage_x[st] = x0 + i;  // released to the consumers by the arrive below
+          if (lp == 0) CPIDX_TRACE_STAMP(true, kTFirstIssue);
+          CPIDX_TRACE_STAMP(true, kTLastIssue);
           mbar_arrive_expect_tx(&s.full[st], b);
           bulk_copy_g2s(s.pages + static_cast<size_t>(st) * Page::kBytes, from_ptr, b,
                         &s.full[st]);

@@ -26,14 +26,19 @@ enum TraceSlot : int {
   kTSegments,         // count: segment ends
   kTSmid,             // the SM the CTA ran on
   kTStolen,           // count: pages taken from other CTAs' ranges (split path, v15)
+  kTFirstIssue,       // stamp: the producer's first bulk copy issued
+  kTLastIssue,        // stamp: the producer's last bulk copy issued
   kTSlotCount
 };
 static_assert(kTSlotCount <= kTraceSlots, "trace slots");
 // select_topk's CTAs with an item (blockIdx < items), stamps in g_select_trace: entry, the
 // PDL wait's return, exit, and the phases of select_item (the group bound known with the keys
-// loaded, winners gathered, ranked) of the CTA's last item (a CTA with several items restamps).
+// loaded, winners gathered, ranked; inside the bound, a thread's keys in registers and the
+// groups' maxima in shared memory) of the CTA's last item (a CTA with several items restamps).
 constexpr int kSelectSlots = 8;
-enum SelectTraceSlot : int { kSEntry = 0, kSWaited, kSBound, kSGathered, kSRanked, kSExit };
+enum SelectTraceSlot : int {
+  kSEntry = 0, kSWaited, kSBound, kSGathered, kSRanked, kSExit, kSLoaded, kSMaxima
+};
 // Each CTA's first kTracePages page landings (stamps, in g_page_trace; kTPages says how many are
 // this launch's): the rate at which the step's bytes arrive, over time.
 constexpr int kTracePages = 512;

@@ -180,6 +180,8 @@ __device__ Key group_bound(int K, SelectSmem& s, Each&& each) {
   const int tid = threadIdx.x;
   Key m = kPadKey;
   each([&](Key k) { m = k > m ? k : m; });
+  // The loads landed: the condition depends on every one, so the stamp cannot run earlier.
+  CPIDX_SELECT_STAMP(tid == 0 && m != ~Key{0}, kSLoaded);
 #pragma unroll
   for (int d = 1; d < kGroupThreads; d *= 2) {
     const Key other = __shfl_xor_sync(0xffffffffu, m, d);
@@ -188,6 +190,7 @@ __device__ Key group_bound(int K, SelectSmem& s, Each&& each) {
   if (tid % kGroupThreads == 0) s.group_max[tid / kGroupThreads] = m;
   if (tid == 0) { s.bound = 1; s.count = 0; }
   __syncthreads();
+  CPIDX_SELECT_STAMP(tid == 0, kSMaxima);
   if (tid < kGroups) {
     // Real maxima are distinct (keys are), so at most one real one has rank K - 1.
     const Key mine = s.group_max[tid];
