@@ -384,6 +384,16 @@ void print_trace(int grid, int select_items, double page_bytes) {
   std::printf("#   sm_last_page_us:");
   for (const auto& [us, sm] : sm_order) std::printf(" %d:%.2f", sm, us);
   std::printf("\n");
+  // The SMs' clock while scoring: cycles over nanoseconds between entry and exit.
+  {
+    std::vector<double> mhz;
+    for (int c : ctas) {
+      const long long* v = &t[static_cast<size_t>(c) * kTraceSlots];
+      const long long ns = v[kTExit] - v[kTEntry], cycles = v[kTExitClock] - v[kTEntryClock];
+      if (ns > 0 && cycles > 0) mhz.push_back(cycles * 1e3 / ns);
+    }
+    if (!mhz.empty()) print_quantiles("sm_clock_mhz", std::move(mhz));
+  }
   // The rate at which pages landed (every CTA's first kTracePages, as full pages), per 2 us.
   std::vector<long long> pt(static_cast<size_t>(grid) * kTracePages);
   if (read_page_trace(pt.data(), grid) == cudaSuccess) {
@@ -425,6 +435,13 @@ void print_trace(int grid, int select_items, double page_bytes) {
       const std::string ctas_note = "  (" + std::to_string(sel_ctas) + " CTAs)";
       if (!v.empty()) print_quantiles(names[slot], std::move(v), ctas_note);
     }
+    std::vector<double> mhz;  // the selection's SM clock, wait to exit
+    for (int c = 0; c < sel_ctas; ++c) {
+      const long long* v = &st[static_cast<size_t>(c) * kSelectSlots];
+      const long long ns = v[kSExit] - v[kSWaited], cycles = v[kSExitClock] - v[kSWaitedClock];
+      if (v[kSWaited] != 0 && ns > 0 && cycles > 0) mhz.push_back(cycles * 1e3 / ns);
+    }
+    if (!mhz.empty()) print_quantiles("select_clock_mhz", std::move(mhz));
   }
   std::sort(sm_order.begin(), sm_order.end());
   const size_t show = std::min<size_t>(8, sm_order.size());

@@ -10,7 +10,7 @@
 namespace cpidx {
 namespace cuda {
 
-constexpr int kTraceCtas = 1024, kTraceSlots = 16;
+constexpr int kTraceCtas = 1024, kTraceSlots = 18;
 enum TraceSlot : int {
   kTEntry = 0,        // stamp: kernel entry
   kTWaited,           // stamp: past the PDL wait
@@ -28,6 +28,8 @@ enum TraceSlot : int {
   kTStolen,           // count: pages taken from other CTAs' ranges (split path, v15)
   kTFirstIssue,       // stamp: the producer's first bulk copy issued
   kTLastIssue,        // stamp: the producer's last bulk copy issued
+  kTEntryClock,       // clock64 at entry and at exit: with the stamps, the SM's clock rate
+  kTExitClock,
   kTSlotCount
 };
 static_assert(kTSlotCount <= kTraceSlots, "trace slots");
@@ -35,9 +37,10 @@ static_assert(kTSlotCount <= kTraceSlots, "trace slots");
 // PDL wait's return, exit, and the phases of select_item (the group bound known with the keys
 // loaded, winners gathered, ranked; inside the bound, a thread's keys in registers and the
 // groups' maxima in shared memory) of the CTA's last item (a CTA with several items restamps).
-constexpr int kSelectSlots = 8;
+constexpr int kSelectSlots = 10;
 enum SelectTraceSlot : int {
-  kSEntry = 0, kSWaited, kSBound, kSGathered, kSRanked, kSExit, kSLoaded, kSMaxima
+  kSEntry = 0, kSWaited, kSBound, kSGathered, kSRanked, kSExit, kSLoaded, kSMaxima,
+  kSWaitedClock, kSExitClock  // clock64 at the wait's return and at exit (the SM's clock rate)
 };
 // Each CTA's first kTracePages page landings (stamps, in g_page_trace; kTPages says how many are
 // this launch's): the rate at which the step's bytes arrive, over time.
@@ -86,6 +89,9 @@ static __device__ long long g_page_trace[kTraceCtas * kTracePages];
 #define CPIDX_SELECT_STAMP(cond, slot)                                                      \
   ((cond) && blockIdx.x < kTraceCtas                                                       \
        ? (void)(g_select_trace[blockIdx.x * kSelectSlots + (slot)] = trace_now()) : (void)0)
+#define CPIDX_SELECT_CLOCK(cond, slot)                                                      \
+  ((cond) && blockIdx.x < kTraceCtas                                                       \
+       ? (void)(g_select_trace[blockIdx.x * kSelectSlots + (slot)] = clock64()) : (void)0)
 // The first `ctas` CTAs' `slots` values of a trace symbol (of the calling translation unit, the
 // symbols being per file) copied to `host`.
 template <typename Symbol>
@@ -103,6 +109,7 @@ cudaError_t copy_trace(const Symbol& symbol, int slots, long long* host, int cta
 #define CPIDX_TRACE_SMID(cond) ((void)0)
 #define CPIDX_SELECT_RESET(cond) ((void)0)
 #define CPIDX_SELECT_STAMP(cond, slot) ((void)0)
+#define CPIDX_SELECT_CLOCK(cond, slot) ((void)0)
 #define CPIDX_TRACE_PAGE(cond, i) ((void)0)
 #define CPIDX_COPY_TRACE(symbol, slots, host, ctas) \
   ((void)(host), (void)(ctas), cudaErrorNotSupported)

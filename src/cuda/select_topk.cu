@@ -279,6 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
   const int64_t longest = pages_prefix<kThreads>(p, s.prefix, shift, r0, r1, &total);
   pdl_wait();
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSWaited);
+  CPIDX_SELECT_CLOCK(threadIdx.x == 0, kSWaitedClock);
   // Fused exchange: the channel's use count is read before merge_topk may launch (it counts the
   // use once every reader arrived).
   const bool channel = p.channel.world > 0;
@@ -331,6 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
   }
   if (channel) channel_clean(p.channel, uses, items * K, ctas);  // lines = H * n_rows * K
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSExit);
+  CPIDX_SELECT_CLOCK(threadIdx.x == 0, kSExitClock);
 }
 
 // The instance for a launch: the narrow grid's (128 threads) or the wide one's, with sparse
