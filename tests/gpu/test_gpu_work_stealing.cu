@@ -1,11 +1,12 @@
 // The split path's run-time share (score_topk.cu, v15, v19): a CTA done with its pages takes the
 // last unclaimed pages of other CTAs' ranges within reach, of any request, starting the range of
-// a CTA that has not run yet. The ids must not depend on who scored a page: here they are compared, bit for bit,
-// with the static ranges' (DecodeConfig::work_stealing = false) and with the CPU reference, with
-// the CTAs starting together, and with half of the SMs held by another kernel so that half of
-// the CTAs start long after the others (whose pages the early ones take). Consecutive calls and
-// graph replays on one Decoder alternate two batches, so a call that lost a page would show the
-// key the previous call left at its place, and ranges not reset between calls would lose pages.
+// a CTA that has not run yet. The ids must not depend on who scored a page: here they are
+// compared, bit for bit, with the static ranges' (DecodeConfig::work_stealing = false) and with
+// the CPU reference, with the CTAs starting together, and with half of the SMs held by another
+// kernel so that half of the CTAs start long after the others (whose pages the early ones take,
+// across requests). Consecutive calls and graph replays on one Decoder alternate two batches, so
+// a call that lost a page would show the key the previous call left at its place, and ranges not
+// reset between calls would lose pages.
 #include <gtest/gtest.h>
 
 #include <chrono>
