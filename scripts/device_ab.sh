@@ -7,6 +7,7 @@
 #   ab.txt      every bench table, each under "== base|new rep=N <config flags>"
 #   ab.json     the same rows as JSON ({"runs": [{"build", "rep", "config", "results"}]})
 #   tests.log   the new build's GPU tests (--tests)
+#   trace_base.txt, trace_new.txt   `cpidx bench --trace` of both trees (--trace)
 #   sanitize_summary.txt   compute-sanitizer on the new build (--sanitize)
 # Options:
 #   --config "FLAGS"   bench flags added to the shapes for one block (repeatable; default: one
@@ -14,6 +15,8 @@
 #   --shapes "FLAGS"   the bench shapes (default: --modes plain4,cp2 --reqs 1,8
 #                      --contexts 8192,262144 --qlens 1,4)
 #   --reps N           alternations per config (default 2)
+#   --trace "FLAGS"    then build both trees with the timeline (scripts/device_trace.sh, at
+#                      once) and run `cpidx bench --trace FLAGS` on each, one after the other
 #   --tests FILTER     then run the new build's cpidx_gpu_tests with this gtest filter
 #   --sanitize TOOL    then scripts/gpu_sanitize.sh TOOL in the new tree (memcheck|racecheck|
 #                      synccheck|all)
@@ -23,15 +26,16 @@
 #     --tests 'GpuDecode.*:GpuWorkStealing.*' docs/perf/raw/v17e_dense_offsets_when_the_batch_fits.patch
 set -uo pipefail
 configs=() shapes="--modes plain4,cp2 --reqs 1,8 --contexts 8192,262144 --qlens 1,4" reps=2
-tests="" sanitize="" patch=""
+tests="" sanitize="" trace="" patch=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) configs+=("$2"); shift 2 ;;
     --shapes) shapes=$2; shift 2 ;;
     --reps) reps=$2; shift 2 ;;
     --tests) tests=$2; shift 2 ;;
+    --trace) trace=$2; shift 2 ;;
     --sanitize) sanitize=$2; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     -*) echo "device_ab.sh: unknown option $1" >&2; exit 2 ;;
     *) [ -z "$patch" ] || { echo "device_ab.sh: one PATCH only" >&2; exit 2; }; patch=$1; shift ;;
   esac
@@ -99,6 +103,20 @@ for spec in sys.argv[2:]:
     runs.append({"build": build, "rep": int(rep), "config": config, "results": results})
 json.dump({"runs": runs}, open(sys.argv[1], "w"), indent=1)
 EOF
+
+if [ -n "$trace" ]; then
+  (OUT=$OUT scripts/device_trace.sh --build-only) & tb_pid=$!
+  (cd "$new" && OUT=$OUT scripts/device_trace.sh --build-only) & tn_pid=$!
+  if wait $tb_pid && wait $tn_pid; then
+    # shellcheck disable=SC2086  # trace holds separate flags
+    timeout 120 ./build-trace/cpidx bench --trace $trace >"$OUT/trace_base.txt" 2>&1
+    # shellcheck disable=SC2086
+    timeout 120 "$new/build-trace/cpidx" bench --trace $trace >"$OUT/trace_new.txt" 2>&1
+  else
+    echo "device_ab.sh: a trace build failed" | tee -a "$log"
+  fi
+  echo "# traces done at $(elapsed) s" | tee -a "$log"
+fi
 
 rc=0
 if [ -n "$tests" ]; then
