@@ -72,20 +72,23 @@ def golden_decode(case: dict) -> Batch:
 
 
 def random_decode(rng: np.random.Generator, T: int, Q: int, seq_lens: list, max_seq_len: int,
-                  lo: int = -3, hi: int = 4, spare_pages: int = 3) -> Batch:
+                  lo: int = -3, hi: int = 4, spare_pages: int = 3, bound: int = 0) -> Batch:
     """Small-integer values (exact dot products, many ties), shuffled pages, garbage in the
-    block-table columns past each request's length."""
+    block-table columns past each request's length. Pages are made for max_seq_len tokens a
+    request; bound (if larger) is the batch's max_seq_len and sizes its table rows, as for a
+    Decoder planned for longer requests than these."""
     B = len(seq_lens)
     G = math.ceil(max_seq_len / BS)
     pages = B * G + spare_pages
     query = cpidx.bf16_bits(rng.integers(lo, hi, size=(B * Q, T, D)).astype(np.float32))
     cache = cpidx.bf16_bits(rng.integers(lo, hi, size=(pages, BS, D)).astype(np.float32))
     perm = rng.permutation(pages).astype(np.int32)
-    bt = np.full((B, G + 2), -7, dtype=np.int32)
+    bound = max(bound, max_seq_len)
+    bt = np.full((B, max(G + 2, math.ceil(bound / BS))), -7, dtype=np.int32)
     for req, s in enumerate(seq_lens):
         used = min(G, math.ceil(max(s, 0) / BS))
         bt[req, :used] = perm[req * G: req * G + used]
-    return Batch(query, cache, bt, np.array(seq_lens, dtype=np.int32), max_seq_len, Q, 0.5)
+    return Batch(query, cache, bt, np.array(seq_lens, dtype=np.int32), bound, Q, 0.5)
 
 
 def oracle_decode(b: Batch, topk: int, init: int, local: int) -> np.ndarray:

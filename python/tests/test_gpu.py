@@ -93,11 +93,9 @@ def test_large_max_tokens_keep_two_ctas_per_sm():
     reqs = 16384 // large.offset_stride + 37
     lens = rng.integers(0, 257, size=reqs)
     lens[40:60] = 0  # a run of padding across kept offsets
-    many = random_decode(rng, 4, 1, lens.tolist(), max_seq_len=256, spare_pages=0)
-    # The Decoder's max_seq_len is 4096: its table rows are 32 entries wide (garbage past 2).
-    wide = np.full((reqs, 32), -7, dtype=np.int32)
-    wide[:, :2] = many.block_table[:, :2]
-    many.block_table, many.max_seq_len = wide, 4096
+    # Pages for 256 tokens a request; the Decoder's max_seq_len is 4096, so the table rows are 32
+    # entries wide (garbage past 2).
+    many = random_decode(rng, 4, 1, lens.tolist(), max_seq_len=256, spare_pages=0, bound=4096)
     q, k, bt, sl = to_dev(many)
     out = torch.full((4, reqs, 16), -7, dtype=torch.int32, device=DEV)
     large.decode(q, k, bt, sl, 1, out, scale=many.scale,
