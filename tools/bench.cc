@@ -320,6 +320,19 @@ void print_quantiles(const char* name, std::vector<double> v, const std::string&
               v[v.size() * 9 / 10], v.back(), note.c_str());
 }
 
+// The SMs' clock over a phase, per CTA with a stamp: clock64 cycles over %globaltimer ns between
+// the slots `from` and `to` of `v` (rows of `slots` values, the CTAs in `ctas`).
+void print_clock(const char* name, const std::vector<long long>& v, int slots,
+                 const std::vector<int>& ctas, int ns_from, int ns_to, int clk_from, int clk_to) {
+  std::vector<double> mhz;
+  for (int c : ctas) {
+    const long long* x = &v[static_cast<size_t>(c) * slots];
+    const long long ns = x[ns_to] - x[ns_from], cycles = x[clk_to] - x[clk_from];
+    if (x[ns_from] != 0 && ns > 0 && cycles > 0) mhz.push_back(cycles * 1e3 / ns);
+  }
+  if (!mhz.empty()) print_quantiles(name, std::move(mhz));
+}
+
 // The timeline of the fused kernel's last launch (score_trace.cuh), over the CTAs that scored
 // pages: stamps in us after the earliest entry, cycle sums in us at the SM's rated clock.
 void print_trace(int grid, int select_items, double page_bytes) {
@@ -384,16 +397,7 @@ void print_trace(int grid, int select_items, double page_bytes) {
   std::printf("#   sm_last_page_us:");
   for (const auto& [us, sm] : sm_order) std::printf(" %d:%.2f", sm, us);
   std::printf("\n");
-  // The SMs' clock while scoring: cycles over nanoseconds between entry and exit.
-  {
-    std::vector<double> mhz;
-    for (int c : ctas) {
-      const long long* v = &t[static_cast<size_t>(c) * kTraceSlots];
-      const long long ns = v[kTExit] - v[kTEntry], cycles = v[kTExitClock] - v[kTEntryClock];
-      if (ns > 0 && cycles > 0) mhz.push_back(cycles * 1e3 / ns);
-    }
-    if (!mhz.empty()) print_quantiles("sm_clock_mhz", std::move(mhz));
-  }
+  print_clock("sm_clock_mhz", t, kTraceSlots, ctas, kTEntry, kTExit, kTEntryClock, kTExitClock);
   // The rate at which pages landed (every CTA's first kTracePages, as full pages), per 2 us.
   std::vector<long long> pt(static_cast<size_t>(grid) * kTracePages);
   if (read_page_trace(pt.data(), grid) == cudaSuccess) {
@@ -414,9 +418,10 @@ void print_trace(int grid, int select_items, double page_bytes) {
         std::printf(" %.0f:%.2f", b * bin, hist[b] * page_bytes / (bin * 1e-6) / 1e12);
       }
       const auto q = [&](double f) { return at[static_cast<size_t>(f * (at.size() - 1))]; };
+      const double span_us = q(0.9) - q(0.1);  // 0 when every page landed in one stamp
       std::printf("\n#   landed: 1%% %.2f 10%% %.2f 50%% %.2f 90%% %.2f 99%% %.2f 100%% %.2f us; "
                   "10-90%% at %.2f TB/s\n", q(0.01), q(0.1), q(0.5), q(0.9), q(0.99), at.back(),
-                  0.8 * at.size() * page_bytes / ((q(0.9) - q(0.1)) * 1e-6) / 1e12);
+                  span_us > 0 ? 0.8 * at.size() * page_bytes / (span_us * 1e-6) / 1e12 : 0.0);
     }
   }
   // select_topk after the grid (its CTAs with an item), on the same clock.
@@ -435,13 +440,10 @@ void print_trace(int grid, int select_items, double page_bytes) {
       const std::string ctas_note = "  (" + std::to_string(sel_ctas) + " CTAs)";
       if (!v.empty()) print_quantiles(names[slot], std::move(v), ctas_note);
     }
-    std::vector<double> mhz;  // the selection's SM clock, wait to exit
-    for (int c = 0; c < sel_ctas; ++c) {
-      const long long* v = &st[static_cast<size_t>(c) * kSelectSlots];
-      const long long ns = v[kSExit] - v[kSWaited], cycles = v[kSExitClock] - v[kSWaitedClock];
-      if (v[kSWaited] != 0 && ns > 0 && cycles > 0) mhz.push_back(cycles * 1e3 / ns);
-    }
-    if (!mhz.empty()) print_quantiles("select_clock_mhz", std::move(mhz));
+    std::vector<int> sel(static_cast<size_t>(sel_ctas));
+    for (int c = 0; c < sel_ctas; ++c) sel[static_cast<size_t>(c)] = c;
+    print_clock("select_clock_mhz", st, kSelectSlots, sel, kSWaited, kSExit, kSWaitedClock,
+                kSExitClock);
   }
   std::sort(sm_order.begin(), sm_order.end());
   const size_t show = std::min<size_t>(8, sm_order.size());

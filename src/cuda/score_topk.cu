@@ -723,9 +723,9 @@ cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const Score
     constexpr int NT = decltype(nt)::value;
     constexpr DType DT = decltype(dt)::value;
     const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, reqs_smem, shift);
-    return launch_with_pdl(p.pdl,
-                           sparse ? score_topk_kernel<NT, DT, true> : score_topk_kernel<NT, DT, false>,
-                           l.grid, kThreads, lay.total, stream, p, l.stages, reqs_smem, shift);
+    const auto kernel = sparse ? score_topk_kernel<NT, DT, true> : score_topk_kernel<NT, DT, false>;
+    return launch_with_pdl(p.pdl, kernel, l.grid, kThreads, lay.total, stream, p, l.stages,
+                           reqs_smem, shift);
   });
 }
 
