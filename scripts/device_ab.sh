@@ -107,7 +107,9 @@ EOF
 if [ -n "$trace" ]; then
   (OUT=$OUT scripts/device_trace.sh --build-only) & tb_pid=$!
   (cd "$new" && OUT=$OUT scripts/device_trace.sh --build-only) & tn_pid=$!
-  if wait $tb_pid && wait $tn_pid; then
+  wait $tb_pid; tb_rc=$?
+  wait $tn_pid; tn_rc=$?
+  if [ $tb_rc -eq 0 ] && [ $tn_rc -eq 0 ]; then
     # shellcheck disable=SC2086  # trace holds separate flags
     timeout 120 ./build-trace/cpidx bench --trace $trace >"$OUT/trace_base.txt" 2>&1
     # shellcheck disable=SC2086
