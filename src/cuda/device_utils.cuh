@@ -112,22 +112,9 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
 __device__ __forceinline__ float max_num(float a, float b) { return fmaxf(a, b); }
 
 // ---- Exact top-K by rank counting ------------------------------------------------------------
-// Keys in `cand[0..count)` are unique real keys (> kPadKey). Writes the K largest, in
-// descending order, to out[0..K), padding with kPadKey. All threads of the block call it;
-// `out` must not alias `cand`. O(count^2 / threads), meant for count <= a few hundred.
-__device__ __forceinline__ void block_rank_topk(const Key* cand, int count, int k, Key* out) {
-  for (int i = threadIdx.x; i < k; i += blockDim.x) {
-    if (i >= count) out[i] = kPadKey;
-  }
-  for (int i = threadIdx.x; i < count; i += blockDim.x) {
-    Key mine = cand[i];
-    int rank = 0;
-    for (int j = 0; j < count; ++j) rank += cand[j] > mine;
-    if (rank < k) out[rank] = mine;
-  }
-}
-
-// The same within one warp (lane-strided).
+// Keys in `cand[0..count)` are unique real keys (> kPadKey). One warp (lane-strided) writes
+// the K largest, in descending order, to out[0..K), padding with kPadKey; `out` must not alias
+// `cand`. select_topk's block-wide form is for_each_rank (select_topk.cu).
 __device__ __forceinline__ void warp_rank_topk(const Key* cand, int count, int k, Key* out,
                                                int lane) {
   for (int i = lane; i < k; i += 32) {

@@ -240,10 +240,10 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
       issue(front, front + c < back ? front + c : back);
       front += c;
     }
-    // Pages from the backs of the 16 CTAs on each side: each lane looks at one of them
-    // (steal_victim), the lane that sees the most left takes up to kStealPages by
-    // compare-and-swap on the value it read.
-    const int64_t victim = steal_victim(blockIdx.x, lane);
+    // Pages from the backs of the 8 CTAs on each side and 16 spread over the grid: each lane
+    // looks at one of them (steal_victim), the lane that sees the most left takes up to
+    // kStealPages by compare-and-swap on the value it read.
+    const int64_t victim = steal_victim(blockIdx.x, lane, w.ctas);
     const bool can = in_grid(victim, w.ctas);
     for (;;) {
       const unsigned long long seen = can ? load_word(words + victim) : 0;

@@ -168,6 +168,24 @@ __device__ Key radix_kth(int K, SelectSmem& s, Each&& each) {
   return s.prefix_bits > 1 ? s.prefix_bits : 1;
 }
 
+// Calls f(v[i], rank) once for each i < n (n uniform across the CTA), rank = how many of
+// v[0..n) are larger than v[i]: each v[i] is counted by 8 lanes, one eighth of the others each,
+// summed by shuffles (kThreads / 8 values a pass), instead of one thread reading all n.
+template <int kThreads, typename F>
+__device__ __forceinline__ void for_each_rank(const Key* v, int n, F&& f) {
+  constexpr int kLanes = 8, kPerPass = kThreads / kLanes;
+  const int sub = threadIdx.x % kLanes;
+  for (int i0 = 0; i0 < n; i0 += kPerPass) {
+    const int i = i0 + static_cast<int>(threadIdx.x) / kLanes;
+    const Key mine = i < n ? v[i] : kPadKey;
+    int rank = 0;
+    for (int j = sub; j < n; j += kLanes) rank += v[j] > mine;
+#pragma unroll
+    for (int d = 1; d < kLanes; d *= 2) rank += __shfl_xor_sync(0xffffffffu, rank, d);
+    if (sub == 0 && i < n) f(mine, rank);
+  }
+}
+
 // A lower bound on the K-th largest real key (K <= kGroups): the K-th largest of the groups'
 // maxima. K groups each hold a key at least that large, so at least K keys pass it; on real
 // scores about K plus a few do (each group holds n / 32 keys, strided over the list). 1 (every
@@ -191,14 +209,10 @@ __device__ Key group_bound(int K, SelectSmem& s, Each&& each) {
   if (tid == 0) { s.bound = 1; s.count = 0; }
   __syncthreads();
   CPIDX_SELECT_STAMP(tid == 0, kSMaxima);
-  if (tid < kGroups) {
-    // Real maxima are distinct (keys are), so at most one real one has rank K - 1.
-    const Key mine = s.group_max[tid];
-    int rank = 0;
-#pragma unroll 8
-    for (int j = 0; j < kGroups; ++j) rank += s.group_max[j] > mine;
+  // Real maxima are distinct (keys are), so at most one real one has rank K - 1.
+  for_each_rank<kThreads>(s.group_max, kGroups, [&](Key mine, int rank) {
     if (rank == K - 1 && mine != kPadKey) s.bound = mine;
-  }
+  });
   __syncthreads();
   return s.bound;
 }
@@ -247,7 +261,14 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
     gather_winners(lower, s, each);
     __syncthreads();
   }
-  block_rank_topk(s.cand, s.count < kCand ? s.count : kCand, K, s.sorted);
+  // The winners in order (unique real keys), padded to K.
+  const int count = s.count < kCand ? s.count : kCand;
+  for (int i = tid; i < K; i += kThreads) {
+    if (i >= count) s.sorted[i] = kPadKey;
+  }
+  for_each_rank<kThreads>(s.cand, count, [&](Key mine, int rank) {
+    if (rank < K) s.sorted[rank] = mine;
+  });
   __syncthreads();
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSRanked);
 }

@@ -24,8 +24,10 @@ namespace cuda {
 // stealing measured 0.2-0.4 us slower: a short tail, and the owners' claims).
 constexpr int64_t kMinStealShare = 16;
 constexpr int64_t kStealPages = 2;  // pages per steal (each steal is one compare-and-swap)
-constexpr int kStealReach = 16;     // CTAs looked at on each side (one producer lane each)
-static_assert(2 * kStealReach == 32, "steal_victim gives each lane of the producer warp one CTA");
+constexpr int kStealNear = 8;  // CTAs looked at on each side (one producer lane each), and as
+constexpr int kStealFar = 16;  // many spread evenly over the rest of the grid
+static_assert(2 * kStealNear + kStealFar == 32,
+              "steal_victim gives each lane of the producer warp one CTA");
 constexpr unsigned long long kUnstarted = ~0ull;
 
 // Whether a step of `total` pages on `grid` CTAs shares its ranges (every CTA then has pages).
@@ -42,10 +44,13 @@ __host__ __device__ inline int64_t range_back(unsigned long long w) { return w >
 __host__ __device__ inline int64_t own_chunk(int64_t left) {
   return left <= 8 ? 1 : (left / 4 < 32 ? left / 4 : 32);
 }
-// The CTA that producer lane `lane` of CTA `self` looks at: the (lane / 2 + 1)-th to the right
-// (even lanes) or left (odd lanes).
-__host__ __device__ inline int64_t steal_victim(int64_t self, int lane) {
-  return self + ((lane & 1) ? -(lane / 2 + 1) : lane / 2 + 1);
+// The CTA that producer lane `lane` of CTA `self` (of `ctas`) looks at: lanes below 16 the
+// (lane / 2 + 1)-th to the right (even lanes) or left (odd lanes), the others one of 16 points
+// spread evenly around the grid from self (a slow stretch of CTAs anywhere is seen).
+__host__ __device__ inline int64_t steal_victim(int64_t self, int lane, int64_t ctas) {
+  if (lane < 2 * kStealNear) return self + ((lane & 1) ? -(lane / 2 + 1) : lane / 2 + 1);
+  const int64_t k = lane - 2 * kStealNear + 1;  // 1 .. kStealFar
+  return (self + k * ctas / (kStealFar + 1)) % ctas;
 }
 // What the word `seen` of CTA `victim` leaves unclaimed: [*front, *back).
 __host__ __device__ inline void unclaimed(unsigned long long seen, int64_t victim, int64_t total,
