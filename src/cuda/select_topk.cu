@@ -168,9 +168,10 @@ __device__ Key radix_kth(int K, SelectSmem& s, Each&& each) {
   return s.prefix_bits > 1 ? s.prefix_bits : 1;
 }
 
-// Calls f(v[i], rank) once for each i < n (n uniform across the CTA), rank = how many of
-// v[0..n) are larger than v[i]: each v[i] is counted by 8 lanes, one eighth of the others each,
-// summed by shuffles (kThreads / 8 values a pass), instead of one thread reading all n.
+// Calls f(v[i], rank) once for each i < n, rank = how many of v[0..n) are larger than v[i]:
+// each v[i] is counted by 8 lanes, one eighth of the others each, summed by shuffles
+// (kThreads / 8 values a pass), instead of one thread reading all n. Every thread of the CTA
+// calls it with the same n (the shuffles take whole warps).
 template <int kThreads, typename F>
 __device__ __forceinline__ void for_each_rank(const Key* v, int n, F&& f) {
   constexpr int kLanes = 8, kPerPass = kThreads / kLanes;
