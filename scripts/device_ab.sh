@@ -4,7 +4,8 @@
 # build-ab/<patch name>/, its own build-device/), side by side; runs `cpidx bench` on both,
 # alternated, for each --config; then, if asked, the new build's GPU tests and sanitizers.
 # Results under $OUT (default ./device-out), within the device tool's 8 files:
-#   ab.txt      every bench table, each under "== base|new rep=N <config flags>"
+#   ab.txt      every bench table, each under "== base|new rep=N <config flags>", then the
+#               side-by-side summaries (bench/ab_summary.py), also printed
 #   ab.json     the same rows as JSON ({"runs": [{"build", "rep", "config", "results"}]})
 #   tests.log   the new build's GPU tests (--tests)
 #   trace_base.txt, trace_new.txt   `cpidx bench --trace` of both trees (--trace)
@@ -103,6 +104,7 @@ for spec in sys.argv[2:]:
     runs.append({"build": build, "rep": int(rep), "config": config, "results": results})
 json.dump({"runs": runs}, open(sys.argv[1], "w"), indent=1)
 EOF
+python3 bench/ab_summary.py "$OUT/ab.json" | tee -a "$log"
 
 if [ -n "$trace" ]; then
   (OUT=$OUT scripts/device_trace.sh --build-only) & tb_pid=$!
@@ -114,6 +116,7 @@ if [ -n "$trace" ]; then
     timeout 120 ./build-trace/cpidx bench --trace $trace >"$OUT/trace_base.txt" 2>&1
     # shellcheck disable=SC2086
     timeout 120 "$new/build-trace/cpidx" bench --trace $trace >"$OUT/trace_new.txt" 2>&1
+    python3 bench/ab_summary.py --trace "$OUT/trace_base.txt" "$OUT/trace_new.txt" | tee -a "$log"
   else
     echo "device_ab.sh: a trace build failed" | tee -a "$log"
   fi

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Summarise a `scripts/device_ab.sh` run: the tree ("base") against the patched tree ("new").
+
+  ab_summary.py ab.json
+      one line per (config, shape): every run's microseconds of each build, the change of the
+      means, and `*` where the two builds' runs do not overlap (a move beyond the runs' spread).
+  ab_summary.py --trace trace_base.txt trace_new.txt
+      one line per shape and build from `cpidx bench --trace`: the medians over the CTAs of the
+      scoring grid's milestones (PDL wait, first copy issued, first page landed, last copy issued,
+      last page landed) and the selection's phases counted from its own wait.
+Standard library only; runs on the GPU machine and here.
+"""
+import collections
+import json
+import re
+import sys
+
+SHAPE_KEYS = ("mode", "heads", "world", "reqs", "context", "qlen")
+
+
+def shape_name(key):
+    config, mode, heads, world, reqs, context, qlen = key
+    where = f"{mode} h{heads}" + (f" P={world}" if mode != "plain" else "")
+    ctx = f"{context // 1024}K" if context % 1024 == 0 else str(context)
+    return f"{where} {reqs} x {ctx} Q={qlen}" + (f" [{config}]" if config else "")
+
+
+def summarise_ab(path):
+    runs = json.load(open(path))["runs"]
+    table = collections.OrderedDict()
+    for run in runs:
+        for row in run["results"] or []:
+            key = (run["config"],) + tuple(row.get(k) for k in SHAPE_KEYS)
+            table.setdefault(key, {"base": [], "new": []})[run["build"]].append(row["us"])
+    lines = ["| shape | base us | new us | change (means) | |", "|---|---|---|---|---|"]
+    for key, by in table.items():
+        base, new = by["base"], by["new"]
+        if not base or not new:
+            lines.append(f"| {shape_name(key)} | {base} | {new} | - | missing runs |")
+            continue
+        change = sum(new) / len(new) - sum(base) / len(base)
+        apart = max(new) < min(base) or min(new) > max(base)
+        fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
+        lines.append(f"| {shape_name(key)} | {fmt(base)} | {fmt(new)} | {change:+.2f} "
+                     f"({100 * change / (sum(base) / len(base)):+.1f}%) | {'*' if apart else ''} |")
+    return "\n".join(lines)
+
+
+MILESTONES = ("pdl_waited", "first_issue", "first_page", "last_issue", "last_page", "exit")
+SELECT = ("select_loaded", "select_maxima", "select_bound", "select_gathered", "select_ranked",
+          "select_exit")
+ROW = re.compile(r"^(plain\d*|cp\d+|step\d+)\s")
+STAT = re.compile(r"^#\s+(\w+)\s+([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)")
+
+
+def trace_rows(path):
+    """(row label, {stat: median}) for each bench row of a `cpidx bench --trace` output."""
+    rows, stats = [], {}
+    for line in open(path):
+        m = STAT.match(line)
+        if m:
+            stats[m.group(1)] = float(m.group(3))  # min / median / p90 / max: the median
+        elif ROW.match(line):
+            f = line.split()
+            rows.append((f"{f[0]} {f[2]} x {f[3]} Q={f[4]} ({f[7]} us)", stats))
+            stats = {}
+    return rows
+
+
+def summarise_traces(base_path, new_path):
+    head = ["shape", "build"] + list(MILESTONES) + [s.replace("select_", "sel:") for s in SELECT]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base, new = trace_rows(base_path), trace_rows(new_path)
+    for i in range(max(len(base), len(new))):  # the two builds' rows of a shape side by side
+        for build, rows in (("base", base), ("new", new)):
+            if i >= len(rows):
+                continue
+            label, st = rows[i]
+            cells = [f"{st[k]:.2f}" if k in st else "-" for k in MILESTONES]
+            waited = st.get("select_waited")
+            cells += [f"{st[k] - waited:.2f}" if k in st and waited is not None else "-"
+                      for k in SELECT]
+            lines.append(f"| {label} | {build} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) == 2 and not argv[1].startswith("-"):
+        print(summarise_ab(argv[1]))
+    elif len(argv) == 4 and argv[1] == "--trace":
+        print(summarise_traces(argv[2], argv[3]))
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

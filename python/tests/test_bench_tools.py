@@ -1,0 +1,74 @@
+"""bench/ab_summary.py: the A/B summary that scripts/device_ab.sh prints (no GPU, no cpidx)."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location(
+    "ab_summary", os.path.join(_ROOT, "bench", "ab_summary.py"))
+ab_summary = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab_summary)
+
+
+def _row(us, reqs=8, context=262144, mode="plain", world=1):
+    return {"mode": mode, "heads": 4, "world": world, "reqs": reqs, "context": context,
+            "qlen": 1, "us": us, "check": "ok"}
+
+
+def test_ab_summary_groups_runs_and_marks_moves_beyond_the_spread(tmp_path):
+    runs = []
+    times = [(130.0, 128.0, 20.0, 20.5), (131.0, 128.5, 21.0, 19.9)]  # (base, new) x 2 shapes
+    for rep, (b1, n1, b2, n2) in enumerate(times):
+        runs.append({"build": "base", "rep": rep + 1, "config": "",
+                     "results": [_row(b1), _row(b2, reqs=1, context=8192, mode="cp", world=2)]})
+        runs.append({"build": "new", "rep": rep + 1, "config": "",
+                     "results": [_row(n1), _row(n2, reqs=1, context=8192, mode="cp", world=2)]})
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps({"runs": runs}))
+    lines = ab_summary.summarise_ab(str(path)).splitlines()
+    assert len(lines) == 4  # header, rule, two shapes
+    plain = next(l for l in lines if l.startswith("| plain h4 8 x 256K Q=1 "))
+    assert "130.00, 131.00" in plain and "128.00, 128.50" in plain
+    assert "-2.25 (-1.7%)" in plain and plain.rstrip().endswith("| * |")  # the runs do not overlap
+    cp = next(l for l in lines if l.startswith("| cp h4 P=2 1 x 8K Q=1 "))
+    assert "-0.30" in cp and cp.rstrip().endswith("|  |")  # 19.9-20.5 overlaps 20.0-21.0
+
+
+def test_ab_summary_reports_a_build_without_runs(tmp_path):
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps({"runs": [
+        {"build": "base", "rep": 1, "config": "--pdl 0", "results": [_row(10.0)]},
+        {"build": "new", "rep": 1, "config": "--pdl 0", "results": None}]}))
+    lines = ab_summary.summarise_ab(str(path)).splitlines()
+    assert "missing runs" in lines[2] and "[--pdl 0]" in lines[2]
+
+
+_TRACE = """# trace over 264 CTAs: min / median / p90 / max (us; n_*: counts)
+#   pdl_waited           4.54      {wait:.2f}      7.23      7.55
+#   first_issue          6.56      6.91     10.88     13.06
+#   last_page          112.38    127.39    129.79    131.30
+#   select_waited       132.54    132.54    132.54    132.54  (32 CTAs)
+#   select_ranked       135.01    135.14    135.39    135.62  (32 CTAs)
+#   select_exit         135.71    {exit:.2f}    136.13    136.26  (32 CTAs)
+plain4      4    8   262144   1     1/2         536.7     137.4      3907     137.1     119.3   264/3    ok
+"""
+
+
+def test_trace_summary_puts_both_builds_of_a_shape_together(tmp_path):
+    base, new = tmp_path / "base.txt", tmp_path / "new.txt"
+    base.write_text(_TRACE.format(wait=4.54, exit=135.94) + _TRACE.format(wait=3.0, exit=100.0))
+    new.write_text(_TRACE.format(wait=4.00, exit=134.94))
+    lines = ab_summary.summarise_traces(str(base), str(new)).splitlines()
+    assert [l.split("|")[2].strip() for l in lines[2:]] == ["base", "new", "base"]
+    cells = [c.strip() for c in lines[3].split("|")]
+    assert cells[1] == "plain4 8 x 262144 Q=1 (137.4 us)"
+    assert cells[3] == "4.00"  # the PDL wait's median
+    assert cells[-2] == "2.40"  # select_exit - select_waited
+    assert "-" in cells  # milestones the trace did not print
+
+
+def test_ab_summary_usage_on_bad_arguments(capsys):
+    assert ab_summary.main(["ab_summary.py"]) == 2
+    assert "device_ab.sh" in capsys.readouterr().err
