@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   int32_t err = 0;
   CPIDX_TRACE_RESET(tid == 0);
   CPIDX_TRACE_STAMP(tid == 0, kTEntry);
-  CPIDX_TRACE_ADD(tid == 0, kTEntryClock, clock64());
+  CPIDX_TRACE_CYCLES(tid == 0, kTEntryClock);
   CPIDX_TRACE_SMID(tid == 0);
   // ---- 1. Owned pages per request and their prefix sum (every CTA computes the same). -----
   // Programmatic dependent launch: this grid may start while the previous kernel in the stream
@@ -593,7 +593,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     CPIDX_TRACE_ADD(tid == 0, kTSegments, 1);
   }
   CPIDX_TRACE_STAMP(tid == 0, kTExit);
-  CPIDX_TRACE_ADD(tid == 0, kTExitClock, clock64());
+  CPIDX_TRACE_CYCLES(tid == 0, kTExitClock);
   if (err) atomicOr(p.error_flag, err);
 }
 

@@ -75,6 +75,8 @@ __device__ __forceinline__ void trace_add(int slot, long long v) {
 #define CPIDX_TRACE_CLOCK(name) const long long name = clock64()
 #define CPIDX_TRACE_SINCE(name) (clock64() - (name))
 #define CPIDX_TRACE_SMID(cond) ((cond) ? trace_set(kTSmid, trace_smid()) : (void)0)
+// clock64 in a slot (with the stamps beside it, the SM's clock rate).
+#define CPIDX_TRACE_CYCLES(cond, slot) ((cond) ? trace_set(slot, clock64()) : (void)0)
 static __device__ long long g_select_trace[kTraceCtas * kSelectSlots];
 static __device__ long long g_page_trace[kTraceCtas * kTracePages];
 #define CPIDX_TRACE_PAGE(cond, i)                                                           \
@@ -107,6 +109,7 @@ cudaError_t copy_trace(const Symbol& symbol, int slots, long long* host, int cta
 #define CPIDX_TRACE_CLOCK(name) ((void)0)
 #define CPIDX_TRACE_SINCE(name) 0
 #define CPIDX_TRACE_SMID(cond) ((void)0)
+#define CPIDX_TRACE_CYCLES(cond, slot) ((void)0)
 #define CPIDX_SELECT_RESET(cond) ((void)0)
 #define CPIDX_SELECT_STAMP(cond, slot) ((void)0)
 #define CPIDX_SELECT_CLOCK(cond, slot) ((void)0)

@@ -26,8 +26,8 @@ constexpr int64_t kMinStealShare = 16;
 constexpr int64_t kStealPages = 2;  // pages per steal (each steal is one compare-and-swap)
 constexpr int kStealNear = 8;  // CTAs looked at on each side (one producer lane each), and as
 constexpr int kStealFar = 16;  // many spread evenly over the rest of the grid
-static_assert(2 * kStealNear + kStealFar == 32,
-              "steal_victim gives each lane of the producer warp one CTA");
+constexpr int kStealLanes = 2 * kStealNear + kStealFar;  // lanes (CTAs) of one look
+static_assert(kStealLanes == 32, "steal_victim gives each lane of the producer warp one CTA");
 constexpr unsigned long long kUnstarted = ~0ull;
 
 // Whether a step of `total` pages on `grid` CTAs shares its ranges (every CTA then has pages).

@@ -138,7 +138,7 @@ struct StealCta {
       }
       case kLook: {  // every lane reads its CTA's word; the lane that sees the most takes
         int64_t best = 0;
-        for (int lane = 0; lane < 32; ++lane) {
+        for (int lane = 0; lane < ws::kStealLanes; ++lane) {
           const int64_t v = ws::steal_victim(self, lane, sim.ctas);
           const bool can = ws::in_grid(v, sim.ctas);
           const unsigned long long w = can ? sim.words[static_cast<size_t>(v)] : 0;
