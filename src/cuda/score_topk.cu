@@ -161,16 +161,130 @@ __device__ __forceinline__ unsigned long long load_word(const unsigned long long
   return v;
 }
 
+// Stage markers in s.stage_x besides a page: no more pages, or a stage to hand back unscored.
+constexpr int64_t kNoMorePages = -1, kSkipStage = -2;
+
+// The producer's first ring, looked up before the PDL wait and copied as soon as the wait
+// returns: lane i holds the CTA's i-th page, its request and block, and the length and
+// block-table entry as read before the wait. After the wait both are read again; the stages go
+// to the consumers if nothing the copies used had changed (the prefix included) and, when the
+// CTA steals, if its compare-and-swap started its own range (else a thief started it: the pages
+// are claimed from the range word as usual); otherwise they are handed back unscored
+// (kSkipStage) and the range is issued from its start. The copies themselves start after the
+// wait, so they read the page contents the kernel before wrote.
+// NOTE: measured -0.5 to -1.3 us on most steps of 8K-64K a request and on the context-parallel
+// 64-request steps, nothing at 1 x 8K (the first page lands ~0.6 us sooner, not the 1.4 us its
+// copy moved) and +0.5-0.7 us at 1 x 256K. Copying after the prefix check instead, from lengths
+// and entries read beside it, gained less and lost as much (docs/perf/README.md, v22, v22b).
+struct EarlyRing {
+  int n = 0;  // stages copied early (warp-uniform; 0: none)
+  int r = 0;
+  int64_t gblk = 0;
+  int32_t len = 0, entry = 0;
+};
+
+// How many stages a CTA copies early: its first pages up to the ring, and on a stealing step no
+// more than its first claim (own_chunk), which its start compare-and-swap takes. Every thread
+// computes it (the consumers must hand the stages back even when the range changed). The sparse
+// offsets are recomputed after the wait anyway: none.
+__device__ __forceinline__ int early_stages(const WorkRange& w, bool steal, int stages,
+                                            bool sparse) {
+  const int64_t span = w.end - w.start;
+  int64_t n = span < stages ? span : stages;
+  if (steal && own_chunk(span) < n) n = own_chunk(span);
+  return sparse ? 0 : static_cast<int>(n);
+}
+
+// Before the wait (producer warp): looks up the CTA's first n pages of [w.start, w.end).
+template <bool kSparse>
+__device__ __forceinline__ EarlyRing look_up_early(const ScoreTopkParams& p,
+                                                   const RequestOffsets<kSparse>& offs,
+                                                   const WorkRange& w, int n, int lane) {
+  EarlyRing e;
+  e.n = n;
+  if (lane < e.n) {
+    int64_t lo = 0;
+    e.r = offs.find(p, w.start + lane, &lo);
+    e.gblk = (w.start + lane - lo) * p.world + p.rank;
+    e.len = __ldcg(p.seq_lens + e.r);
+    e.entry = __ldcg(p.block_table + e.r * p.bt_row_stride + e.gblk);
+  }
+  return e;
+}
+
+// After the wait (producer warp): expects each early page's bytes on its stage's full barrier
+// and starts its copy; the barrier's arrival waits for the check (produce).
+template <DType kDType>
+__device__ __forceinline__ void copy_early(const ScoreTopkParams& p, const Smem& s,
+                                           const EarlyRing& e, int lane) {
+  using Page = PageTraits<kDType>;
+  int32_t unused = 0;  // errors are raised from the values read after the wait
+  uint32_t bytes = 0;
+  const uint8_t* src = nullptr;
+  if (lane < e.n) {
+    const int32_t len = clamp_seq_len(e.len, p.max_seq_len, &unused);
+    const int64_t page = clamp_page(e.entry, p.num_pages, &unused);
+    // The block is below the length the prefix counted, but this second read of it may be newer
+    // (written while this kernel waited): at least one token, so the copy stays in the page and
+    // its stage. Such a stage is handed back unless the page counts agree after the wait.
+    int64_t tokens = len - e.gblk * kBlockSize;
+    tokens = tokens < 1 ? 1 : (tokens < kBlockSize ? tokens : kBlockSize);
+    bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
+    src = static_cast<const uint8_t*>(p.cache) + page * Page::kBytes;
+  }
+  for (int i = 0; i < e.n; ++i) {
+    const uint32_t b = __shfl_sync(0xffffffffu, bytes, i);
+    const uint8_t* from = reinterpret_cast<const uint8_t*>(
+        __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), i));
+    if (lane == 0) {
+      if (i == 0) CPIDX_TRACE_STAMP(true, kTFirstIssue);
+      CPIDX_TRACE_STAMP(true, kTLastIssue);
+      mbar_expect_tx(&s.full[i], b);
+      bulk_copy_g2s(s.pages + static_cast<size_t>(i) * Page::kBytes, from, b, &s.full[i]);
+    }
+  }
+}
+
+// After the prefix check (producer warp): whether every early page's length and table entry
+// read now equal the ones its copy used (and the prefix did not move). Raises the table errors
+// issue() would have raised for those pages.
+__device__ __forceinline__ bool early_ring_holds(const ScoreTopkParams& p, const EarlyRing& e,
+                                                 bool prefix_changed, int lane, int32_t* err) {
+  bool same = true;
+  if (lane < e.n) {
+    const int32_t len = __ldcg(p.seq_lens + e.r);
+    const int32_t entry = __ldcg(p.block_table + e.r * p.bt_row_stride + e.gblk);
+    same = len == e.len && entry == e.entry;
+    if (same && !prefix_changed) clamp_page(entry, p.num_pages, err);
+  }
+  return !prefix_changed && __all_sync(0xffffffffu, same);
+}
+
 // Producer warp: fills the stage ring with the CTA's pages (32 block-table reads at a time),
-// recording each stage's page in s.stage_x, then stores -1 in the next stage: no more pages.
+// recording each stage's page in s.stage_x, then marks the next stage kNoMorePages.
 // steal: the split path's run-time share (work_steal.h); else the static range [w.start, w.end).
+// The first ring.n stages were copied before this call (copy_early): they go to the consumers
+// as the range's first pages if the ring holds (early_ring_holds, and a stealing CTA's start
+// compare-and-swap took its own range), else they are handed back unscored.
 template <DType kDType, bool kSparse>
 __device__ void produce(const ScoreTopkParams& p, const Smem& s,
                         const RequestOffsets<kSparse>& offs, const WorkRange& w, int64_t total,
-                        bool steal, int stages, int32_t* err) {
+                        bool steal, int stages, const EarlyRing& ring, bool prefix_changed,
+                        int32_t* err) {
   using Page = PageTraits<kDType>;
   const int lane = threadIdx.x % 32;
-  int64_t lp = 0;
+  const int early = ring.n;
+  int64_t lp = early;
+  // Hands the early stages over; returns the first page left to issue.
+  auto hand_over = [&](bool holds) -> int64_t {
+    if (lane == 0) {
+      for (int i = 0; i < early; ++i) {
+        s.stage_x[i] = holds ? w.start + i : kSkipStage;  // released by the arrive
+        mbar_arrive(&s.full[i]);
+      }
+    }
+    return holds ? w.start + early : w.start;
+  };
   // The request of the last page issued and its pages [cur_lo, cur_hi) (-1: none yet): most
   // pages of a batch belong to it, and need no lookup.
   int cur = -1;
@@ -217,7 +331,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
     }
   };
   if (!steal) {
-    issue(w.start, w.end);
+    const bool holds = early > 0 && early_ring_holds(p, ring, prefix_changed, lane, err);
+    issue(hand_over(holds), w.end);
   } else {
     unsigned long long* const words = p.steal_words;
     int64_t front = w.start + own_chunk(w.end - w.start), back = w.end;
@@ -226,9 +341,11 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
     // copy ~0.35 us sooner and left the step as it was: the first ring lands at the memory's
     // rate either way (docs/perf/README.md, v20b).
     if (lane == 0) old = atomicCAS(words + blockIdx.x, kUnstarted, pack_range(front, back));
+    const bool holds = early > 0 && early_ring_holds(p, ring, prefix_changed, lane, err);
     old = __shfl_sync(0xffffffffu, old, 0);
+    const int64_t first = hand_over(holds && old == kUnstarted);
     if (old == kUnstarted) {
-      issue(w.start, front);
+      issue(first, front);
     } else {  // started by a CTA that took pages from its back: claim all from the word
       front = range_front(old);
       back = range_back(old);
@@ -285,7 +402,7 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
   if (lane == 0) {  // no more pages
     const int st = static_cast<int>(lp % stages);
     mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
-    s.stage_x[st] = -1;  // released to the consumers by the arrive (as a page's by its own)
+    s.stage_x[st] = kNoMorePages;  // released to the consumers by the arrive (as a page's)
     // NOTE: compute-sanitizer's racecheck reports this write, and the page indices written in
     // issue(), against the consumers' reads of stage_x, although the arrive (release) and their
     // wait (acquire) order them; completing this phase by a 16-byte copy did not change that
@@ -358,15 +475,22 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     prefetch_l2(q);
     prefetch_l2(q + kHeadDim - 8);  // a 256-byte row may span two lines
   }
+  // The producer's first ring is looked up before the wait and copied right after it (EarlyRing).
+  const int early =
+      early_stages(w, steals(w.split, p.steal_words != nullptr, total, grid), stages, kSparse);
+  EarlyRing ring;
+  if (warp == kConsumerWarps && early > 0) ring = look_up_early(p, offs, w, early, lane);
   pdl_wait();
   pdl_launch_dependents();
   CPIDX_TRACE_STAMP(tid == 0, kTWaited);
+  if (warp == kConsumerWarps && early > 0) copy_early<kDType>(p, s, ring, lane);
   bool changed = prefix_shift > 0;  // offsets kept every 2^shift requests: always recomputed
   for (int r = r0; r < r1; ++r) {
     const int64_t own = owned_pages(p, __ldcg(p.seq_lens + r), &err);
     changed |= prefix_shift == 0 && own != s.prefix[r + 1] - s.prefix[r];
   }
-  if (__syncthreads_or(changed)) {
+  const bool prefix_changed = __syncthreads_or(changed);
+  if (prefix_changed) {
     longest = pages_prefix<kThreads>(p, s.prefix, prefix_shift, r0, r1, &total);
     w = work_range(p, total, longest, grid);
   }
@@ -379,7 +503,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   // Every CTA has a share (g_eff == grid) when it steals: all of them count out of the words.
   const bool steal = steals(split, p.steal_words != nullptr, total, grid);
   if (warp == kConsumerWarps) {  // ---- the producer warp ------------------------------------
-    produce<kDType, kSparse>(p, s, offs, w, total, steal, stages, &err);
+    produce<kDType, kSparse>(p, s, offs, w, total, steal, stages, ring, prefix_changed, &err);
     if (err) atomicOr(p.error_flag, err);
     return;
   }
@@ -392,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     finalize_request(p, s, r, clamp_seq_len(p.seq_lens[r], p.max_seq_len, &err), ncols);
     consumer_sync();
   }
-  if (blockIdx.x >= g_eff) return;
+  if (blockIdx.x >= g_eff && early == 0) return;  // else the early stages are handed back
 
   // ---- 3. Consume this CTA's pages [start, end). -------------------------------------------
   // The request being scored and its pages [req_lo(), req_hi()): dense offsets are read from
@@ -466,7 +590,12 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     mbar_wait(&s.full[st], static_cast<uint32_t>((lp / stages) & 1));
     CPIDX_TRACE_ADD(tid == 0, kTFullWait, CPIDX_TRACE_SINCE(tf));
     const int64_t x = s.stage_x[st];
-    if (x < 0) break;
+    if (x == kNoMorePages) break;
+    if (x == kSkipStage) {  // an early copy whose inputs changed (only ever the first stages)
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&s.empty[st]);
+      continue;
+    }
     next = x >= start && x < end ? x + 1 : end;  // a taken page predicts nothing
     if (x < req_lo() || x >= req_hi()) find_req(x);
     if (r != seg_req) load_queries(r);

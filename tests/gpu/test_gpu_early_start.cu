@@ -5,7 +5,9 @@
 // table in place: the ids must be those of the new inputs, on both paths, whether the page
 // counts changed (the prefix must be recomputed), only the lengths inside a page did, or only
 // the table did; and old table entries outside the cache raise no error (only the values read
-// after the wait count).
+// after the wait count). The producers copy their first pages as soon as the wait returns, from
+// the lengths and table as read before it (checked after it): the last rounds are large enough
+// for the split path's work stealing, whose CTAs claim their ranges after the wait.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -72,11 +74,16 @@ TEST(GpuEarlyStart, LengthsAndTableWrittenAfterTheLaunchAreTheOnesUsed) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(4242);
   const cpidx::Selection sel = sel_of(16);
-  const int32_t max_len = 40000;
-  for (int round = 0; round < 4; ++round) {
-    const int T = round % 2 ? 4 : 1, Q = round < 2 ? 1 : 2;
-    DecodeData d = random_decode(900 + round, T, Q, cpidx_test::lengths(rng, 7, max_len, true),
-                                 max_len);
+  for (int round = 0; round < 6; ++round) {
+    const int T = round % 2 ? 4 : 1, Q = round < 2 || round >= 4 ? 1 : 2;
+    // Rounds 4 and 5: 7 requests of >= 1,172 pages, past 16 pages a scoring CTA (stealing).
+    const bool stealing = round >= 4;
+    const int32_t max_len = stealing ? 262144 : 40000;
+    std::vector<int32_t> lens = cpidx_test::lengths(rng, stealing ? 8 : 7, max_len, true);
+    for (int32_t& len : lens) {
+      if (stealing && len != 0) len = 150000 + len % (max_len - 150000 + 1);
+    }
+    DecodeData d = random_decode(900 + round, T, Q, lens, max_len);
     const std::vector<int32_t> want = cpu_decode(d, sel);
     // Old lengths with other page counts, or the same page counts (lengths moved inside their
     // last page), or the same lengths; the old table is the new one shuffled, or every entry
@@ -96,7 +103,8 @@ TEST(GpuEarlyStart, LengthsAndTableWrittenAfterTheLaunchAreTheOnesUsed) {
       UsePath use(path);
       for (const auto* old_lens : {&other_counts, &same_counts, &d.seq_lens}) {
         for (const auto* old_table : {&shuffled, &outside}) {
-          SCOPED_TRACE(std::string(path_name(path)) + " T=" + std::to_string(T) + " Q=" +
+          SCOPED_TRACE(std::string(path_name(path)) + (stealing ? " (stealing size)" : "") +
+                       " T=" + std::to_string(T) + " Q=" +
                        std::to_string(Q) +
                        (old_lens == &other_counts  ? " other page counts"
                         : old_lens == &same_counts ? " same page counts"
