@@ -224,7 +224,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
     impl->layout = decode_workspace_layout(c, impl->launch.grid);
     CPIDX_CUDA_TRY(cudaMalloc(&impl->workspace, impl->layout.total));
     CPIDX_CUDA_TRY(cudaMemset(impl->workspace, 0, impl->layout.total));
-    if (impl->layout.split_max_pages > 0) {  // every range not started (score_topk.cu, v15)
+    if (impl->layout.split_max_pages > 0) {  // every range not started (page_producer.cuh, v15)
       CPIDX_CUDA_TRY(cudaMemset(impl->workspace + impl->layout.steal_words, 0xff,
                                 static_cast<size_t>(impl->launch.grid) * sizeof(uint64_t)));
     }

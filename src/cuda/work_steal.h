@@ -1,6 +1,6 @@
 // src/cuda/work_steal.h: the split path's run-time share of pages (v15, work stealing): the
 // packed range words and the claim rules, shared by the scoring kernel's producer warp
-// (score_topk.cu) and the host test that plays the protocol under random interleavings
+// (page_producer.cuh) and the host test that plays the protocol under random interleavings
 // (tests/gpu/test_work_split.cc).
 //
 // CTA c's pages not yet claimed are [front, back) of its word (front in the low 32 bits, back

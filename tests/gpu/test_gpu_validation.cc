@@ -556,7 +556,7 @@ TEST(GpuSanitize, SparseRequestOffsetsInBothKernels) {
 TEST(GpuSanitize, WorkStealingSplitStep) {
   SKIP_WITHOUT_GPU();
   // A split step with >= 16 pages for each of two CTAs on up to 132 SMs: the CTAs take pages
-  // from each other's ranges (score_topk.cu, v15). Twice on one Decoder (the ranges reset).
+  // from each other's ranges (page_producer.cuh, v15). Twice on one Decoder (the ranges reset).
   const Selection sel{16, 1, 1};
   cpidx_test::DecodeData d = random_decode(5656, kT, 1, {300000, 1, 250000}, 300000);
   const std::vector<int32_t> cpu = cpu_decode(d, sel);

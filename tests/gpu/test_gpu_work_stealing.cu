@@ -1,4 +1,4 @@
-// The split path's run-time share (score_topk.cu, v15, v19): a CTA done with its pages takes the
+// The split path's run-time share (page_producer.cuh, v15, v19): a CTA done with its pages takes the
 // last unclaimed pages of other CTAs' ranges within reach, of any request, starting the range of
 // a CTA that has not run yet. The ids must not depend on who scored a page: here they are
 // compared, bit for bit, with the static ranges' (DecodeConfig::work_stealing = false) and with

@@ -76,8 +76,8 @@ TEST(FusedWorkSplit, RangesPartitionThePagesAndMergeSlotsWereAllWritten) {
   EXPECT_GT(checked, 1000);  // the random batches did split many requests
 }
 
-// One scoring CTA's producer in the split path's shared ranges (score_topk.cu, produce()), one
-// step per memory operation on the words, so that a scheduler can interleave CTAs.
+// One scoring CTA's producer in the split path's shared ranges (page_producer.cuh, produce()),
+// one step per memory operation on the words, so that a scheduler can interleave CTAs.
 struct StealSim {
   int64_t total = 0, ctas = 0;
   std::vector<int64_t> prefix;         // requests' page offsets

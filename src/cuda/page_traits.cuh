@@ -1,0 +1,81 @@
+// src/cuda/page_traits.cuh: how the scoring consumers read a 128-token key page from shared
+// memory, per cache dtype (bf16, fp8 e4m3 widened to bf16): the page's size and row pitch, and
+// the bank swizzle of their 16- or 8-byte loads, undone in registers so the MMAs see the
+// operands of a straight load.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#include "cpidx/contract.h"
+#include "kernels.h"
+
+namespace cpidx {
+namespace cuda {
+
+// A page is read by the consumers in 4 column chunks j (32 dims each); lane (g, c4) of a warp
+// reads 8 dims of chunk j of its rows. Rows lie a whole number of bank rows apart (256 B bf16,
+// 128 B fp8), so the lanes of one shared-memory phase (2 rows of a 16-byte load, 4 rows of an
+// 8-byte one) would hit the same banks. Each lane instead loads chunk j ^ swz in its j-th load,
+// with swz = g & kSwizzleMask: the phase's rows read different bank groups (conflict-free), and
+// unswizzle() puts every chunk back in its slot, so the MMAs see exactly the operands (and do
+// exactly the arithmetic) of a straight load.
+template <DType kDType>
+struct PageTraits;
+template <>
+struct PageTraits<DType::kBF16> {
+  static constexpr int kBytes = kBlockSize * kHeadDim * 2;
+  static constexpr int kRowBytes = kHeadDim * 2;
+  static constexpr int kSwizzleMask = 1;
+  using Raw = uint4;
+  // 8 bf16 of token `tok`, dims [32 j + 8 c4, +8).
+  __device__ static Raw load(const uint8_t* page, int tok, int j, int c4) {
+    return *reinterpret_cast<const uint4*>(page + tok * kRowBytes + j * 64 + c4 * 16);
+  }
+  __device__ static uint4 widen(Raw r) { return r; }
+};
+template <>
+struct PageTraits<DType::kFP8E4M3> {
+  static constexpr int kBytes = kBlockSize * kHeadDim;
+  static constexpr int kRowBytes = kHeadDim;
+  static constexpr int kSwizzleMask = 3;
+  using Raw = uint2;
+  __device__ static uint32_t cvt2(uint16_t two) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+    float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+    __nv_bfloat162 b = __float22bfloat162_rn(f);  // exact: e4m3 values fit bf16
+    return *reinterpret_cast<uint32_t*>(&b);
+  }
+  __device__ static Raw load(const uint8_t* page, int tok, int j, int c4) {
+    return *reinterpret_cast<const uint2*>(page + tok * kRowBytes + j * 32 + c4 * 8);
+  }
+  __device__ static uint4 widen(Raw raw) {
+    return make_uint4(cvt2(raw.x & 0xFFFF), cvt2(raw.x >> 16), cvt2(raw.y & 0xFFFF),
+                      cvt2(raw.y >> 16));
+  }
+};
+
+// r[i] holds chunk i ^ swz of a group of N; afterwards r[j] holds chunk j (swz < N). Selects,
+// not branches: the lanes of a warp differ in swz.
+__device__ __forceinline__ uint4 pick(bool second, uint4 a, uint4 b) {
+  return make_uint4(second ? b.x : a.x, second ? b.y : a.y, second ? b.z : a.z, second ? b.w : a.w);
+}
+__device__ __forceinline__ uint2 pick(bool second, uint2 a, uint2 b) {
+  return make_uint2(second ? b.x : a.x, second ? b.y : a.y);
+}
+template <int N, typename Raw>
+__device__ __forceinline__ void unswizzle(Raw (&r)[N], int swz) {
+#pragma unroll
+  for (int bit = 1; bit < N; bit *= 2) {
+    const bool flip = swz & bit;
+    Raw t[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) t[j] = pick(flip, r[j], r[j ^ bit]);
+#pragma unroll
+    for (int j = 0; j < N; ++j) r[j] = t[j];
+  }
+}
+
+}  // namespace cuda
+}  // namespace cpidx
