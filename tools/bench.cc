@@ -354,21 +354,25 @@ void print_trace(int grid, int select_items, double page_bytes) {
     if (t0 < 0 || v[kTEntry] < t0) t0 = v[kTEntry];
   }
   if (ctas.empty()) { std::printf("# trace: no CTA scored a page (split path?)\n"); return; }
+  // kind: 0 a stamp, 1 a cycle sum, 2 a count, 3 a stamp that only some CTAs set.
   const struct { int slot; const char* name; int kind; } rows[] = {
       {kTEntry, "entry", 0},        {kTWaited, "pdl_waited", 0},  {kTPrefix, "prefix", 0},
       {kTFirstPage, "first_page", 0}, {kTLastPage, "last_page", 0}, {kTExit, "exit", 0},
       {kTFullWait, "wait_full", 1},   {kTEmptyWait, "wait_empty", 1}, {kTSegEnd, "seg_ends", 1},
       {kTQueries, "queries", 1},      {kTPages, "n_pages", 2},      {kTSegments, "n_segments", 2},
       {kTStolen, "n_stolen", 2},      {kTFirstIssue, "first_issue", 0},
-      {kTLastIssue, "last_issue", 0}};
+      {kTLastIssue, "last_issue", 0}, {kTHandedOver, "handed_over", 3}};
   std::printf("# trace over %zu CTAs: min / median / p90 / max (us; n_*: counts)\n", ctas.size());
   for (const auto& row : rows) {
     std::vector<double> v;
     for (int c : ctas) {
       const long long x = t[static_cast<size_t>(c) * kTraceSlots + row.slot];
-      v.push_back(row.kind == 0 ? (x - t0) * 1e-3 : row.kind == 1 ? x * 1e3 / khz : x);
+      if (row.kind == 3 && x == 0) continue;
+      v.push_back(row.kind == 0 || row.kind == 3 ? (x - t0) * 1e-3
+                  : row.kind == 1                ? x * 1e3 / khz
+                                                 : x);
     }
-    print_quantiles(row.name, std::move(v));
+    if (!v.empty()) print_quantiles(row.name, std::move(v));
   }
   // Where the spread of last pages comes from: between the CTAs of one SM, or between SMs.
   std::vector<std::vector<double>> by_sm(1024);

@@ -166,6 +166,7 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
   int64_t lp = early;
   // Hands the early stages over; returns the first page left to issue.
   auto hand_over = [&](bool holds) -> int64_t {
+    if (lane == 0 && early > 0) CPIDX_TRACE_STAMP(true, kTHandedOver);
     if (lane == 0) {
       for (int i = 0; i < early; ++i) {
         s.stage_x[i] = holds ? w.start + i : kSkipStage;  // released by the arrive

@@ -10,7 +10,7 @@
 namespace cpidx {
 namespace cuda {
 
-constexpr int kTraceCtas = 1024, kTraceSlots = 18;
+constexpr int kTraceCtas = 1024, kTraceSlots = 19;
 enum TraceSlot : int {
   kTEntry = 0,        // stamp: kernel entry
   kTWaited,           // stamp: past the PDL wait
@@ -30,6 +30,7 @@ enum TraceSlot : int {
   kTLastIssue,        // stamp: the producer's last bulk copy issued
   kTEntryClock,       // clock64 at entry and at exit: with the stamps, the SM's clock rate
   kTExitClock,
+  kTHandedOver,       // stamp: the early ring's stages handed to the consumers (0: no early ring)
   kTSlotCount
 };
 static_assert(kTSlotCount <= kTraceSlots, "trace slots");
