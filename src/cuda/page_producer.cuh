@@ -50,6 +50,24 @@ __device__ __forceinline__ unsigned long long load_word(const unsigned long long
   return v;
 }
 
+// The bulk copy of block gblk of a request whose length and block-table entry read `seq_len`
+// and `entry`: its source in the cache and its bytes, the block's tokens under the length.
+// Both values are clamped as the reference clamps them (errors OR-ed into *err). At least one
+// token: a block is below the length its prefix counted, but the early ring reads that length
+// a second time, which may be newer (such a stage is handed back); the copy stays in its page.
+template <DType kDType>
+__device__ __forceinline__ void page_source(const ScoreTopkParams& p, int32_t seq_len,
+                                            int32_t entry, int64_t gblk, int32_t* err,
+                                            uint32_t* bytes, const uint8_t** src) {
+  using Page = PageTraits<kDType>;
+  const int32_t len = clamp_seq_len(seq_len, p.max_seq_len, err);
+  const int64_t page = clamp_page(entry, p.num_pages, err);
+  int64_t tokens = len - gblk * kBlockSize;
+  tokens = tokens < 1 ? 1 : (tokens < kBlockSize ? tokens : kBlockSize);
+  *bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
+  *src = static_cast<const uint8_t*>(p.cache) + page * Page::kBytes;
+}
+
 // Stage markers in s.stage_x besides a page: no more pages, or a stage to hand back unscored.
 constexpr int64_t kNoMorePages = -1, kSkipStage = -2;
 
@@ -110,17 +128,7 @@ __device__ __forceinline__ void copy_early(const ScoreTopkParams& p, const Smem&
   int32_t unused = 0;  // errors are raised from the values read after the wait
   uint32_t bytes = 0;
   const uint8_t* src = nullptr;
-  if (lane < e.n) {
-    const int32_t len = clamp_seq_len(e.len, p.max_seq_len, &unused);
-    const int64_t page = clamp_page(e.entry, p.num_pages, &unused);
-    // The block is below the length the prefix counted, but this second read of it may be newer
-    // (written while this kernel waited): at least one token, so the copy stays in the page and
-    // its stage. Such a stage is handed back unless the page counts agree after the wait.
-    int64_t tokens = len - e.gblk * kBlockSize;
-    tokens = tokens < 1 ? 1 : (tokens < kBlockSize ? tokens : kBlockSize);
-    bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
-    src = static_cast<const uint8_t*>(p.cache) + page * Page::kBytes;
-  }
+  if (lane < e.n) page_source<kDType>(p, e.len, e.entry, e.gblk, &unused, &bytes, &src);
   for (int i = 0; i < e.n; ++i) {
     const uint32_t b = __shfl_sync(0xffffffffu, bytes, i);
     const uint8_t* from = reinterpret_cast<const uint8_t*>(
@@ -166,8 +174,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
   int64_t lp = early;
   // Hands the early stages over; returns the first page left to issue.
   auto hand_over = [&](bool holds) -> int64_t {
-    if (lane == 0 && early > 0) CPIDX_TRACE_STAMP(true, kTHandedOver);
     if (lane == 0) {
+      CPIDX_TRACE_STAMP(early > 0, kTHandedOver);
       for (int i = 0; i < early; ++i) {
         s.stage_x[i] = holds ? w.start + i : kSkipStage;  // released by the arrive
         mbar_arrive(&s.full[i]);
@@ -189,13 +197,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
       if (x < to && (x < cur_lo || x >= cur_hi)) r = offs.find(p, x, &lo);
       if (x < to) {
         const int64_t gblk = (x - lo) * p.world + p.rank;
-        const int32_t seq_len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, err);
-        const int64_t page =
-            clamp_page(p.block_table[r * p.bt_row_stride + gblk], p.num_pages, err);
-        const int64_t tokens = seq_len - gblk * kBlockSize < kBlockSize
-                                   ? seq_len - gblk * kBlockSize : kBlockSize;
-        bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
-        src = static_cast<const uint8_t*>(p.cache) + page * Page::kBytes;
+        page_source<kDType>(p, p.seq_lens[r], p.block_table[r * p.bt_row_stride + gblk], gblk,
+                            err, &bytes, &src);
       }
       const int count = to - x0 < 32 ? static_cast<int>(to - x0) : 32;
       cur = __shfl_sync(0xffffffffu, r, count - 1);
