@@ -83,6 +83,9 @@ constexpr int64_t kNoMorePages = -1, kSkipStage = -2;
 // 64-request steps, nothing at 1 x 8K (the first page lands ~0.6 us sooner, not the 1.4 us its
 // copy moved) and +0.5-0.7 us at 1 x 256K. Copying after the prefix check instead, from lengths
 // and entries read beside it, gained less and lost as much (docs/perf/README.md, v22, v22b).
+// The stages wait for their bytes, not for the check: the second reads issued before the copies
+// handed the stages over 1-3 us sooner and the first page landed no sooner (v23); touching each
+// early page before the wait (its address translation warm) changed nothing either (v24).
 struct EarlyRing {
   int n = 0;  // stages copied early (warp-uniform; 0: none)
   int r = 0;
