@@ -204,6 +204,39 @@ def test_cuda_graph_replay_with_changing_lengths():
         assert torch.equal(cp_out, eager), lens
 
 
+def test_objects_collected_inside_a_capture_leave_it_valid():
+    # An engine may drop objects while it captures (the collector runs inside torch.cuda.graph,
+    # whose capture mode is global): their teardown must not invalidate the capture.
+    T, Q, K, msl = 4, 1, 16, 8192
+    rng = np.random.default_rng(31)
+    b = random_decode(rng, T, Q, [5000, 300, 8192], max_seq_len=msl)
+    q, k, bt, sl = to_dev(b)
+    out = torch.zeros((T, b.rows, K), dtype=torch.int32, device=DEV)
+    cp = cpidx.IndexerCPDecode(total_heads=T, rank=0, world_size=1, max_tokens=b.rows,
+                               max_seq_len=msl, topk=K, init_blocks=0, local_blocks=1,
+                               group=None, device=DEV)
+    doomed = [cpidx.Decoder(total_heads=T, world_size=1, rank=0, max_tokens=4096,
+                            max_seq_len=1 << 20, topk=K, init_blocks=0, local_blocks=1, device=0),
+              cpidx.Prefiller(num_heads=T, max_tokens=4096, max_seq_len=1 << 20, topk=K,
+                              init_blocks=0, local_blocks=1, device=0)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cp(q, k, bt, sl, Q, out, scale=0.5)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cp(q, k, bt, sl, Q, out, scale=0.5)
+        doomed.clear()
+        gc.collect()
+    out.fill_(-5)
+    graph.replay()
+    eager = torch.zeros_like(out)
+    cpidx.decode_topk(q, k, bt, sl, Q, eager, scale=0.5, topk=K, max_seq_len=msl)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 def test_torch_compile_calls_ops():
     rng = np.random.default_rng(13)
     b = random_decode(rng, 4, 1, [1000, 3000], max_seq_len=4096)

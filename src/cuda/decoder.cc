@@ -183,7 +183,7 @@ struct Decoder::Impl {
 
 Decoder::Decoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Decoder::~Decoder() {
-  if (impl_ && impl_->workspace) cudaFree(impl_->workspace);
+  if (impl_) cuda_host::free_workspace(impl_->workspace);
 }
 
 Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decoder>* out) {

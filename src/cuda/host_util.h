@@ -23,6 +23,20 @@ inline Status cuda_status(cudaError_t e, const char* what) {
 
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+// Frees an object's workspace from its destructor, which may run while a stream capture is under
+// way: a Python object collected inside `torch.cuda.graph`, or another thread capturing in the
+// global mode (torch's default). cudaFree is then a call the capture forbids, and the refusal
+// would also invalidate that capture; in the relaxed mode the free goes through and the capture
+// stays valid. The thread's own mode is restored after. Creating an object during a capture is
+// not covered: create() synchronizes the device, which no capture allows.
+inline void free_workspace(void* p) {
+  if (p == nullptr) return;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  const bool relaxed = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+  if (cudaFree(p) != cudaSuccess) cudaGetLastError();  // a destructor has no one to tell
+  if (relaxed) cudaThreadExchangeStreamCaptureMode(&mode);
+}
+
 // The index-cache dtypes the kernels are built for.
 inline Status check_cache_dtype(DType dtype) {
   if (dtype == DType::kBF16 || dtype == DType::kFP8E4M3) return Status::ok();

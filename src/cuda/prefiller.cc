@@ -89,7 +89,7 @@ struct Prefiller::Impl {
 
 Prefiller::Prefiller(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Prefiller::~Prefiller() {
-  if (impl_ && impl_->workspace) cudaFree(impl_->workspace);
+  if (impl_) cuda_host::free_workspace(impl_->workspace);
 }
 
 Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Prefiller>* out) {

@@ -1,7 +1,8 @@
 // GPU decode kernels against the CPU reference: random shapes (Q, T, K, contexts to 1M tokens,
 // padding rows, shuffled block tables, bf16 and fp8), the golden cases (exact, plain and
 // context-parallel), simulated context-parallel ranks == plain decode bitwise, tie-heavy inputs,
-// the fused sparse table, CUDA-graph replay with changing lengths, and bad device values.
+// the fused sparse table, CUDA-graph replay with changing lengths, objects torn down during a
+// capture, and bad device values.
 // Every test skips cleanly without a GPU.
 #include <gtest/gtest.h>
 
@@ -9,7 +10,9 @@
 #include <initializer_list>
 #include <random>
 #include <string>
+#include <thread>
 
+#include "cpidx/prefill.h"
 #include "gpu_util.h"
 #include "json_lite.h"
 
@@ -403,6 +406,65 @@ void expect_replays_follow_lengths(cpidx::Decoder& dec, DecodeData& d, DeviceBat
     std::string which;
     for (int32_t len : lens) which += " " + std::to_string(len);
     EXPECT_EQ(r.bad_rows, 0) << "lengths" << which << ": " << r.first_bad;
+  }
+}
+
+// Objects torn down while a capture is under way (a Python object collected inside
+// torch.cuda.graph; another thread destroying one while this thread captures in the global mode,
+// torch's default): the capture stays valid, its replay gives the reference ids, and the torn
+// down objects' workspaces are freed.
+TEST(GpuDecode, ObjectsDestroyedDuringACaptureLeaveItValid) {
+  SKIP_WITHOUT_GPU();
+  DecodeData d = random_decode(870, 4, 1, {9000, 300, 1, 0}, 1 << 14);
+  const Selection sel = sel_of(16);
+  DeviceBatch b(d);
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  const int64_t n = d.rows();
+  DeviceVec<int32_t> ids(static_cast<size_t>(d.total_heads * n * sel.topk));
+  for (bool other_thread : {false, true}) {
+    SCOPED_TRACE(other_thread ? "torn down by another thread" : "torn down by the capturing thread");
+    cpidx::DecodeConfig big = config_for(d, sel);
+    big.max_tokens = 8192;
+    big.max_seq_len = 1 << 20;
+    std::unique_ptr<cpidx::Decoder> doomed;
+    ASSERT_TRUE(cpidx::Decoder::create(big, 0, &doomed).is_ok());
+    cpidx::PrefillConfig pc;
+    pc.num_heads = 4;
+    pc.max_tokens = 8192;
+    pc.max_seq_len = 1 << 20;
+    pc.sel = sel;
+    std::unique_ptr<cpidx::Prefiller> doomed_prefill;
+    ASSERT_TRUE(cpidx::Prefiller::create(pc, 0, &doomed_prefill).is_ok());
+    const size_t bytes = doomed->plan().workspace_bytes + doomed_prefill->plan().workspace_bytes;
+    ASSERT_GE(bytes, size_t{32} << 20) << "workspaces too small to see them freed";
+    size_t free_before = 0, free_after = 0, total = 0;
+    CUDA_OK(cudaMemGetInfo(&free_before, &total));
+    auto teardown = [&] {
+      doomed.reset();
+      doomed_prefill.reset();
+    };
+    CapturedGraph graph([&](cudaStream_t stream) {
+      const cpidx::Status st = dec->decode(
+          b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk}, nullptr, stream);
+      if (other_thread) {
+        std::thread(teardown).join();
+      } else {
+        teardown();
+      }
+      return st;
+    });
+    ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
+    ASSERT_EQ(doomed, nullptr);
+    ids.poison();
+    CUDA_OK(graph.replay());
+    const CompareResult r = compare_ids(d, sel, ids.download(), cpu);
+    EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
+    CUDA_OK(cudaMemGetInfo(&free_after, &total));
+    // Allowance for the graph's own memory and 2 MiB granules.
+    EXPECT_GE(free_after + (size_t{8} << 20), free_before + bytes)
+        << "free before " << free_before << ", after " << free_after << ", workspaces " << bytes;
   }
 }
 
