@@ -232,7 +232,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
     return Status::ok();
   });
   if (!st.is_ok()) {
-    if (impl->workspace) cudaFree(impl->workspace);
+    cuda_host::free_workspace(impl->workspace);
     return st;
   }
   impl->plan.grid = impl->launch.grid;

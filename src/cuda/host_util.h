@@ -23,12 +23,12 @@ inline Status cuda_status(cudaError_t e, const char* what) {
 
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// Frees an object's workspace from its destructor, which may run while a stream capture is under
-// way: a Python object collected inside `torch.cuda.graph`, or another thread capturing in the
-// global mode (torch's default). cudaFree is then a call the capture forbids, and the refusal
-// would also invalidate that capture; in the relaxed mode the free goes through and the capture
-// stays valid. The thread's own mode is restored after. Creating an object during a capture is
-// not covered: create() synchronizes the device, which no capture allows.
+// Frees an object's workspace from its destructor (or a create that failed), which may run while
+// a stream capture is under way: a Python object collected inside `torch.cuda.graph`, or another
+// thread capturing in the global mode (torch's default). cudaFree is then a call the capture
+// forbids, and the refusal would also invalidate that capture; in the relaxed mode the free goes
+// through and the capture stays valid. The thread's own mode is restored after. Creating an
+// object cannot be captured (it synchronizes the device): on_device's message says so.
 inline void free_workspace(void* p) {
   if (p == nullptr) return;
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
@@ -94,7 +94,29 @@ void set_ids_output(Params& p, const TopkOutput& out) {
   p.ids_row_stride = out.row_stride;
 }
 
-// Runs `setup` with `device` current and restores the caller's device afterwards.
+// Whether a CUDA call was refused because a stream capture is under way.
+inline bool capture_error(cudaError_t e) {
+  switch (e) {
+    case cudaErrorStreamCaptureUnsupported:
+    case cudaErrorStreamCaptureInvalidated:
+    case cudaErrorStreamCaptureMerge:
+    case cudaErrorStreamCaptureUnmatched:
+    case cudaErrorStreamCaptureUnjoined:
+    case cudaErrorStreamCaptureIsolation:
+    case cudaErrorStreamCaptureImplicit:
+    case cudaErrorCapturedEvent:
+    case cudaErrorStreamCaptureWrongThread:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Runs `setup` (an object's creation: it allocates and synchronizes the device) with `device`
+// current and restores the caller's device afterwards. When a CUDA call of setup fails, its error
+// is cleared from the thread (so that the caller's next error check does not report it again),
+// and a failure caused by a capture under way (a create inside torch.cuda.graph, or the first
+// Python call of a shape) says how to avoid it.
 template <typename F>
 Status on_device(int device, F&& setup) {
   int count = 0;
@@ -107,6 +129,12 @@ Status on_device(int device, F&& setup) {
   if (!st.is_ok()) return st;
   st = cuda_status(cudaSetDevice(device), "cudaSetDevice");
   if (st.is_ok()) st = setup();
+  if (st.code() == StatusCode::kCudaError && capture_error(cudaGetLastError())) {
+    st = Status(st.code(), st.message() +
+                         "; a stream capture is under way, and creating a Decoder or Prefiller "
+                         "(the first call of a shape, through the Python functions) cannot be "
+                         "captured: create it before capturing (the capture is now invalid)");
+  }
   cudaSetDevice(prev);
   return st;
 }

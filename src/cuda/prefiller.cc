@@ -123,7 +123,7 @@ Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Pre
     return Status::ok();
   });
   if (!st.is_ok()) {
-    if (impl->workspace) cudaFree(impl->workspace);
+    cuda_host::free_workspace(impl->workspace);
     return st;
   }
   impl->plan.kernel = impl->launch.wgmma ? PrefillKernel::kWgmma : PrefillKernel::kMmaSync;

@@ -468,6 +468,47 @@ TEST(GpuDecode, ObjectsDestroyedDuringACaptureLeaveItValid) {
   }
 }
 
+// Creating an object while a capture is under way fails with a message that says to create it
+// before capturing, leaves no CUDA error behind for the caller's next check, and works again
+// once the capture has ended.
+TEST(GpuDecode, CreatingDuringACaptureFailsAndSaysWhy) {
+  SKIP_WITHOUT_GPU();
+  DecodeData d = random_decode(880, 4, 1, {300, 5}, 1024);
+  const Selection sel = sel_of(16);
+  cpidx::PrefillConfig pc;
+  pc.num_heads = 4;
+  pc.max_tokens = 64;
+  pc.max_seq_len = 1024;
+  pc.sel = sel;
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (bool prefiller : {false, true}) {
+    SCOPED_TRACE(prefiller ? "Prefiller" : "Decoder");
+    std::unique_ptr<cpidx::Decoder> dec;
+    std::unique_ptr<cpidx::Prefiller> pre;
+    auto create = [&] {
+      return prefiller ? cpidx::Prefiller::create(pc, 0, &pre)
+                       : cpidx::Decoder::create(config_for(d, sel), 0, &dec);
+    };
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    const cpidx::Status st = create();
+    const cudaError_t left = cudaPeekAtLastError();
+    cudaGraph_t graph = nullptr;
+    cudaStreamEndCapture(stream, &graph);  // refused: the create's calls invalidated it
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    EXPECT_EQ(st.code(), cpidx::StatusCode::kCudaError) << st.to_string();
+    EXPECT_NE(st.message().find("create it before capturing"), std::string::npos)
+        << st.to_string();
+    EXPECT_EQ(left, cudaSuccess) << cudaGetErrorName(left);
+    EXPECT_EQ(dec, nullptr);
+    EXPECT_EQ(pre, nullptr);
+    const cpidx::Status after = create();
+    EXPECT_TRUE(after.is_ok()) << after.to_string();
+  }
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
 TEST(GpuDecode, GraphReplayCrossesBetweenPaths) {
   SKIP_WITHOUT_GPU();
   // One captured graph; the step's page count moves across the split threshold (100 pages here)
