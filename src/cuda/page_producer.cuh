@@ -174,6 +174,7 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
   using Page = PageTraits<kDType>;
   const int lane = threadIdx.x % 32;
   const int early = ring.n;
+  CPIDX_TRACE_SUMS();
   int64_t lp = early;
   // Hands the early stages over; returns the first page left to issue.
   auto hand_over = [&](bool holds) -> int64_t {
@@ -307,6 +308,7 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
     // (v17-st.async).
     mbar_arrive(&s.full[st]);
   }
+  CPIDX_TRACE_FLUSH(lane == 0);
   __syncwarp();
 }
 

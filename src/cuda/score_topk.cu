@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
   int32_t err = 0;
   CPIDX_TRACE_RESET(tid == 0);
+  CPIDX_TRACE_SUMS();
   CPIDX_TRACE_STAMP(tid == 0, kTEntry);
   CPIDX_TRACE_CYCLES(tid == 0, kTEntryClock);
   CPIDX_TRACE_SMID(tid == 0);
@@ -370,6 +371,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   }
   CPIDX_TRACE_STAMP(tid == 0, kTExit);
   CPIDX_TRACE_CYCLES(tid == 0, kTExitClock);
+  CPIDX_TRACE_FLUSH(tid == 0);
   if (err) atomicOr(p.error_flag, err);
 }
 

@@ -66,13 +66,30 @@ __device__ __forceinline__ void trace_reset() {
 __device__ __forceinline__ void trace_set(int slot, long long v) {
   if (blockIdx.x < kTraceCtas) g_score_trace[blockIdx.x * kTraceSlots + slot] = v;
 }
-__device__ __forceinline__ void trace_add(int slot, long long v) {
-  if (blockIdx.x < kTraceCtas) g_score_trace[blockIdx.x * kTraceSlots + slot] += v;
+// The sums (cycles, counts) a recording thread keeps in registers and writes once, at its end
+// (CPIDX_TRACE_FLUSH). NOTE: added to global memory where they were taken, each sum stalled that
+// thread on a load (an L2 round trip) on the very path being timed: the consumers' first page
+// was stamped ~1 us late behind two of them, and the producer paused at every page (v25).
+struct TraceSums {
+  unsigned sum[kTSlotCount] = {};  // one kernel's cycles fit 32 bits (2 s at 2 GHz)
+};
+__device__ __forceinline__ void trace_flush(const TraceSums& sums) {
+  if (blockIdx.x >= kTraceCtas) return;
+#pragma unroll
+  for (int i = 0; i < kTSlotCount; ++i) {  // the producer and a consumer flush into one CTA's row
+    if (sums.sum[i] != 0) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(g_score_trace + blockIdx.x * kTraceSlots + i),
+                static_cast<unsigned long long>(sums.sum[i]));
+    }
+  }
 }
 // `cond` selects the one thread that records.
 #define CPIDX_TRACE_RESET(cond) ((cond) ? trace_reset() : (void)0)
 #define CPIDX_TRACE_STAMP(cond, slot) ((cond) ? trace_set(slot, trace_now()) : (void)0)
-#define CPIDX_TRACE_ADD(cond, slot, v) ((cond) ? trace_add(slot, v) : (void)0)
+// A function that adds declares CPIDX_TRACE_SUMS(); before it returns, CPIDX_TRACE_FLUSH.
+#define CPIDX_TRACE_SUMS() TraceSums trace_sums
+#define CPIDX_TRACE_ADD(cond, slot, v) ((cond) ? (void)(trace_sums.sum[slot] += static_cast<unsigned>(v)) : (void)0)
+#define CPIDX_TRACE_FLUSH(cond) ((cond) ? trace_flush(trace_sums) : (void)0)
 #define CPIDX_TRACE_CLOCK(name) const long long name = clock64()
 #define CPIDX_TRACE_SINCE(name) (clock64() - (name))
 #define CPIDX_TRACE_SMID(cond) ((cond) ? trace_set(kTSmid, trace_smid()) : (void)0)
@@ -106,7 +123,9 @@ cudaError_t copy_trace(const Symbol& symbol, int slots, long long* host, int cta
 #else
 #define CPIDX_TRACE_RESET(cond) ((void)0)
 #define CPIDX_TRACE_STAMP(cond, slot) ((void)0)
+#define CPIDX_TRACE_SUMS() static_assert(true, "")
 #define CPIDX_TRACE_ADD(cond, slot, v) ((void)0)
+#define CPIDX_TRACE_FLUSH(cond) ((void)0)
 #define CPIDX_TRACE_CLOCK(name) ((void)0)
 #define CPIDX_TRACE_SINCE(name) 0
 #define CPIDX_TRACE_SMID(cond) ((void)0)
