@@ -33,7 +33,7 @@ inline void free_workspace(void* p) {
   if (p == nullptr) return;
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   const bool relaxed = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
-  if (cudaFree(p) != cudaSuccess) cudaGetLastError();  // a destructor has no one to tell
+  if (cudaFree(p) != cudaSuccess) cudaGetLastError();  // no one to tell; not left behind either
   if (relaxed) cudaThreadExchangeStreamCaptureMode(&mode);
 }
 

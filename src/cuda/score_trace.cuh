@@ -88,7 +88,8 @@ __device__ __forceinline__ void trace_flush(const TraceSums& sums) {
 #define CPIDX_TRACE_STAMP(cond, slot) ((cond) ? trace_set(slot, trace_now()) : (void)0)
 // A function that adds declares CPIDX_TRACE_SUMS(); before it returns, CPIDX_TRACE_FLUSH.
 #define CPIDX_TRACE_SUMS() TraceSums trace_sums
-#define CPIDX_TRACE_ADD(cond, slot, v) ((cond) ? (void)(trace_sums.sum[slot] += static_cast<unsigned>(v)) : (void)0)
+#define CPIDX_TRACE_ADD(cond, slot, v) \
+  ((cond) ? (void)(trace_sums.sum[slot] += static_cast<unsigned>(v)) : (void)0)
 #define CPIDX_TRACE_FLUSH(cond) ((cond) ? trace_flush(trace_sums) : (void)0)
 #define CPIDX_TRACE_CLOCK(name) const long long name = clock64()
 #define CPIDX_TRACE_SINCE(name) (clock64() - (name))

@@ -424,7 +424,8 @@ TEST(GpuDecode, ObjectsDestroyedDuringACaptureLeaveItValid) {
   const int64_t n = d.rows();
   DeviceVec<int32_t> ids(static_cast<size_t>(d.total_heads * n * sel.topk));
   for (bool other_thread : {false, true}) {
-    SCOPED_TRACE(other_thread ? "torn down by another thread" : "torn down by the capturing thread");
+    SCOPED_TRACE(other_thread ? "torn down by another thread"
+                              : "torn down by the capturing thread");
     cpidx::DecodeConfig big = config_for(d, sel);
     big.max_tokens = 8192;
     big.max_seq_len = 1 << 20;
