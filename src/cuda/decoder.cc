@@ -183,7 +183,7 @@ struct Decoder::Impl {
 
 Decoder::Decoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Decoder::~Decoder() {
-  if (impl_) cuda_host::free_workspace(impl_->workspace);
+  if (impl_) cuda_host::free_relaxed(impl_->workspace);
 }
 
 Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decoder>* out) {
@@ -232,7 +232,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
     return Status::ok();
   });
   if (!st.is_ok()) {
-    cuda_host::free_workspace(impl->workspace);
+    cuda_host::free_relaxed(impl->workspace);
     return st;
   }
   impl->plan.grid = impl->launch.grid;

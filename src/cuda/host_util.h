@@ -23,13 +23,13 @@ inline Status cuda_status(cudaError_t e, const char* what) {
 
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// Frees an object's workspace from its destructor (or a create that failed), which may run while
+// Frees device memory from an object's destructor (or a create that failed), which may run while
 // a stream capture is under way: a Python object collected inside `torch.cuda.graph`, or another
 // thread capturing in the global mode (torch's default). cudaFree is then a call the capture
 // forbids, and the refusal would also invalidate that capture; in the relaxed mode the free goes
 // through and the capture stays valid. The thread's own mode is restored after. Creating an
 // object cannot be captured (it synchronizes the device): on_device's message says so.
-inline void free_workspace(void* p) {
+inline void free_relaxed(void* p) {
   if (p == nullptr) return;
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   const bool relaxed = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;

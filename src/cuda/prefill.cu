@@ -7,6 +7,7 @@
 // Cost: 2 * rows * visible keys * 128 FLOP of tensor work (full pages; masked keys are computed
 // and discarded), plus one read per split of the split's pages from L2, plus S * K keys per row
 // written and merged. No [tokens, heads, blocks] score tensor exists at any point.
+#include "host_util.h"
 #include "prefill_device.cuh"
 #include "prefill_kernels.h"
 
@@ -616,7 +617,7 @@ cudaError_t prefill_wgmma_available(int device, bool* available) {
   int found = 0;
   e = cudaGetLastError();
   if (e == cudaSuccess) e = cudaMemcpy(&found, flag, sizeof(int), cudaMemcpyDeviceToHost);
-  cudaFree(flag);
+  cuda_host::free_relaxed(flag);  // freed even when a capture under way refused the copy
   if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction) {
     cudaGetLastError();  // not sticky: no image for this device simply means no wgmma
     return cudaSuccess;

@@ -89,7 +89,7 @@ struct Prefiller::Impl {
 
 Prefiller::Prefiller(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Prefiller::~Prefiller() {
-  if (impl_) cuda_host::free_workspace(impl_->workspace);
+  if (impl_) cuda_host::free_relaxed(impl_->workspace);
 }
 
 Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Prefiller>* out) {
@@ -123,7 +123,7 @@ Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Pre
     return Status::ok();
   });
   if (!st.is_ok()) {
-    cuda_host::free_workspace(impl->workspace);
+    cuda_host::free_relaxed(impl->workspace);
     return st;
   }
   impl->plan.kernel = impl->launch.wgmma ? PrefillKernel::kWgmma : PrefillKernel::kMmaSync;
