@@ -71,6 +71,16 @@ __device__ __forceinline__ void page_source(const ScoreTopkParams& p, int32_t se
 // Stage markers in s.stage_x besides a page: no more pages, or a stage to hand back unscored.
 constexpr int64_t kNoMorePages = -1, kSkipStage = -2;
 
+// What an early page's copy depends on: its request's length and its block-table entry, read
+// through L2 (before the wait for the copy, after it for the check).
+struct CopyInputs {
+  int32_t len, entry;
+};
+__device__ __forceinline__ CopyInputs read_copy_inputs(const ScoreTopkParams& p, int r,
+                                                       int64_t gblk) {
+  return {__ldcg(p.seq_lens + r), __ldcg(p.block_table + r * p.bt_row_stride + gblk)};
+}
+
 // The producer's first ring, looked up before the PDL wait and copied as soon as the wait
 // returns: lane i holds the CTA's i-th page, its request and block, and the length and
 // block-table entry as read before the wait. After the wait both are read again; the stages go
@@ -90,7 +100,7 @@ struct EarlyRing {
   int n = 0;  // stages copied early (warp-uniform; 0: none)
   int r = 0;
   int64_t gblk = 0;
-  int32_t len = 0, entry = 0;
+  CopyInputs in{};  // as read before the wait
 };
 
 // How many stages a CTA copies early: its first pages up to the ring, and on a stealing step no
@@ -116,8 +126,7 @@ __device__ __forceinline__ EarlyRing look_up_early(const ScoreTopkParams& p,
     int64_t lo = 0;
     e.r = offs.find(p, w.start + lane, &lo);
     e.gblk = (w.start + lane - lo) * p.world + p.rank;
-    e.len = __ldcg(p.seq_lens + e.r);
-    e.entry = __ldcg(p.block_table + e.r * p.bt_row_stride + e.gblk);
+    e.in = read_copy_inputs(p, e.r, e.gblk);
   }
   return e;
 }
@@ -131,7 +140,7 @@ __device__ __forceinline__ void copy_early(const ScoreTopkParams& p, const Smem&
   int32_t unused = 0;  // errors are raised from the values read after the wait
   uint32_t bytes = 0;
   const uint8_t* src = nullptr;
-  if (lane < e.n) page_source<kDType>(p, e.len, e.entry, e.gblk, &unused, &bytes, &src);
+  if (lane < e.n) page_source<kDType>(p, e.in.len, e.in.entry, e.gblk, &unused, &bytes, &src);
   for (int i = 0; i < e.n; ++i) {
     const uint32_t b = __shfl_sync(0xffffffffu, bytes, i);
     const uint8_t* from = reinterpret_cast<const uint8_t*>(
@@ -152,10 +161,9 @@ __device__ __forceinline__ bool early_ring_holds(const ScoreTopkParams& p, const
                                                  bool prefix_changed, int lane, int32_t* err) {
   bool same = true;
   if (lane < e.n) {
-    const int32_t len = __ldcg(p.seq_lens + e.r);
-    const int32_t entry = __ldcg(p.block_table + e.r * p.bt_row_stride + e.gblk);
-    same = len == e.len && entry == e.entry;
-    if (same && !prefix_changed) clamp_page(entry, p.num_pages, err);
+    const CopyInputs now = read_copy_inputs(p, e.r, e.gblk);
+    same = now.len == e.in.len && now.entry == e.in.entry;
+    if (same && !prefix_changed) clamp_page(now.entry, p.num_pages, err);
   }
   return !prefix_changed && __all_sync(0xffffffffu, same);
 }
