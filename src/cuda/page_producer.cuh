@@ -1,7 +1,7 @@
 // src/cuda/page_producer.cuh: the scoring kernel's producer warp. It fills the CTA's ring of
 // stages with its pages (bulk copies, block-table reads batched 32 at a time): a static range
 // of the step's flattened pages, or on large split steps the run-time share of work_steal.h;
-// and its first ring as soon as the PDL wait returns (EarlyRing). One read of each page.
+// and its first page as soon as the PDL wait returns (EarlyRing). One read of each page.
 #pragma once
 
 #include <stdint.h>
@@ -81,15 +81,15 @@ __device__ __forceinline__ CopyInputs read_copy_inputs(const ScoreTopkParams& p,
   return {__ldcg(p.seq_lens + r), __ldcg(p.block_table + r * p.bt_row_stride + gblk)};
 }
 
-// The producer's first ring, looked up before the PDL wait and copied as soon as the wait
-// returns: lane i holds the CTA's i-th page, its request and block, and the length and
-// block-table entry as read before the wait. After the wait both are read again; the stages go
-// to the consumers if nothing the copies used had changed (the prefix included) and, when the
-// CTA steals, if its compare-and-swap started its own range (else a thief started it: the pages
-// are claimed from the range word as usual); otherwise they are handed back unscored
-// (kSkipStage) and the range is issued from its start. The copies themselves start after the
-// wait, so they read the page contents the kernel before wrote.
-// NOTE: measured -0.5 to -1.3 us on most steps of 8K-64K a request and on the context-parallel
+// The producer's first pages (up to kEarlyStages), looked up before the PDL wait and copied as soon
+// as the wait returns: lane i holds the CTA's i-th page, its request and block, and the length and
+// block-table entry as read before the wait. After the wait both are read again; the stages go to
+// the consumers if nothing the copies used had changed (the prefix included) and, when the CTA
+// steals, if its compare-and-swap started its own range (else a thief started it: the pages are
+// claimed from the range word as usual); otherwise they are handed back unscored (kSkipStage) and
+// the range is issued from its start. The copies themselves start after the wait, so they read the
+// page contents the kernel before wrote.
+// NOTE: (the whole ring early) -0.5 to -1.3 us on most steps of 8K-64K a request and on the CP
 // 64-request steps, nothing at 1 x 8K (the first page lands ~0.6 us sooner, not the 1.4 us its
 // copy moved) and +0.5-0.7 us at 1 x 256K. Copying after the prefix check instead, from lengths
 // and entries read beside it, gained less and lost as much (docs/perf/README.md, v22, v22b).
@@ -103,14 +103,27 @@ struct EarlyRing {
   CopyInputs in{};  // as read before the wait
 };
 
-// How many stages a CTA copies early: its first pages up to the ring, and on a stealing step no
+// How many stages a CTA copies early: its first kEarlyStages pages, and on a stealing step no
 // more than its first claim (own_chunk), which its start compare-and-swap takes. Every thread
 // computes it (the consumers must hand the stages back even when the range changed). The sparse
-// offsets are recomputed after the wait anyway: none.
+// offsets are recomputed after the wait anyway: none. The rest of the ring is issued after the
+// hand-over (produce).
+// NOTE: one stage, not the whole ring. Pages in flight together land together: the memory
+// serves every outstanding request at once, so a page lands about (bytes in flight) / (the
+// memory's rate) after its copy starts. The whole ring at the wait (264 CTAs x 3 stages, 26 MB)
+// landed its first page ~6 us after the copies; one stage each (8.6 MB) ~3 us, which still
+// keeps the memory busy. Measured (docs/perf/README.md, v27): the first page 1.4-3.5 us sooner
+// from 1 x 64K up; 25 of 36 steps faster, by up to 1.2 us (most on Q = 4 and the
+// context-parallel steps), the large plain steps within their noise, and plain 64 x 8K, Q = 1
+// +0.8 to +1.6 us (some SMs finish their static ranges late). Two stages gained less and lost
+// 0.6 us at plain 8 x 256K (v27b); the whole ring with a 1 us gap after its first stage was
+// mixed (v27c).
+constexpr int kEarlyStages = 1;
 __device__ __forceinline__ int early_stages(const WorkRange& w, bool steal, int stages,
                                             bool sparse) {
   const int64_t span = w.end - w.start;
-  int64_t n = span < stages ? span : stages;
+  const int64_t cap = stages < kEarlyStages ? stages : kEarlyStages;
+  int64_t n = span < cap ? span : cap;
   if (steal && own_chunk(span) < n) n = own_chunk(span);
   return sparse ? 0 : static_cast<int>(n);
 }

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     prefetch_l2(q);
     prefetch_l2(q + kHeadDim - 8);  // a 256-byte row may span two lines
   }
-  // The producer's first ring is looked up before the wait and copied right after it (EarlyRing).
+  // The producer's first page is looked up before the wait and copied right after it (EarlyRing).
   const int early =
       early_stages(w, steals(w.split, p.steal_words != nullptr, total, grid), stages, kSparse);
   EarlyRing ring;
