@@ -361,7 +361,8 @@ void print_trace(int grid, int select_items, double page_bytes) {
       {kTFullWait, "wait_full", 1},   {kTEmptyWait, "wait_empty", 1}, {kTSegEnd, "seg_ends", 1},
       {kTQueries, "queries", 1},      {kTPages, "n_pages", 2},      {kTSegments, "n_segments", 2},
       {kTStolen, "n_stolen", 2},      {kTFirstIssue, "first_issue", 0},
-      {kTLastIssue, "last_issue", 0}, {kTHandedOver, "handed_over", 3}};
+      {kTLastIssue, "last_issue", 0}, {kTHandedOver, "handed_over", 3},
+      {kTFirstMma, "first_mma", 3},   {kTFirstMax, "first_max", 3}};
   std::printf("# trace over %zu CTAs: min / median / p90 / max (us; n_*: counts)\n", ctas.size());
   for (const auto& row : rows) {
     std::vector<double> v;
@@ -504,7 +505,7 @@ int run_bench(int argc, char** argv) {
       .add("split-pages", &split_pages,
            "steps with at most this many pages per rank take the split path (-1: automatic, "
            "0: fused path only)")
-      .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1 or 2)")
+      .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1, 2 or 3)")
       .add("max-tokens", &max_tokens,
            "the Decoders' max_tokens at least this (0: each shape's rows); the scoring kernel's "
            "shared memory grows with it (grid/stg shows the plan it gets)", 0, int64_t{1} << 24)

@@ -210,16 +210,21 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   CPIDX_CHECK(c.max_query_len >= 1 && c.max_query_len <= kMaxQueryLen,
               "max_query_len must be in [1, " << kMaxQueryLen << "], got " << c.max_query_len);
   CPIDX_CHECK(c.world_size <= 8, "world_size must be <= 8, got " << c.world_size);
-  CPIDX_CHECK(c.scoring_ctas_per_sm >= 0 && c.scoring_ctas_per_sm <= 2,
-              "scoring_ctas_per_sm must be 0 (automatic), 1 or 2, got " << c.scoring_ctas_per_sm);
+  CPIDX_CHECK(c.scoring_ctas_per_sm >= 0 && c.scoring_ctas_per_sm <= 3,
+              "scoring_ctas_per_sm must be 0 (automatic), 1, 2 or 3, got " << c.scoring_ctas_per_sm);
   CPIDX_CHECK(c.split_max_pages >= DecodeConfig::kAutoSplit && c.split_max_pages <= (1 << 24),
               "split_max_pages must be -1 (automatic), 0 (never) or a page count <= 2^24, got "
                   << c.split_max_pages);
   impl->device = device;
   const Status st = cuda_host::on_device(device, [&]() -> Status {
-    CPIDX_CUDA_TRY(cuda::plan_score_topk(c.total_heads * c.max_query_len, c.sel.topk,
-                                         c.cache_dtype, c.max_tokens, device,
-                                         c.scoring_ctas_per_sm, &impl->launch));
+    const cudaError_t planned = cuda::plan_score_topk(c.total_heads * c.max_query_len,
+                                                      c.sel.topk, c.cache_dtype, c.max_tokens,
+                                                      device, c.scoring_ctas_per_sm, &impl->launch);
+    CPIDX_CHECK(planned != cudaErrorInvalidConfiguration || c.scoring_ctas_per_sm == 0,
+                "scoring_ctas_per_sm = " << c.scoring_ctas_per_sm << " does not fit this device "
+                "for " << c.total_heads * c.max_query_len << " columns (total_heads x "
+                "max_query_len) of " << to_string(c.cache_dtype) << " pages; 0 chooses");
+    CPIDX_CUDA_TRY(planned);
     CPIDX_CUDA_TRY(cuda::plan_select_topk(device, &impl->launch));
     impl->layout = decode_workspace_layout(c, impl->launch.grid);
     CPIDX_CUDA_TRY(cudaMalloc(&impl->workspace, impl->layout.total));

@@ -61,11 +61,19 @@ __device__ __forceinline__ uint2 query_frag(const Smem& s, int nt, int g, int j,
                                          half * 4);
 }
 
+// Scoring CTAs an SM can hold by registers: three for fp8 pages up to 16 columns, two otherwise.
+// NOTE: an fp8 page is half a bf16 page's bytes for the same per-page work (the widening
+// included), so its consumers, not the memory, set the rate: at 64 x 256K, 4 heads, Q = 1, two
+// CTAs per SM read fp8 at 2.48 TB/s, three at 2.91, and with straight loads (kSwizzle) 3.16
+// (docs/perf/README.md, v28b, v28c). Wider instances need more than the 136 registers a thread
+// three CTAs leave.
+template <int NT, DType kDType>
+constexpr int kMinCtasPerSm = NT <= 2 && kDType == DType::kFP8E4M3 ? 3 : 2;
+
 template <int NT, DType kDType, bool kSparse>
-__global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopkParams p,
-                                                              const int stages,
-                                                              const int max_reqs_smem,
-                                                              const int prefix_shift) {
+__global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
+    score_topk_kernel(const ScoreTopkParams p, const int stages, const int max_reqs_smem,
+                      const int prefix_shift) {
   using Page = PageTraits<kDType>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const int Q = p.query_len, H = p.num_heads, K = p.topk, cap = cand_capacity(K);
@@ -185,12 +193,15 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
   int seg_req = -1;
   // NOTE: above 16 columns (NT >= 4) the accumulators leave no registers for the swizzle's
   // chunk groups and selects (ptxas spills): those instances load straight, bank conflicts and
-  // all, and read the query fragments from shared memory.
-  constexpr bool kSwizzle = NT <= 2;
+  // all, and read the query fragments from shared memory. fp8 pages load straight too: their
+  // consumers are issue-bound (widening), and the swizzle's 4-chunk groups and selects cost
+  // more than the conflicts: -7 to -9.5% at 8 x 256K to 64 x 256K without them, and ptxas no
+  // longer spills the 16-column instance at three CTAs per SM (docs/perf/README.md, v28c).
+  constexpr bool kSwizzle = NT <= 2 && kDType == DType::kBF16;
   const int swz = kSwizzle ? g & Page::kSwizzleMask : 0;
   // Up to 16 columns the segment's query fragments stay in registers (16 or 32 per thread)
   // instead of being read from shared memory on every page.
-  constexpr bool kQueryRegs = kSwizzle;
+  constexpr bool kQueryRegs = NT <= 2;
   uint2 qreg[4][2][NT];  // unused (and dropped by the compiler) without kQueryRegs
   int32_t seq_len = 0;
   // Loads request r's queries (a new segment).
@@ -297,6 +308,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage
+    if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstMma);
 
     // Causal block max per column: starts at -inf; NaN dots never win (fmaxf), as in the
     // reference, so a block whose visible dots are all NaN scores -inf.
@@ -322,6 +334,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_topk_kernel(const ScoreTopk
       }
     }
     consumer_sync();  // the column maxima are complete
+    if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstMax);
     if (s.misc[0]) {  // a candidate buffer filled up on the previous page
       consumer_sync();
       if (tid == 0) s.misc[0] = 0;
@@ -435,7 +448,8 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   const int ncols = padded_columns(max_heads_x_q);
   const int page_bytes = kBlockSize * kHeadDim * dtype_bytes(dtype);
   // NOTE: two CTAs per SM keep one CTA streaming while the other selects or merges; each keeps
-  // `stages` pages in flight. Take the deepest pipeline that still fits two CTAs, else one.
+  // `stages` pages in flight. Take the deepest pipeline that still fits two CTAs, else one
+  // (three first where kMinCtasPerSm allows them: fp8).
   // The request offsets (8 bytes per request of max_reqs) are kept for every 2^shift-th request
   // when that is what lets two CTAs fit (the sparse instance): at plain 8 x 256K one CTA per SM
   // (4 pages in flight) took 162 us at Q = 1 and 181 us at Q = 4, two CTAs with every 2nd or
@@ -449,11 +463,15 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
     });
     if (e != cudaSuccess) return e;
   }
-  const int most = ctas_per_sm == 1 ? 1 : 2, least = ctas_per_sm == 2 ? 2 : 1;
+  // Automatic: three CTAs where the registers allow it (kMinCtasPerSm), each with a ring of at
+  // least 3 pages and every offset kept; else two, else one.
+  const bool automatic = ctas_per_sm == 0;
+  const int most = automatic ? 3 : ctas_per_sm, least = automatic ? 1 : ctas_per_sm;
   for (int ctas = most; ctas >= least; --ctas) {
+    const bool strict = automatic && ctas == 3;
     // Every offset kept first (shift 0), then sparser, down to a single kept offset.
-    for (int shift = 0; shift == 0 || (max_reqs >> (shift - 1)) > 0; ++shift) {
-      for (int stages = 6; stages >= 2; --stages) {
+    for (int shift = 0; shift == 0 || (!strict && (max_reqs >> (shift - 1)) > 0); ++shift) {
+      for (int stages = 6; stages >= (strict ? 3 : 2); --stages) {
         SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs, shift);
         // NOTE: static shared memory (a few hundred bytes) counts against the same opt-in limit.
         if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;

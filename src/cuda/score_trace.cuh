@@ -10,7 +10,7 @@
 namespace cpidx {
 namespace cuda {
 
-constexpr int kTraceCtas = 1024, kTraceSlots = 19;
+constexpr int kTraceCtas = 1024, kTraceSlots = 21;
 enum TraceSlot : int {
   kTEntry = 0,        // stamp: kernel entry
   kTWaited,           // stamp: past the PDL wait
@@ -31,6 +31,8 @@ enum TraceSlot : int {
   kTEntryClock,       // clock64 at entry and at exit: with the stamps, the SM's clock rate
   kTExitClock,
   kTHandedOver,       // stamp: the early ring's stages handed to the consumers (0: no early ring)
+  kTFirstMma,         // stamp: the first page's MMAs done (consumer thread 0)
+  kTFirstMax,         // stamp: the first page's column maxima complete (after the barrier)
   kTSlotCount
 };
 static_assert(kTSlotCount <= kTraceSlots, "trace slots");

@@ -160,6 +160,14 @@ inline int& test_max_tokens() {
   return floor;
 }
 using UseMaxTokens = ScopedChoice<int, test_max_tokens>;
+// The helpers' DecodeConfig::max_query_len: the library's default (false) or each batch's own
+// query length (true), which gives the narrowest scoring instance (and, for fp8 pages up to 8
+// columns, three scoring CTAs per SM).
+inline bool& test_tight_query_bound() {
+  static bool tight = false;
+  return tight;
+}
+using UseTightQueryBound = ScopedChoice<bool, test_tight_query_bound>;
 
 inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selection& sel,
                                       int world = 1, int rank = 0, int max_tokens = 0) {
@@ -172,6 +180,7 @@ inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selectio
   c.max_seq_len = d.max_seq_len;
   c.sel = sel;
   c.cache_dtype = d.dtype;
+  if (test_tight_query_bound()) c.max_query_len = d.query_len;
   // Split forced: every test shape (<= 16M tokens of context per step) fits 2^17 pages.
   c.split_max_pages = test_path() == Path::kFused   ? 0
                       : test_path() == Path::kSplit ? int64_t{1} << 17

@@ -84,18 +84,28 @@ TEST(GpuDecode, ContextsFromOneTokenTo1M) {
   expect_matches_reference(d, sel_of(16), "1..1M");
 }
 
+// fp8 pages on the default query bound (16-64 columns, two scoring CTAs per SM) and on each
+// batch's own (4 heads x Q = 1: 4 columns, three CTAs per SM).
 TEST(GpuDecode, Fp8CacheMatchesReference) {
   SKIP_WITHOUT_GPU();
-  std::mt19937 rng(13);
-  DecodeData d = random_decode(400, 4, 4, lengths(rng, 7, 40000, true), 40000, DType::kFP8E4M3);
-  expect_matches_reference(d, sel_of(16), "fp8");
-  DecodeData t = random_decode(401, 4, 1, lengths(rng, 7, 9000, true), 9000, DType::kFP8E4M3,
-                               Values::kTies, 1.0f);
-  const Selection sel = sel_of(16, 1, 2);
-  const std::vector<int32_t> want = cpu_decode(t, sel);
-  for (Path path : kBothPaths) {
-    UsePath use(path);
-    EXPECT_EQ(gpu_decode(t, sel), want) << "fp8 ties must match exactly, " << path_name(path);
+  for (bool tight : {false, true}) {
+    UseTightQueryBound bound(tight);
+    const std::string what = tight ? "fp8, max_query_len = Q" : "fp8";
+    std::mt19937 rng(13);
+    for (int q : {4, 1}) {
+      DecodeData d = random_decode(400 + q, 4, q, lengths(rng, 7, 40000, true), 40000,
+                                   DType::kFP8E4M3);
+      expect_matches_reference(d, sel_of(16), (what + ", Q=" + std::to_string(q)).c_str());
+    }
+    DecodeData t = random_decode(401, 4, 1, lengths(rng, 7, 9000, true), 9000, DType::kFP8E4M3,
+                                 Values::kTies, 1.0f);
+    const Selection sel = sel_of(16, 1, 2);
+    const std::vector<int32_t> want = cpu_decode(t, sel);
+    for (Path path : kBothPaths) {
+      UsePath use(path);
+      EXPECT_EQ(gpu_decode(t, sel), want) << what << ": ties must match exactly, "
+                                          << path_name(path);
+    }
   }
 }
 
@@ -280,34 +290,53 @@ TEST(GpuDecode, DecodersOfDifferentGeometryCoexist) {
   EXPECT_EQ(gpu_decode(small, sel_of(1)), cpu_decode(small, sel_of(1)));
 }
 
-// The launch shape (one or two persistent CTAs per SM, hence the pipeline depth) never changes
-// the ids.
+// The launch shape (one, two or three persistent CTAs per SM, hence the pipeline depth) never
+// changes the ids. The automatic plan takes three where the registers allow them (fp8 pages up
+// to 8 columns) and two otherwise; forcing three where they do not fit is an error that says so.
 TEST(GpuDecode, CtasPerSmDoNotChangeIds) {
   SKIP_WITHOUT_GPU();
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::mt19937 rng(37);
-  DecodeData d = random_decode(950, 4, 2, lengths(rng, 9, 70000, true), 70000);
-  const Selection sel = sel_of(16);
-  DeviceBatch b(d);
-  const int64_t n = d.rows();
-  std::vector<std::vector<int32_t>> got;
-  for (int64_t split : {int64_t{0}, int64_t{1} << 17}) {
-    for (int ctas : {1, 2}) {
-      cpidx::DecodeConfig c = config_for(d, sel);
-      c.split_max_pages = split;
-      c.scoring_ctas_per_sm = ctas;
-      std::unique_ptr<cpidx::Decoder> dec;
-      ASSERT_TRUE(cpidx::Decoder::create(c, 0, &dec).is_ok());
-      DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));
-      ids.poison();
-      ASSERT_TRUE(dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
-                              nullptr, nullptr).is_ok());
-      CUDA_OK(cudaDeviceSynchronize());
-      got.push_back(ids.download());
-      EXPECT_EQ(got.back(), got.front()) << "split " << split << ", " << ctas << " CTA(s)/SM";
+  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+    DecodeData d = random_decode(950 + static_cast<int>(dtype), 4, 2,
+                                 lengths(rng, 9, 70000, true), 70000, dtype);
+    const Selection sel = sel_of(16);
+    DeviceBatch b(d);
+    const int64_t n = d.rows();
+    const int auto_ctas = dtype == DType::kFP8E4M3 ? 3 : 2;
+    std::vector<std::vector<int32_t>> got;
+    for (int64_t split : {int64_t{0}, int64_t{1} << 17}) {
+      for (int ctas : {0, 1, 2, 3}) {
+        const std::string what = std::string(cpidx::to_string(dtype)) + ", split " +
+                                  std::to_string(split) + ", " + std::to_string(ctas) +
+                                  " CTA(s)/SM";
+        cpidx::DecodeConfig c = config_for(d, sel);
+        c.max_query_len = d.query_len;  // 4 heads x 2 tokens: 8 columns
+        c.split_max_pages = split;
+        c.scoring_ctas_per_sm = ctas;
+        std::unique_ptr<cpidx::Decoder> dec;
+        const cpidx::Status st = cpidx::Decoder::create(c, 0, &dec);
+        if (ctas > auto_ctas) {
+          ASSERT_FALSE(st.is_ok()) << what;
+          EXPECT_NE(st.message().find("scoring_ctas_per_sm = 3 does not fit"), std::string::npos)
+              << st.message();
+          continue;
+        }
+        ASSERT_TRUE(st.is_ok()) << what << ": " << st.to_string();
+        EXPECT_EQ(dec->plan().grid, (ctas == 0 ? auto_ctas : ctas) * sms) << what;
+        DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));
+        ids.poison();
+        ASSERT_TRUE(dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
+                                nullptr, nullptr).is_ok());
+        CUDA_OK(cudaDeviceSynchronize());
+        got.push_back(ids.download());
+        EXPECT_EQ(got.back(), got.front()) << what;
+      }
     }
+    const CompareResult r = compare_ids(d, sel, got.front(), cpu_decode(d, sel));
+    EXPECT_EQ(r.bad_rows, 0) << cpidx::to_string(dtype) << ": " << r.first_bad;
   }
-  const CompareResult r = compare_ids(d, sel, got.front(), cpu_decode(d, sel));
-  EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
 }
 
 // Steps with more (request, column) items than the selection's wide grid (4 CTAs per SM) take
