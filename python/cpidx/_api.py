@@ -74,6 +74,20 @@ def _current_stream(device: Any) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def _refuse_during_capture(what: str) -> None:
+    """Raises (before any CUDA call) when the current CUDA stream is capturing a graph. ``what``
+    allocates device memory or synchronises (creating a Decoder, Prefiller or IndexerCPDecode;
+    a collective close), which a capture forbids: CUDA's own refusal would also invalidate the
+    capture, this one leaves it valid."""
+    torch = _torch_module()
+    if torch is None or not torch.cuda.is_available():
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what}: a CUDA graph is being captured on the current stream, and "
+                           f"this allocates and synchronises, which a capture forbids; do it "
+                           f"before capturing (the capture is still valid)")
+
+
 def _token_bucket(n: int) -> int:
     """Decoder size for the functional API when max_tokens is not given: the next power of two
     (at least 64), so a handful of decoders serve every batch size."""
@@ -87,7 +101,8 @@ class Registry:
     * ``decoder(...)``: one GPU :class:`cpidx.Decoder` per (device, heads, max_tokens,
       max_seq_len, topk, init_blocks, local_blocks, cache dtype), used by :func:`decode_topk` on
       CUDA tensors. Creating one allocates its workspace and synchronises, so the first call of a
-      shape must happen before CUDA-graph capture.
+      shape must happen before CUDA-graph capture (inside one it raises ``RuntimeError`` naming
+      the shape, before any CUDA call: the capture stays valid).
     * ``prefiller(...)``: one GPU :class:`cpidx.Prefiller` per the same key, used by
       :func:`prefill_topk` on CUDA tensors.
     * ``cp_decode(**kwargs)``: one :class:`cpidx.IndexerCPDecode` per (rank, geometry, group),
@@ -108,10 +123,14 @@ class Registry:
         self._prefillers: dict = {}
         self._cp: dict = {}
 
-    def _cached(self, store: dict, key: tuple, make: Any) -> Any:
+    def _cached(self, store: dict, key: tuple, make: Any, what: Optional[str]) -> Any:
+        """The entry for ``key``, made by ``make()`` when missing or closed. ``what`` names a GPU
+        object for the capture check (None: ``make`` checks for itself)."""
         with self._lock:
             obj = store.get(key)
             if obj is None or getattr(obj, "closed", False):
+                if what is not None:
+                    _refuse_during_capture(f"creating {what} (the first call of this shape)")
                 obj = store[key] = make()
             return obj
 
@@ -121,7 +140,8 @@ class Registry:
         return self._cached(self._decoders, key, lambda: _C.Decoder(
             total_heads=heads, world_size=1, rank=0, max_tokens=max_tokens,
             max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
-            local_blocks=local_blocks, device=device, cache_dtype=cache_dtype))
+            local_blocks=local_blocks, device=device, cache_dtype=cache_dtype),
+            f"a Decoder (max_tokens={max_tokens}, max_seq_len={max_seq_len}, {heads} heads)")
 
     def prefiller(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
                   init_blocks: int, local_blocks: int, cache_dtype: str = "bf16") -> Any:
@@ -129,14 +149,15 @@ class Registry:
         return self._cached(self._prefillers, key, lambda: _C.Prefiller(
             num_heads=heads, max_tokens=max_tokens, max_seq_len=max_seq_len, topk=topk,
             init_blocks=init_blocks, local_blocks=local_blocks, device=device,
-            cache_dtype=cache_dtype))
+            cache_dtype=cache_dtype),
+            f"a Prefiller (max_tokens={max_tokens}, max_seq_len={max_seq_len}, {heads} heads)")
 
     def cp_decode(self, **kwargs: Any) -> Any:
         from ._cp import IndexerCPDecode
 
         group = kwargs.get("group")
         key = tuple(sorted((k, str(v)) for k, v in kwargs.items() if k != "group")) + (id(group),)
-        return self._cached(self._cp, key, lambda: IndexerCPDecode(**kwargs))
+        return self._cached(self._cp, key, lambda: IndexerCPDecode(**kwargs), None)
 
     def clear(self) -> None:
         """Drop every decoder and prefiller and close every shared IndexerCPDecode (their device
@@ -146,6 +167,9 @@ class Registry:
         tried."""
         with self._lock:
             shared = list(self._cp.values())
+            if any(cp._closes_collectively() for cp in shared):
+                _refuse_during_capture("Registry.clear() (it closes the shared IndexerCPDecode "
+                                       "instances: collective)")
             self._drop_all()
         error: Optional[BaseException] = None
         for cp in shared:

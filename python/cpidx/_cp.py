@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._api import BLOCK_SIZE, _as_bits, registry
+from ._api import BLOCK_SIZE, _as_bits, _refuse_during_capture, registry
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
@@ -67,6 +67,10 @@ class IndexerCPDecode:
     other ranks: its peer communicator is abandoned (this rank's buffers stay allocated until
     the process exits, since a peer may still map them), so garbage collection and interpreter
     exit cannot hang on a rank that exited first.
+
+    Inside a CUDA-graph capture (on the current stream), creating an instance and a ``close()``
+    that closes communicators (collective, synchronising) raise ``RuntimeError`` before any CUDA
+    call, and the capture stays valid.
 
     CUDA graphs first: destroy (``del``) every CUDA graph that captured a step before
     ``close()`` or dropping the instance. NCCL's communicator destroy waits until every live
@@ -129,6 +133,7 @@ class IndexerCPDecode:
 
         self._decoder = None
         if self._cuda:
+            _refuse_during_capture("creating an IndexerCPDecode")
             self._decoder = _C.Decoder(
                 total_heads=total_heads, world_size=world_size, rank=rank, max_tokens=max_tokens,
                 max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
@@ -347,10 +352,17 @@ class IndexerCPDecode:
         one lives, and can be called again once they are gone (see the class docstring)."""
         if self._closed:
             return
+        if self._closes_collectively():
+            _refuse_during_capture(f"{self!r}.close() (collective: it closes its "
+                                   f"communicators)")
         while self._owned:
             self._owned[0].close()  # raises before anything is dropped if it cannot close yet
             self._owned.pop(0)
         self._drop()
+
+    def _closes_collectively(self) -> bool:
+        """Whether close() closes communicators this instance made (collective, synchronising)."""
+        return not self._closed and bool(self._owned)
 
     def __enter__(self) -> "IndexerCPDecode":
         self._check_open()

@@ -380,3 +380,56 @@ def test_communicator_leaked_at_exit_is_closed_without_a_destroy():
         a.rank
     a.close()  # a no-op once let go
     b.close()
+
+
+
+class _CollectiveInstance:
+    """A shared IndexerCPDecode stand-in whose close() is collective."""
+
+    closed = False
+    closes = 0
+
+    def _closes_collectively(self):
+        return True
+
+    def close(self):
+        self.closes += 1
+        self.closed = True
+
+
+def test_registry_refuses_creation_and_collective_clear_during_a_capture(monkeypatch):
+    # Creating a Decoder or Prefiller allocates and synchronises, which a capture forbids (and
+    # CUDA's refusal would also invalidate the capture): the registry refuses first, naming the
+    # shape, and keeps nothing; clear() refuses while it holds instances whose close is
+    # collective, and drops nothing.
+    import sys
+    import types
+
+    from cpidx._api import Registry
+
+    # A stand-in torch whose current stream is capturing (CI has neither torch nor a GPU): what
+    # the package's capture check reads of it.
+    capturing = [True]
+    fake = types.SimpleNamespace(
+        Tensor=type("Tensor", (), {}),
+        cuda=types.SimpleNamespace(is_available=lambda: True,
+                                   is_current_stream_capturing=lambda: capturing[0]))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    reg = Registry()
+    shape = dict(device=0, heads=4, max_tokens=64, max_seq_len=1024, topk=16, init_blocks=0,
+                 local_blocks=1)
+    with pytest.raises(RuntimeError, match=r"creating a Decoder \(max_tokens=64, max_seq_len=1024, "
+                                           r"4 heads\) \(the first call of this shape\): a CUDA "
+                                           r"graph is being captured.*capture is still valid"):
+        reg.decoder(**shape)
+    with pytest.raises(RuntimeError, match=r"creating a Prefiller \(max_tokens=64"):
+        reg.prefiller(**shape)
+    assert len(reg) == 0
+    shared = _CollectiveInstance()
+    reg._cp[("key",)] = shared
+    with pytest.raises(RuntimeError, match=r"Registry\.clear\(\) \(it closes the shared"):
+        reg.clear()
+    assert shared.closes == 0 and len(reg) == 1
+    capturing[0] = False
+    reg.clear()
+    assert shared.closes == 1 and len(reg) == 0

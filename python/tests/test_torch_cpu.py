@@ -234,3 +234,40 @@ def test_context_manager_closes_on_both_exits():
         with _world_one() as cp:
             raise KeyError("leave without a collective")
     assert cp.closed
+
+
+
+class _FakeCommunicator:
+    """Stands in for a communicator an instance made (whose close() is collective)."""
+
+    def __init__(self) -> None:
+        self.closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+def test_cp_decode_creation_and_collective_close_refused_during_a_capture(monkeypatch):
+    # A capture forbids allocating and synchronising, and CUDA's refusal would also invalidate
+    # it: IndexerCPDecode refuses first, naming what, and changes nothing. (The capture is
+    # faked: no GPU here. The Registry's part: test_numpy.py, which CI runs without torch.)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with pytest.raises(RuntimeError, match="creating an IndexerCPDecode: a CUDA graph is being "
+                                           "captured"):
+        _world_one(device="cuda:0")
+    plain = _world_one()  # made no communicator: nothing collective to close
+    plain.close()
+    assert plain.closed
+    cp = _world_one()
+    comm = _FakeCommunicator()
+    cp._owned = [comm]  # as if it had made one
+    with pytest.raises(RuntimeError, match=r"IndexerCPDecode\(rank 0 of 1, exchange 'none', "
+                                           r"device 'cpu'\)\.close\(\) \(collective.*capture "
+                                           r"is still valid"):
+        cp.close()
+    assert not cp.closed and comm.closes == 0
+    capturing[0] = False
+    cp.close()
+    assert cp.closed and comm.closes == 1
