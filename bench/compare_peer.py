@@ -7,7 +7,10 @@ merge, no exchange) by (P, Q, B, L). Prints a markdown table with our time, the 
 peer, GB/s on the rank's cache bytes and the target each row is judged by (TARGETS.md); then,
 for `--modes stepP` rows, the whole step on real GPUs against TARGETS.md item 4 (at most the
 shard floor + 10 us at B*L >= 2M tokens, at most 14 us at B=1, L=8K).
-Usage: compare_peer.py bench.json
+With an fp8 run (`cpidx bench --dtype fp8 --json`), the peer has nothing to compare (it has no
+fp8 cache on this GPU): its rows are set against the same shapes of a bf16 run instead, for
+TARGETS.md item 5 (fp8 at least 1.8x faster than bf16 at B*L >= 2M tokens).
+Usage: compare_peer.py bench.json [fp8.json]   (or the fp8 run alone, or the two in any order)
 """
 import json
 import sys
@@ -96,8 +99,51 @@ def print_steps(rows, processes):
               f"{text} | {mark} |")
 
 
+def shape_key(r):
+    return (r["mode"], r["heads"], r["world"], r["reqs"], r["context"], r["qlen"])
+
+
+def fp8_table(fp8_rows, bf16_rows):
+    """fp8 rows against the bf16 rows of the same shapes (TARGETS.md item 5), as lines."""
+    bf16 = {shape_key(r): r for r in bf16_rows if r.get("check") == "ok"}
+    lines = ["| mode | heads | P | B | L | Q | fp8 us | bf16 us | bf16 / fp8 | fp8 GB/s | target "
+             "| |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in fp8_rows:
+        other = bf16.get(shape_key(r))
+        large = r["reqs"] * r["context"] >= 2 * M1
+        if r.get("check") != "ok":
+            speedup, mark = "-", f"check: {r.get('check')}"
+        elif other is None:
+            speedup, mark = "-", "no bf16 row"
+        else:
+            speedup = f"{other['us'] / r['us']:.2f}"
+            mark = ("met" if other["us"] >= 1.8 * r["us"] else "missed") if large else ""
+        bf16_us = f"{other['us']:.1f}" if other else "-"
+        lines.append(f"| {r['mode']} | {r['heads']} | {r['world']} | {r['reqs']} | "
+                     f"{context_text(r['context'])} | {r['qlen']} | {r['us']:.1f} | "
+                     f"{bf16_us} | {speedup} | {r['gbps']:.0f} | "
+                     f"{'>= 1.8x bf16' if large else '-'} | {mark} |")
+    return lines
+
+
 def main():
-    data = json.load(open(sys.argv[1]))
+    runs = [json.load(open(path)) for path in sys.argv[1:]]
+    if not runs:
+        sys.exit("usage: compare_peer.py bench.json [fp8.json]")
+    fp8 = [d for d in runs if d.get("dtype") == "fp8"]
+    bf16 = [d for d in runs if d.get("dtype", "bf16") != "fp8"]
+    if fp8:
+        bf16_rows = [r for d in bf16 for r in d.get("results", [])]
+        print("fp8 against bf16 (TARGETS.md item 5):\n")
+        for line in fp8_table([r for d in fp8 for r in d.get("results", [])], bf16_rows):
+            print(line)
+        if bf16:
+            print()
+    for data in bf16:
+        report(data)
+
+
+def report(data):
     results = data.get("results", [])
     if results:
         print("| mode | heads | P | B | L | Q | us | peer us | ratio | GB/s | target | |")

@@ -45,6 +45,28 @@ def test_ab_summary_reports_a_build_without_runs(tmp_path):
     assert "missing runs" in lines[2] and "[--pdl 0]" in lines[2]
 
 
+_peer_spec = importlib.util.spec_from_file_location(
+    "compare_peer", os.path.join(_ROOT, "bench", "compare_peer.py"))
+compare_peer = importlib.util.module_from_spec(_peer_spec)
+_peer_spec.loader.exec_module(compare_peer)
+
+
+def test_fp8_rows_are_judged_against_the_same_bf16_shapes():
+    bf16 = [_row(130.0), _row(8.0, reqs=1, context=8192), _row(40.0, reqs=8, context=65536)]
+    fp8 = [dict(_row(70.0), gbps=3800.0), dict(_row(8.5, reqs=1, context=8192), gbps=120.0),
+           dict(_row(100.0, reqs=64, context=262144), gbps=2900.0),
+           dict(_row(30.0, reqs=8, context=65536), gbps=2200.0, check="ids differ")]
+    lines = compare_peer.fp8_table(fp8, bf16)
+    assert len(lines) == 2 + len(fp8)
+    assert lines[2] == ("| plain | 4 | 1 | 8 | 256K | 1 | 70.0 | 130.0 | 1.86 | 3800 | "
+                        ">= 1.8x bf16 | met |")  # 2M tokens: item 5 applies
+    assert lines[3].endswith("| 8.5 | 8.0 | 0.94 | 120 | - |  |")  # small: no target
+    assert lines[4].endswith("| - | - | 2900 | >= 1.8x bf16 | no bf16 row |")
+    assert lines[5].endswith("| check: ids differ |")
+    slow = compare_peer.fp8_table([dict(_row(80.0), gbps=3300.0)], bf16)
+    assert slow[2].endswith("| 1.62 | 3300 | >= 1.8x bf16 | missed |")
+
+
 _TRACE = """# trace over 264 CTAs: min / median / p90 / max (us; n_*: counts)
 #   pdl_waited           4.54      {wait:.2f}      7.23      7.55
 #   first_issue          6.56      6.91     10.88     13.06
