@@ -54,7 +54,7 @@ struct DecodeConfig {
   static constexpr size_t kSplitBufferBytes = size_t{16} << 20;
   int64_t split_max_pages = kAutoSplit;
   // Persistent scoring CTAs per SM: 0 lets the library choose (three where the registers allow
-  // it, today fp8 caches with heads x query length <= 8, else two; each with the deepest page
+  // it, today fp8 caches with heads x query length <= 16, else two; each with the deepest page
   // pipeline that fits them all); 1-3 force it (Decoder::create fails where it does not fit).
   // For tuning and benchmarks.
   int scoring_ctas_per_sm = 0;

@@ -123,7 +123,7 @@ class Registry:
         self._prefillers: dict = {}
         self._cp: dict = {}
 
-    def _cached(self, store: dict, key: tuple, make: Any, what: Optional[str]) -> Any:
+    def _cached(self, store: dict, key: tuple, make: Any, what: Optional[str] = None) -> Any:
         """The entry for ``key``, made by ``make()`` when missing or closed. ``what`` names a GPU
         object for the capture check (None: ``make`` checks for itself)."""
         with self._lock:
@@ -157,7 +157,7 @@ class Registry:
 
         group = kwargs.get("group")
         key = tuple(sorted((k, str(v)) for k, v in kwargs.items() if k != "group")) + (id(group),)
-        return self._cached(self._cp, key, lambda: IndexerCPDecode(**kwargs), None)
+        return self._cached(self._cp, key, lambda: IndexerCPDecode(**kwargs))
 
     def clear(self) -> None:
         """Drop every decoder and prefiller and close every shared IndexerCPDecode (their device

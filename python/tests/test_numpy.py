@@ -382,7 +382,6 @@ def test_communicator_leaked_at_exit_is_closed_without_a_destroy():
     b.close()
 
 
-
 class _CollectiveInstance:
     """A shared IndexerCPDecode stand-in whose close() is collective."""
 

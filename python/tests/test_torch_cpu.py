@@ -236,7 +236,6 @@ def test_context_manager_closes_on_both_exits():
     assert cp.closed
 
 
-
 class _FakeCommunicator:
     """Stands in for a communicator an instance made (whose close() is collective)."""
 

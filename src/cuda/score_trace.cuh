@@ -31,7 +31,7 @@ enum TraceSlot : int {
   kTEntryClock,       // clock64 at entry and at exit: with the stamps, the SM's clock rate
   kTExitClock,
   kTHandedOver,       // stamp: the early ring's stages handed to the consumers (0: no early ring)
-  kTFirstMma,         // stamp: the first page's MMAs done (consumer thread 0)
+  kTFirstMma,         // stamp: the first page's MMAs issued (consumer thread 0)
   kTFirstMax,         // stamp: the first page's column maxima complete (after the barrier)
   kTSlotCount
 };

@@ -292,12 +292,13 @@ TEST(GpuDecode, DecodersOfDifferentGeometryCoexist) {
 
 // The launch shape (one, two or three persistent CTAs per SM, hence the pipeline depth) never
 // changes the ids. The automatic plan takes three where the registers allow them (fp8 pages up
-// to 8 columns) and two otherwise; forcing three where they do not fit is an error that says so.
+// to 16 columns) and two otherwise; forcing three where they do not fit is an error that says so.
 TEST(GpuDecode, CtasPerSmDoNotChangeIds) {
   SKIP_WITHOUT_GPU();
   int sms = 0;
   CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::mt19937 rng(37);
+  UseTightQueryBound bound(true);  // 4 heads x 2 tokens: 8 columns
   for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
     DecodeData d = random_decode(950 + static_cast<int>(dtype), 4, 2,
                                  lengths(rng, 9, 70000, true), 70000, dtype);
@@ -312,7 +313,6 @@ TEST(GpuDecode, CtasPerSmDoNotChangeIds) {
                                   std::to_string(split) + ", " + std::to_string(ctas) +
                                   " CTA(s)/SM";
         cpidx::DecodeConfig c = config_for(d, sel);
-        c.max_query_len = d.query_len;  // 4 heads x 2 tokens: 8 columns
         c.split_max_pages = split;
         c.scoring_ctas_per_sm = ctas;
         std::unique_ptr<cpidx::Decoder> dec;
