@@ -1,11 +1,10 @@
 // src/cuda/page_traits.cuh: how the scoring consumers read a 128-token key page from shared
-// memory, per cache dtype (bf16, fp8 e4m3 widened to bf16): the page's size and row pitch, and
-// the bank swizzle of their 16- or 8-byte loads, undone in registers so the MMAs see the
-// operands of a straight load.
+// memory, per cache dtype (bf16; fp8 e4m3 widened to fp16): the page's size and row pitch, the
+// MMA's input type, and the bank swizzle of their 16- or 8-byte loads, undone in registers so
+// the MMAs see the operands of a straight load.
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include "cpidx/contract.h"
@@ -28,6 +27,7 @@ struct PageTraits<DType::kBF16> {
   static constexpr int kBytes = kBlockSize * kHeadDim * 2;
   static constexpr int kRowBytes = kHeadDim * 2;
   static constexpr int kSwizzleMask = 1;
+  static constexpr bool kHalf = false;  // bf16 MMAs on the queries as given
   using Raw = uint4;
   // 8 bf16 of token `tok`, dims [32 j + 8 c4, +8).
   __device__ static Raw load(const uint8_t* page, int tok, int j, int c4) {
@@ -35,24 +35,32 @@ struct PageTraits<DType::kBF16> {
   }
   __device__ static uint4 widen(Raw r) { return r; }
 };
+// fp8 keys are widened to fp16, one instruction per pair and exact (every e4m3 value, NaN
+// included, is an fp16 value); the MMAs are fp16, so the queries are scaled into fp16's range
+// (scale_query_column in score_topk.cu) and the dots scaled back. Widening to bf16 instead
+// takes e4m3 -> fp16 -> fp32 -> bf16: four instructions a pair, most of the consumers' issue.
 template <>
 struct PageTraits<DType::kFP8E4M3> {
   static constexpr int kBytes = kBlockSize * kHeadDim;
   static constexpr int kRowBytes = kHeadDim;
   static constexpr int kSwizzleMask = 3;
+  static constexpr bool kHalf = true;
   using Raw = uint2;
-  __device__ static uint32_t cvt2(uint16_t two) {
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
-    float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
-    __nv_bfloat162 b = __float22bfloat162_rn(f);  // exact: e4m3 values fit bf16
-    return *reinterpret_cast<uint32_t*>(&b);
+  // Four e4m3 bytes (little-endian) -> two registers of two fp16 each, order kept.
+  __device__ static uint2 cvt4(uint32_t four) {
+    uint2 h;
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %0, lo;\n\tcvt.rn.f16x2.e4m3x2 %1, hi;\n\t}"
+        : "=r"(h.x), "=r"(h.y)
+        : "r"(four));
+    return h;
   }
   __device__ static Raw load(const uint8_t* page, int tok, int j, int c4) {
     return *reinterpret_cast<const uint2*>(page + tok * kRowBytes + j * 32 + c4 * 8);
   }
   __device__ static uint4 widen(Raw raw) {
-    return make_uint4(cvt2(raw.x & 0xFFFF), cvt2(raw.x >> 16), cvt2(raw.y & 0xFFFF),
-                      cvt2(raw.y >> 16));
+    const uint2 a = cvt4(raw.x), b = cvt4(raw.y);
+    return make_uint4(a.x, a.y, b.x, b.y);
   }
 };
 

@@ -8,6 +8,8 @@
 // across CTAs leaves each CTA's ordered lists in the workspace, and select_topk (the next
 // kernel, chained by programmatic dependent launch) merges them exactly, every request in
 // parallel, so no CTA stops streaming to merge. Cost: one read of the shard's cache bytes.
+#include <cuda_fp16.h>
+
 #include <type_traits>
 
 #include "device_utils.cuh"
@@ -27,8 +29,8 @@ constexpr int kQStride = kHeadDim + 8;  // bf16 elements per query row in smem (
 
 // Shared-memory layout, computed identically on host (sizing) and device (carving).
 struct SmemLayout {
-  size_t stages_off, q_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, prefix_off, full_off,
-      empty_off, stage_x_off, misc_off, total;
+  size_t stages_off, q_off, qinv_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, prefix_off,
+      full_off, empty_off, stage_x_off, misc_off, total;
   __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int max_reqs,
                                  int prefix_shift) {
     size_t o = 0;
@@ -41,6 +43,7 @@ struct SmemLayout {
     const int cap = cand_capacity(topk);
     stages_off = take(static_cast<size_t>(stages) * page_bytes, 128);
     q_off = take(static_cast<size_t>(ncols) * kQStride * 2, 16);
+    qinv_off = take(static_cast<size_t>(ncols) * sizeof(float), 16);
     red_off = take(2ull * kConsumerWarps * ncols * sizeof(float), 16);
     cbuf_off = take(static_cast<size_t>(ncols) * cap * sizeof(Key), 16);
     tmp_off = take(static_cast<size_t>(ncols) * topk * sizeof(Key), 16);
@@ -59,6 +62,39 @@ struct SmemLayout {
 __device__ __forceinline__ uint2 query_frag(const Smem& s, int nt, int g, int j, int c4, int half) {
   return *reinterpret_cast<const uint2*>(s.q + (nt * 8 + g) * kQStride + j * 32 + c4 * 8 +
                                          half * 4);
+}
+
+// 2^k as a float, k in [-126, 127].
+__device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }
+
+// fp8 pages (fp16 MMAs, PageTraits): eight of a column's bf16 query values, scaled by 2^e into
+// fp16. The column's e is taken over its 16 chunks (16 adjacent lanes, one chunk each) so that
+// its largest finite |q| lands in [2^15, 2^16): every value within 2^32 of that one is then
+// exactly an fp16 value, each product is the bf16 path's times 2^e (keys are exact in fp16 too),
+// and so is every fp32 sum. Returns 2^-e, which scales the dots back exactly (|e| <= 126). A
+// value over 2^32 below its column's largest rounds to fp16's 2^-24 step (its share of the dot
+// is below fp32's rounding of it). inf and NaN stay what they are.
+__device__ __forceinline__ float scale_query_chunk(uint4* v) {
+  uint32_t w[4] = {v->x, v->y, v->z, v->w};
+  float f[8], m = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f[i] = __uint_as_float((i % 2 ? w[i / 2] >> 16 : w[i / 2] & 0xFFFFu) << 16);  // bf16 -> f32
+    if (isfinite(f[i])) m = fmaxf(m, fabsf(f[i]));
+  }
+#pragma unroll
+  for (int o = 1; o < 16; o *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  // floor(log2 m) for a normal m; -127 for 0 or a subnormal (then e = 126, still exact: a bf16
+  // subnormal is a multiple of 2^-133).
+  const int e = min(126, max(-126, 15 - ((__float_as_int(m) >> 23) - 127)));
+  const float up = pow2(e);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 h = __floats2half2_rn(f[2 * i] * up, f[2 * i + 1] * up);
+    w[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  *v = make_uint4(w[0], w[1], w[2], w[3]);
+  return pow2(-e);
 }
 
 // Scoring CTAs an SM can hold by registers: three for fp8 pages up to 16 columns, two otherwise.
@@ -82,6 +118,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   const SmemLayout lay(stages, Page::kBytes, NT * 8, K, max_reqs_smem, prefix_shift);
   const Smem s{smem_raw + lay.stages_off,
                reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.q_off),
+               reinterpret_cast<float*>(smem_raw + lay.qinv_off),
                reinterpret_cast<float*>(smem_raw + lay.red_off),
                reinterpret_cast<Key*>(smem_raw + lay.cbuf_off),
                reinterpret_cast<Key*>(smem_raw + lay.tmp_off),
@@ -217,6 +254,10 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
         v = *reinterpret_cast<const uint4*>(p.q_head[h] + (static_cast<int64_t>(req) * Q + t) *
                                                               p.q_row_stride + chunk * 8);
       }
+      if constexpr (Page::kHalf) {  // every thread takes NT turns: the shuffles see whole warps
+        const float down = scale_query_chunk(&v);
+        if (chunk == 0) s.qinv[col] = down;
+      }
       *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
     }
     consumer_sync();
@@ -297,10 +338,12 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
               const uint2 b = kQueryRegs ? qreg[j][half][nt] : query_frag(s, nt, g, j, c4, half);
-              if (half == 0)
-                mma_bf16_16816(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+              const uint32_t a0 = half ? lo.z : lo.x, a1 = half ? hi.z : hi.x;
+              const uint32_t a2 = half ? lo.w : lo.y, a3 = half ? hi.w : hi.y;
+              if constexpr (Page::kHalf)
+                mma_f16_16816(acc[mt][nt], a0, a1, a2, a3, b.x, b.y);
               else
-                mma_bf16_16816(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, b.x, b.y);
+                mma_bf16_16816(acc[mt][nt], a0, a1, a2, a3, b.x, b.y);
             }
           }
         }
@@ -345,6 +388,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
       float v = red[col];
 #pragma unroll
       for (int w = 1; w < kConsumerWarps; ++w) v = max_num(v, red[w * NT * 8 + col]);
+      if constexpr (Page::kHalf) v *= s.qinv[col];  // exact: a power of two
       const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
       const int64_t vis = visible_blocks(pos);
       if (split) {
