@@ -505,7 +505,7 @@ int run_bench(int argc, char** argv) {
       .add("split-pages", &split_pages,
            "steps with at most this many pages per rank take the split path (-1: automatic, "
            "0: fused path only)")
-      .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1, 2 or 3)")
+      .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1-4)")
       .add("max-tokens", &max_tokens,
            "the Decoders' max_tokens at least this (0: each shape's rows); the scoring kernel's "
            "shared memory grows with it (grid/stg shows the plan it gets)", 0, int64_t{1} << 24)

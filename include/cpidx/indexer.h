@@ -53,9 +53,10 @@ struct DecodeConfig {
   static constexpr int64_t kSplitLongestPages = 4096;    // 512K tokens of one request
   static constexpr size_t kSplitBufferBytes = size_t{16} << 20;
   int64_t split_max_pages = kAutoSplit;
-  // Persistent scoring CTAs per SM: 0 lets the library choose (three where the registers allow
-  // it, today fp8 caches with heads x query length <= 16, else two; each with the deepest page
-  // pipeline that fits them all); 1-3 force it (Decoder::create fails where it does not fit).
+  // Persistent scoring CTAs per SM: 0 lets the library choose (four or three where the
+  // registers allow it, today fp8 caches with heads x query length <= 8 or <= 16, else two;
+  // each with the deepest page pipeline that fits them all); 1-4 force it (Decoder::create
+  // fails where it does not fit).
   // For tuning and benchmarks.
   int scoring_ctas_per_sm = 0;
   // Split-path steps whose CTAs hold >= 16 pages each balance at run time: a CTA done with its

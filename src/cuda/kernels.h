@@ -91,9 +91,10 @@ struct ScoreTopkLaunch {
 
 // Chooses the launch (stages, grid, shared memory) for the given maxima and sets the kernel's
 // shared-memory attribute. Called once at construction.
-// ctas_per_sm: 0 chooses (three where the instance's registers allow it and a pipeline of >= 3
-// pages fits each with every offset kept; else two when a pipeline of >= 2 pages fits both;
-// else one), 1-3 force it (cudaErrorInvalidConfiguration where it does not fit).
+// ctas_per_sm: 0 chooses (four, then three, where the instance's registers allow it and a
+// pipeline of >= 3 pages fits each with every offset kept; else two when a pipeline of >= 2
+// pages fits both; else one), 1-4 force it (cudaErrorInvalidConfiguration where it does not
+// fit).
 cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_reqs, int device,
                             int ctas_per_sm, ScoreTopkLaunch* launch);
 // The fused path's persistent grid: CTA c of g = fused_ctas(total, grid) scores the step's

@@ -97,14 +97,16 @@ __device__ __forceinline__ float scale_query_chunk(uint4* v) {
   return pow2(-e);
 }
 
-// Scoring CTAs an SM can hold by registers: three for fp8 pages up to 16 columns, two otherwise.
-// NOTE: an fp8 page is half a bf16 page's bytes for the same per-page work (the widening
-// included), so its consumers, not the memory, set the rate: at 64 x 256K, 4 heads, Q = 1, two
-// CTAs per SM read fp8 at 2.48 TB/s, three at 2.91, and with straight loads (kSwizzle) 3.16
-// (docs/perf/README.md, v28b, v28c). Wider instances need more than the 136 registers a thread
-// three CTAs leave.
+// Scoring CTAs an SM can hold by registers: for fp8 pages four at 8 columns (96 registers a
+// thread) and three at 16 (136), two otherwise.
+// NOTE: an fp8 page is half a bf16 page's bytes for nearly the same per-page work, so its
+// consumers, not the memory, set the rate: at 64 x 256K, 4 heads, Q = 1, two CTAs per SM read
+// fp8 at 2.48 TB/s, three at 2.91, with straight loads (kSwizzle) 3.16, with fp16 MMAs (v29)
+// 3.49 and with four CTAs 4.07 (docs/perf/README.md, v28b-v29b). Four at 16 columns fit only
+// with the query fragments read from shared memory every page, and that was 13-22% slower than
+// three with them in registers (v29c). Wider instances need more than 136 registers.
 template <int NT, DType kDType>
-constexpr int kMinCtasPerSm = NT <= 2 && kDType == DType::kFP8E4M3 ? 3 : 2;
+constexpr int kMinCtasPerSm = kDType == DType::kFP8E4M3 ? (NT == 1 ? 4 : NT == 2 ? 3 : 2) : 2;
 
 template <int NT, DType kDType, bool kSparse>
 __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
@@ -231,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   // NOTE: above 16 columns (NT >= 4) the accumulators leave no registers for the swizzle's
   // chunk groups and selects (ptxas spills): those instances load straight, bank conflicts and
   // all, and read the query fragments from shared memory. fp8 pages load straight too: their
-  // consumers are issue-bound (widening), and the swizzle's 4-chunk groups and selects cost
+  // consumers are issue-bound, and the swizzle's 4-chunk groups and selects cost
   // more than the conflicts: -7 to -9.5% at 8 x 256K to 64 x 256K without them, and ptxas no
   // longer spills the 16-column instance at three CTAs per SM (docs/perf/README.md, v28c).
   constexpr bool kSwizzle = NT <= 2 && kDType == DType::kBF16;
@@ -493,7 +495,7 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   const int page_bytes = kBlockSize * kHeadDim * dtype_bytes(dtype);
   // NOTE: two CTAs per SM keep one CTA streaming while the other selects or merges; each keeps
   // `stages` pages in flight. Take the deepest pipeline that still fits two CTAs, else one
-  // (three first where kMinCtasPerSm allows them: fp8).
+  // (four or three first where kMinCtasPerSm allows them: fp8).
   // The request offsets (8 bytes per request of max_reqs) are kept for every 2^shift-th request
   // when that is what lets two CTAs fit (the sparse instance): at plain 8 x 256K one CTA per SM
   // (4 pages in flight) took 162 us at Q = 1 and 181 us at Q = 4, two CTAs with every 2nd or
@@ -507,12 +509,12 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
     });
     if (e != cudaSuccess) return e;
   }
-  // Automatic: three CTAs where the registers allow it (kMinCtasPerSm), each with a ring of at
-  // least 3 pages and every offset kept; else two, else one.
+  // Automatic: four or three CTAs where the registers allow it (kMinCtasPerSm), each with a ring
+  // of at least 3 pages and every offset kept; else two, else one.
   const bool automatic = ctas_per_sm == 0;
-  const int most = automatic ? 3 : ctas_per_sm, least = automatic ? 1 : ctas_per_sm;
+  const int most = automatic ? 4 : ctas_per_sm, least = automatic ? 1 : ctas_per_sm;
   for (int ctas = most; ctas >= least; --ctas) {
-    const bool strict = automatic && ctas == 3;
+    const bool strict = automatic && ctas >= 3;
     // Every offset kept first (shift 0), then sparser, down to a single kept offset.
     for (int shift = 0; shift == 0 || (!strict && (max_reqs >> (shift - 1)) > 0); ++shift) {
       for (int stages = 6; stages >= (strict ? 3 : 2); --stages) {
