@@ -109,28 +109,21 @@ cudaError_t launch_with_pdl(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
-// ---- Tensor-core MMA: D[16x8] += A[16x16] * B[16x8], bf16 inputs, fp32 accumulation --------
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
-                                               uint32_t a2, uint32_t a3, uint32_t b0,
-                                               uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// The same MMA on fp16 inputs (fp8 pages: keys widened exactly to fp16, queries scaled into
+// ---- Tensor-core MMA: D[16x8] += A[16x16] * B[16x8], fp32 accumulation ---------------------
+// bf16 inputs, or fp16 with kHalf (fp8 pages: keys widened exactly to fp16, queries scaled into
 // its range; PageTraits).
-__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
-                                              uint32_t a2, uint32_t a3, uint32_t b0,
-                                              uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#define CPIDX_MMA_16816(type)                                                               \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." type "." type ".f32 {%0,%1,%2,%3}, " \
+               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                      \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                              \
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+template <bool kHalf = false>
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (kHalf) CPIDX_MMA_16816("f16");
+  else CPIDX_MMA_16816("bf16");
 }
+#undef CPIDX_MMA_16816
 
 // NaN-ignoring max (IEEE maxNum): with -inf as the start value, NaN dots never win.
 __device__ __forceinline__ float max_num(float a, float b) { return fmaxf(a, b); }

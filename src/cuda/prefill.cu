@@ -222,8 +222,8 @@ __device__ __forceinline__ void page_max(const uint8_t* page, const uint4 (&qa)[
         for (int mt = 0; mt < 2; ++mt) {
           const uint4& lo = qa[mt][0][j];
           const uint4& hi = qa[mt][1][j];
-          mma_bf16_16816(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-          mma_bf16_16816(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+          mma_16816(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+          mma_16816(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
         }
       }
     }

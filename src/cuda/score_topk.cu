@@ -342,10 +342,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
               const uint2 b = kQueryRegs ? qreg[j][half][nt] : query_frag(s, nt, g, j, c4, half);
               const uint32_t a0 = half ? lo.z : lo.x, a1 = half ? hi.z : hi.x;
               const uint32_t a2 = half ? lo.w : lo.y, a3 = half ? hi.w : hi.y;
-              if constexpr (Page::kHalf)
-                mma_f16_16816(acc[mt][nt], a0, a1, a2, a3, b.x, b.y);
-              else
-                mma_bf16_16816(acc[mt][nt], a0, a1, a2, a3, b.x, b.y);
+              mma_16816<Page::kHalf>(acc[mt][nt], a0, a1, a2, a3, b.x, b.y);
             }
           }
         }
