@@ -17,6 +17,7 @@
 #include "page_order.cuh"
 #include "page_producer.cuh"
 #include "page_traits.cuh"
+#include "query_scale.h"
 #include "score_trace.cuh"
 #include "shard_select.cuh"
 #include "work_steal.h"
@@ -64,16 +65,13 @@ __device__ __forceinline__ uint2 query_frag(const Smem& s, int nt, int g, int j,
                                          half * 4);
 }
 
-// 2^k as a float, k in [-126, 127].
-__device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }
-
 // fp8 pages (fp16 MMAs, PageTraits): eight of a column's bf16 query values, scaled by 2^e into
-// fp16. The column's e is taken over its 16 chunks (16 adjacent lanes, one chunk each) so that
-// its largest finite |q| lands in [2^15, 2^16): every value within 2^32 of that one is then
-// exactly an fp16 value, each product is the bf16 path's times 2^e (keys are exact in fp16 too),
-// and so is every fp32 sum. Returns 2^-e, which scales the dots back exactly (|e| <= 126). A
-// value over 2^32 below its column's largest rounds to fp16's 2^-24 step (its share of the dot
-// is below fp32's rounding of it). inf and NaN stay what they are.
+// fp16, e from the column's largest finite |q| over its 16 chunks (16 adjacent lanes, one chunk
+// each; query_scale.h): every value within 2^32 of that one is then exactly an fp16 value, each
+// product is the bf16 path's times 2^e (keys are exact in fp16 too), and so is every fp32 sum.
+// Returns 2^-e, which scales the dots back exactly. A value over 2^32 below its column's largest
+// rounds to fp16's 2^-24 step (its share of the dot is below fp32's rounding of it). inf and NaN
+// stay what they are.
 __device__ __forceinline__ float scale_query_chunk(uint4* v) {
   uint32_t w[4] = {v->x, v->y, v->z, v->w};
   float f[8], m = 0.f;
@@ -84,9 +82,7 @@ __device__ __forceinline__ float scale_query_chunk(uint4* v) {
   }
 #pragma unroll
   for (int o = 1; o < 16; o *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  // floor(log2 m) for a normal m; -127 for 0 or a subnormal (then e = 126, still exact: a bf16
-  // subnormal is a multiple of 2^-133).
-  const int e = min(126, max(-126, 15 - ((__float_as_int(m) >> 23) - 127)));
+  const int e = query_scale_exponent(m);
   const float up = pow2(e);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
