@@ -115,47 +115,52 @@ TEST(GpuDecode, Fp8CacheMatchesReference) {
 // column of 2^100 or 2^-130 (bf16 subnormals), or one with halves 2^120 apart, must score as
 // the reference does. A column holding an inf or a NaN keeps the other values' scaling, and
 // NaN keys sprinkled through the cache never win (CONTRACT.md): those ids must match exactly.
+// Each on the default query bound (32 columns: fragments read from shared memory) and on the
+// batch's own at Q = 1 and 4 (8 and 16 columns: fragments in registers, 4 and 3 fp8 CTAs/SM).
 TEST(GpuDecode, QueriesOfAnyMagnitudeAndNonFiniteValues) {
   SKIP_WITHOUT_GPU();
   using cpidx::ref::bf16_to_float;
-  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
-    const bool fp8 = dtype == DType::kFP8E4M3;
-    const std::string what = fp8 ? "fp8" : "bf16";
-    std::mt19937 rng(19);
-    const int Q = 2;
-    // Scale a whole (row, head) column by 2^e (e = ±60 on its two halves for the split kind);
-    // bf16 pages skip 2^-130: tensor cores need not keep fp32 subnormal products.
-    DecodeData d = random_decode(420, 4, Q, lengths(rng, 6, 20000, true), 20000, dtype);
-    const std::vector<int> exps = fp8 ? std::vector<int>{0, 100, -100, -130, 1000}
-                                      : std::vector<int>{0, 100, -100, 1000};
-    const int64_t columns = d.rows() * d.total_heads;
-    for (int64_t c = 0; c < columns; ++c) {
-      const int e = exps[static_cast<size_t>(c) % exps.size()];
-      for (int i = 0; i < cpidx_test::kD; ++i) {
-        uint16_t& q = d.query[static_cast<size_t>(c * cpidx_test::kD + i)];
-        const int ei = e == 1000 ? (i < cpidx_test::kD / 2 ? 60 : -60) : e;
-        q = bf16_of(std::ldexp(bf16_to_float(q), ei));
+  for (const auto& [tight, Q] : {std::pair{false, 2}, std::pair{true, 1}, std::pair{true, 4}}) {
+    for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+      UseTightQueryBound bound(tight);
+      const bool fp8 = dtype == DType::kFP8E4M3;
+      const std::string what = std::string(fp8 ? "fp8" : "bf16") + ", Q=" + std::to_string(Q) +
+                               (tight ? ", max_query_len = Q" : "");
+      std::mt19937 rng(19);
+      // Scale a whole (row, head) column by 2^e (e = ±60 on its two halves for the split kind);
+      // bf16 pages skip 2^-130: tensor cores need not keep fp32 subnormal products.
+      DecodeData d = random_decode(420, 4, Q, lengths(rng, 6, 20000, true), 20000, dtype);
+      const std::vector<int> exps = fp8 ? std::vector<int>{0, 100, -100, -130, 1000}
+                                        : std::vector<int>{0, 100, -100, 1000};
+      const int64_t columns = d.rows() * d.total_heads;
+      for (int64_t c = 0; c < columns; ++c) {
+        const int e = exps[static_cast<size_t>(c) % exps.size()];
+        for (int i = 0; i < cpidx_test::kD; ++i) {
+          uint16_t& q = d.query[static_cast<size_t>(c * cpidx_test::kD + i)];
+          const int ei = e == 1000 ? (i < cpidx_test::kD / 2 ? 60 : -60) : e;
+          q = bf16_of(std::ldexp(bf16_to_float(q), ei));
+        }
       }
-    }
-    expect_matches_reference(d, sel_of(16), (what + ", queries scaled by 2^e").c_str());
+      expect_matches_reference(d, sel_of(16), (what + ", queries scaled by 2^e").c_str());
 
-    // Non-finite: every column gets an inf, a -inf or a NaN at a random dim; 1 in 64 keys NaN.
-    DecodeData n = random_decode(421, 4, Q, lengths(rng, 6, 20000, true), 20000, dtype);
-    const uint16_t specials[3] = {0x7F80, 0xFF80, 0x7FC0};
-    for (int64_t c = 0; c < n.rows() * n.total_heads; ++c) {
-      n.query[static_cast<size_t>(c * cpidx_test::kD + rng() % cpidx_test::kD)] =
-          specials[c % 3];
-    }
-    if (fp8) {
-      for (auto& k : n.cache_fp8) if (rng() % 64 == 0) k = rng() % 2 ? 0x7F : 0xFF;
-    } else {
-      for (auto& k : n.cache_bf16) if (rng() % 64 == 0) k = 0x7FC0;
-    }
-    const Selection sel = sel_of(16, 1, 2);
-    const std::vector<int32_t> want = cpu_decode(n, sel);
-    for (Path path : kBothPaths) {
-      UsePath use(path);
-      EXPECT_EQ(gpu_decode(n, sel), want) << what << ", non-finite: " << path_name(path);
+      // Non-finite: every column gets an inf, a -inf or a NaN at a random dim; 1 in 64 keys NaN.
+      DecodeData n = random_decode(421, 4, Q, lengths(rng, 6, 20000, true), 20000, dtype);
+      const uint16_t specials[3] = {0x7F80, 0xFF80, 0x7FC0};
+      for (int64_t c = 0; c < n.rows() * n.total_heads; ++c) {
+        n.query[static_cast<size_t>(c * cpidx_test::kD + rng() % cpidx_test::kD)] =
+            specials[c % 3];
+      }
+      if (fp8) {
+        for (auto& k : n.cache_fp8) if (rng() % 64 == 0) k = rng() % 2 ? 0x7F : 0xFF;
+      } else {
+        for (auto& k : n.cache_bf16) if (rng() % 64 == 0) k = 0x7FC0;
+      }
+      const Selection sel = sel_of(16, 1, 2);
+      const std::vector<int32_t> want = cpu_decode(n, sel);
+      for (Path path : kBothPaths) {
+        UsePath use(path);
+        EXPECT_EQ(gpu_decode(n, sel), want) << what << ", non-finite: " << path_name(path);
+      }
     }
   }
 }
