@@ -55,17 +55,36 @@ __device__ __forceinline__ unsigned long long load_word(const unsigned long long
 // Both values are clamped as the reference clamps them (errors OR-ed into *err). At least one
 // token: a block is below the length its prefix counted, but the early ring reads that length
 // a second time, which may be newer (such a stage is handed back); the copy stays in its page.
+struct PageCopy {
+  uint32_t bytes = 0;
+  const uint8_t* src = nullptr;
+};
 template <DType kDType>
-__device__ __forceinline__ void page_source(const ScoreTopkParams& p, int32_t seq_len,
-                                            int32_t entry, int64_t gblk, int32_t* err,
-                                            uint32_t* bytes, const uint8_t** src) {
+__device__ __forceinline__ PageCopy page_source(const ScoreTopkParams& p, int32_t seq_len,
+                                                int32_t entry, int64_t gblk, int32_t* err) {
   using Page = PageTraits<kDType>;
   const int32_t len = clamp_seq_len(seq_len, p.max_seq_len, err);
   const int64_t page = clamp_page(entry, p.num_pages, err);
   int64_t tokens = len - gblk * kBlockSize;
   tokens = tokens < 1 ? 1 : (tokens < kBlockSize ? tokens : kBlockSize);
-  *bytes = static_cast<uint32_t>(tokens) * Page::kRowBytes;
-  *src = static_cast<const uint8_t*>(p.cache) + page * Page::kBytes;
+  return {static_cast<uint32_t>(tokens) * Page::kRowBytes,
+          static_cast<const uint8_t*>(p.cache) + page * Page::kBytes};
+}
+
+// Lane i's page copy, in every lane of the warp (the producer's lanes look pages up 32 at a
+// time; lane 0 issues the copies).
+__device__ __forceinline__ PageCopy lane_copy(const PageCopy& mine, int i) {
+  return {__shfl_sync(0xffffffffu, mine.bytes, i),
+          reinterpret_cast<const uint8_t*>(
+              __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(mine.src), i))};
+}
+
+// Lane 0: starts page copy c into stage st, its bytes expected on the stage's full barrier
+// (by the caller: with or without an arrive).
+template <DType kDType>
+__device__ __forceinline__ void start_copy(const Smem& s, int st, const PageCopy& c) {
+  bulk_copy_g2s(s.pages + static_cast<size_t>(st) * PageTraits<kDType>::kBytes, c.src, c.bytes,
+                &s.full[st]);
 }
 
 // Stage markers in s.stage_x besides a page: no more pages, or a stage to hand back unscored.
@@ -149,20 +168,16 @@ __device__ __forceinline__ EarlyRing look_up_early(const ScoreTopkParams& p,
 template <DType kDType>
 __device__ __forceinline__ void copy_early(const ScoreTopkParams& p, const Smem& s,
                                            const EarlyRing& e, int lane) {
-  using Page = PageTraits<kDType>;
   int32_t unused = 0;  // errors are raised from the values read after the wait
-  uint32_t bytes = 0;
-  const uint8_t* src = nullptr;
-  if (lane < e.n) page_source<kDType>(p, e.in.len, e.in.entry, e.gblk, &unused, &bytes, &src);
+  PageCopy mine;
+  if (lane < e.n) mine = page_source<kDType>(p, e.in.len, e.in.entry, e.gblk, &unused);
   for (int i = 0; i < e.n; ++i) {
-    const uint32_t b = __shfl_sync(0xffffffffu, bytes, i);
-    const uint8_t* from = reinterpret_cast<const uint8_t*>(
-        __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), i));
+    const PageCopy c = lane_copy(mine, i);
     if (lane == 0) {
       if (i == 0) CPIDX_TRACE_STAMP(true, kTFirstIssue);
       CPIDX_TRACE_STAMP(true, kTLastIssue);
-      mbar_expect_tx(&s.full[i], b);
-      bulk_copy_g2s(s.pages + static_cast<size_t>(i) * Page::kBytes, from, b, &s.full[i]);
+      mbar_expect_tx(&s.full[i], c.bytes);
+      start_copy<kDType>(s, i, c);
     }
   }
 }
@@ -192,7 +207,6 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
                         const RequestOffsets<kSparse>& offs, const WorkRange& w, int64_t total,
                         bool steal, int stages, const EarlyRing& ring, bool prefix_changed,
                         int32_t* err) {
-  using Page = PageTraits<kDType>;
   const int lane = threadIdx.x % 32;
   const int early = ring.n;
   CPIDX_TRACE_SUMS();
@@ -215,24 +229,21 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
   auto issue = [&](int64_t from, int64_t to) {  // pages [from, to)
     for (int64_t x0 = from; x0 < to; x0 += 32) {
       const int64_t x = x0 + lane;
-      uint32_t bytes = 0;
-      const uint8_t* src = nullptr;
+      PageCopy mine;
       int r = cur;
       int64_t lo = cur_lo;
       if (x < to && (x < cur_lo || x >= cur_hi)) r = offs.find(p, x, &lo);
       if (x < to) {
         const int64_t gblk = (x - lo) * p.world + p.rank;
-        page_source<kDType>(p, p.seq_lens[r], p.block_table[r * p.bt_row_stride + gblk], gblk,
-                            err, &bytes, &src);
+        mine = page_source<kDType>(p, p.seq_lens[r], p.block_table[r * p.bt_row_stride + gblk],
+                                   gblk, err);
       }
       const int count = to - x0 < 32 ? static_cast<int>(to - x0) : 32;
       cur = __shfl_sync(0xffffffffu, r, count - 1);
       cur_lo = __shfl_sync(0xffffffffu, lo, count - 1);
       cur_hi = cur_lo + offs.pages(p, cur);
       for (int i = 0; i < count; ++i, ++lp) {
-        const uint32_t b = __shfl_sync(0xffffffffu, bytes, i);
-        const uint8_t* from_ptr = reinterpret_cast<const uint8_t*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(src), i));
+        const PageCopy c = lane_copy(mine, i);
         if (lane == 0) {
           const int st = static_cast<int>(lp % stages);
           CPIDX_TRACE_CLOCK(t0);
@@ -241,9 +252,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
           s.stage_x[st] = x0 + i;  // released to the consumers by the arrive below
           if (lp == 0) CPIDX_TRACE_STAMP(true, kTFirstIssue);
           CPIDX_TRACE_STAMP(true, kTLastIssue);
-          mbar_arrive_expect_tx(&s.full[st], b);
-          bulk_copy_g2s(s.pages + static_cast<size_t>(st) * Page::kBytes, from_ptr, b,
-                        &s.full[st]);
+          mbar_arrive_expect_tx(&s.full[st], c.bytes);
+          start_copy<kDType>(s, st, c);
         }
       }
     }
