@@ -161,8 +161,8 @@ inline int& test_max_tokens() {
 }
 using UseMaxTokens = ScopedChoice<int, test_max_tokens>;
 // The helpers' DecodeConfig::max_query_len: the library's default (false) or each batch's own
-// query length (true), which gives the narrowest scoring instance (and, for fp8 pages up to 16
-// columns, three scoring CTAs per SM).
+// query length (true), which gives the narrowest scoring instance (and, for fp8 pages, four
+// scoring CTAs per SM up to 8 columns, three up to 16).
 inline bool& test_tight_query_bound() {
   static bool tight = false;
   return tight;

@@ -85,8 +85,8 @@ TEST(GpuDecode, ContextsFromOneTokenTo1M) {
   expect_matches_reference(d, sel_of(16), "1..1M");
 }
 
-// fp8 pages on the default query bound (16-64 columns, two scoring CTAs per SM) and on each
-// batch's own (4 heads x Q = 1: 4 columns, three CTAs per SM).
+// fp8 pages on the default query bound (4 heads x 8: 32 columns, two scoring CTAs per SM) and on
+// each batch's own (4 heads x Q = 4 and 1: 16 and 8 columns, three and four CTAs per SM).
 TEST(GpuDecode, Fp8CacheMatchesReference) {
   SKIP_WITHOUT_GPU();
   for (bool tight : {false, true}) {
