@@ -21,13 +21,16 @@
 #   --tests FILTER     then run the new build's cpidx_gpu_tests with this gtest filter
 #   --sanitize TOOL    then scripts/gpu_sanitize.sh TOOL in the new tree (memcheck|racecheck|
 #                      synccheck|all)
-# Everything stops short of the device tool's 10-minute limit (the tests get what is left).
+#   --budget S         seconds the whole script may take (default 580, short of the device
+#                      tool's 10-minute limit); the tests get what is left of it, so a small
+#                      budget keeps a long filter from spending the session's device time
+# The tests and the sanitizer run in what is left of the budget.
 # Example (the v17e patch):
 #   scripts/device_ab.sh --config "" --config "--max-tokens 8192" \
 #     --tests 'GpuDecode.*:GpuWorkStealing.*' docs/perf/raw/v17e_dense_offsets_when_the_batch_fits.patch
 set -uo pipefail
 configs=() shapes="--modes plain4,cp2 --reqs 1,8 --contexts 8192,262144 --qlens 1,4" reps=2
-tests="" sanitize="" trace="" patch=""
+tests="" sanitize="" trace="" patch="" budget=580
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) configs+=("$2"); shift 2 ;;
@@ -36,7 +39,8 @@ while [ $# -gt 0 ]; do
     --tests) tests=$2; shift 2 ;;
     --trace) trace=$2; shift 2 ;;
     --sanitize) sanitize=$2; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    --budget) budget=$2; shift 2 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     -*) echo "device_ab.sh: unknown option $1" >&2; exit 2 ;;
     *) [ -z "$patch" ] || { echo "device_ab.sh: one PATCH only" >&2; exit 2; }; patch=$1; shift ;;
   esac
@@ -125,14 +129,15 @@ fi
 
 rc=0
 if [ -n "$tests" ]; then
-  left=$(( 580 - $(elapsed) ))
+  left=$(( budget - $(elapsed) ))
+  [ "$left" -gt 0 ] || left=1
   timeout "$left" "$new/build-device/tests/cpidx_gpu_tests" --gtest_filter="$tests" \
     >"$OUT/tests.log" 2>&1
   rc=$?
   echo "# tests (new) exit $rc at $(elapsed) s ($left s allowed)" | tee -a "$log"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/tests.log" | tee -a "$log"
 fi
-if [ -n "$sanitize" ] && [ $(( 560 - $(elapsed) )) -gt 60 ]; then
+if [ -n "$sanitize" ] && [ $(( budget - 20 - $(elapsed) )) -gt 60 ]; then
   if ! (cd "$new" && OUT=$OUT/san scripts/gpu_sanitize.sh "$sanitize" >/dev/null 2>&1); then
     rc=1
   fi
