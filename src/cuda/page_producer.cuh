@@ -50,15 +50,17 @@ __device__ __forceinline__ unsigned long long load_word(const unsigned long long
   return v;
 }
 
+// One page's bulk copy: its bytes and its source in the cache.
+struct PageCopy {
+  uint32_t bytes = 0;
+  const uint8_t* src = nullptr;
+};
+
 // The bulk copy of block gblk of a request whose length and block-table entry read `seq_len`
 // and `entry`: its source in the cache and its bytes, the block's tokens under the length.
 // Both values are clamped as the reference clamps them (errors OR-ed into *err). At least one
 // token: a block is below the length its prefix counted, but the early ring reads that length
 // a second time, which may be newer (such a stage is handed back); the copy stays in its page.
-struct PageCopy {
-  uint32_t bytes = 0;
-  const uint8_t* src = nullptr;
-};
 template <DType kDType>
 __device__ __forceinline__ PageCopy page_source(const ScoreTopkParams& p, int32_t seq_len,
                                                 int32_t entry, int64_t gblk, int32_t* err) {
