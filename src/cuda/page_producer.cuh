@@ -136,9 +136,9 @@ struct EarlyRing {
 // (8.6 MB) ~3 us, which still keeps the memory busy. Measured (docs/perf/README.md, v27): the
 // first page 1.4-3.5 us sooner from 1 x 64K up; 25 of 36 steps faster, by up to 1.2 us (most
 // on Q = 4 and the context-parallel steps), the large plain steps within their noise, and
-// plain 64 x 8K, Q = 1 +0.8 to +1.6 us (some SMs finish their static ranges late). Two stages gained less and lost
-// 0.6 us at plain 8 x 256K (v27b); the whole ring with a 1 us gap after its first stage was
-// mixed (v27c).
+// plain 64 x 8K, Q = 1 +0.8 to +1.6 us (some SMs finish their static ranges late). Two stages
+// gained less and lost 0.6 us at plain 8 x 256K (v27b); the whole ring with a 1 us gap after
+// its first stage was mixed (v27c).
 constexpr int kEarlyStages = 1;
 __device__ __forceinline__ int early_stages(const WorkRange& w, bool steal, int stages,
                                             bool sparse) {

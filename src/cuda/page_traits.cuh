@@ -14,12 +14,12 @@ namespace cpidx {
 namespace cuda {
 
 // A page is read by the consumers in 4 column chunks j (32 dims each); lane (g, c4) of a warp
-// reads 8 dims of chunk j of its rows. Rows lie a whole number of bank rows apart (256 B bf16,
-// 128 B fp8), so the lanes of one shared-memory phase (2 rows of a 16-byte load, 4 rows of an
-// 8-byte one) would hit the same banks. Each lane instead loads chunk j ^ swz in its j-th load,
-// with swz = g & kSwizzleMask: the phase's rows read different bank groups (conflict-free), and
-// unswizzle() puts every chunk back in its slot, so the MMAs see exactly the operands (and do
-// exactly the arithmetic) of a straight load.
+// reads 8 dims of chunk j of its rows. bf16 rows lie 256 B apart, a whole number of bank rows,
+// so the two rows of one shared-memory phase of a 16-byte load would hit the same banks. Each
+// lane instead loads chunk j ^ swz in its j-th load, with swz = g & kSwizzleMask: the phase's
+// rows read different bank groups (conflict-free), and unswizzle() puts every chunk back in its
+// slot, so the MMAs see exactly the operands (and do exactly the arithmetic) of a straight
+// load. kSwizzleMask 0: loaded straight (fp8; and every dtype above 16 columns, score_topk.cu).
 template <DType kDType>
 struct PageTraits;
 template <>
@@ -37,13 +37,16 @@ struct PageTraits<DType::kBF16> {
 };
 // fp8 keys are widened to fp16, one instruction per pair and exact (every e4m3 value, NaN
 // included, is an fp16 value); the MMAs are fp16, so the queries are scaled into fp16's range
-// (scale_query_column in score_topk.cu) and the dots scaled back. Widening to bf16 instead
+// (scale_query_chunk in score_topk.cu) and the dots scaled back. Widening to bf16 instead
 // takes e4m3 -> fp16 -> fp32 -> bf16: four instructions a pair, most of the consumers' issue.
 template <>
 struct PageTraits<DType::kFP8E4M3> {
   static constexpr int kBytes = kBlockSize * kHeadDim;
   static constexpr int kRowBytes = kHeadDim;
-  static constexpr int kSwizzleMask = 3;
+  // Straight loads: the consumers are issue-bound, and the 4-chunk groups and selects of a
+  // swizzle (g & 3) cost them more than the 8-byte loads' bank conflicts (-7 to -9.5% without
+  // them from 8 x 256K up: docs/perf/README.md, v28c).
+  static constexpr int kSwizzleMask = 0;
   static constexpr bool kHalf = true;
   using Raw = uint2;
   // Four e4m3 bytes (little-endian) -> two registers of two fp16 each, order kept.

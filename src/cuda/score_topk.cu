@@ -77,7 +77,7 @@ __device__ __forceinline__ float scale_query_chunk(uint4* v) {
   float f[8], m = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    f[i] = __uint_as_float((i % 2 ? w[i / 2] >> 16 : w[i / 2] & 0xFFFFu) << 16);  // bf16 -> f32
+    f[i] = bits_float((i % 2 ? w[i / 2] >> 16 : w[i / 2] & 0xFFFFu) << 16);  // bf16 -> f32
     if (isfinite(f[i])) m = fmaxf(m, fabsf(f[i]));
   }
 #pragma unroll
@@ -228,11 +228,9 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   int seg_req = -1;
   // NOTE: above 16 columns (NT >= 4) the accumulators leave no registers for the swizzle's
   // chunk groups and selects (ptxas spills): those instances load straight, bank conflicts and
-  // all, and read the query fragments from shared memory. fp8 pages load straight too: their
-  // consumers are issue-bound, and the swizzle's 4-chunk groups and selects cost
-  // more than the conflicts: -7 to -9.5% at 8 x 256K to 64 x 256K without them, and ptxas no
-  // longer spills the 16-column instance at three CTAs per SM (docs/perf/README.md, v28c).
-  constexpr bool kSwizzle = NT <= 2 && kDType == DType::kBF16;
+  // all, and read the query fragments from shared memory. fp8 pages load straight at every width
+  // (PageTraits).
+  constexpr bool kSwizzle = NT <= 2 && Page::kSwizzleMask != 0;
   const int swz = kSwizzle ? g & Page::kSwizzleMask : 0;
   // Up to 16 columns the segment's query fragments stay in registers (16 or 32 per thread)
   // instead of being read from shared memory on every page.

@@ -8,16 +8,16 @@
 #include <cstdint>
 
 #include "cpidx/contract.h"
+#include "cpidx/reference.h"
 #include "cuda/query_scale.h"
 
 namespace {
 
-using cpidx::bits_float;
 using cpidx::float_bits;
 using cpidx::cuda::pow2;
 using cpidx::cuda::query_scale_exponent;
 
-float bf16_value(uint32_t bits16) { return bits_float(bits16 << 16); }
+float bf16_value(uint32_t bits) { return cpidx::ref::bf16_to_float(static_cast<uint16_t>(bits)); }
 
 // Whether x (finite, >= 0) is an fp16 value: at most 65504, and a multiple of 2^-24 below
 // 2^-14 (subnormals), else 11 significant bits (the float's 13 low mantissa bits clear).
