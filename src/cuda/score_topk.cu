@@ -100,7 +100,8 @@ __device__ __forceinline__ float scale_query_chunk(uint4* v) {
 // fp8 at 2.48 TB/s, three at 2.91, with straight loads (kSwizzle) 3.16, with fp16 MMAs (v29)
 // 3.49 and with four CTAs 4.07 (docs/perf/README.md, v28b-v29b). Four at 16 columns fit only
 // with the query fragments read from shared memory every page, and that was 13-22% slower than
-// three with them in registers (v29c). Wider instances need more than 136 registers.
+// three with them in registers (v29c); with the columns split between warp pairs (each key
+// widened twice), 30-43% slower (v30a). Wider instances need more than 136 registers.
 template <int NT, DType kDType>
 constexpr int kMinCtasPerSm = kDType == DType::kFP8E4M3 ? (NT == 1 ? 4 : NT == 2 ? 3 : 2) : 2;
 
@@ -347,28 +348,43 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
     if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstMma);
 
     // Causal block max per column: starts at -inf; NaN dots never win (fmaxf), as in the
-    // reference, so a block whose visible dots are all NaN scores -inf.
+    // reference, so a block whose visible dots are all NaN scores -inf. A block every column
+    // sees whole (all but a request's last one or two) takes the same maxima in the same order
+    // without the mask's per-token compares.
     float* red = s.red + (lp & 1) * kConsumerWarps * NT * 8;
+    auto column_maxima = [&](auto masked) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = nt * 8 + c4 * 2 + e;
-        const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
-        float v = -INFINITY;
+        for (int e = 0; e < 2; ++e) {
+          const int col = nt * 8 + c4 * 2 + e;
+          float v = -INFINITY;
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+          for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int rh = 0; rh < 2; ++rh) {
-            const int64_t tok = gblk * kBlockSize + warp * 32 + mt * 16 + g + rh * 8;
-            if (tok <= pos) v = max_num(v, acc[mt][nt][rh * 2 + e]);
-          }
-        v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 4));
-        v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 8));
-        v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 16));
-        if (g == 0) red[warp * NT * 8 + col] = v;
+            for (int rh = 0; rh < 2; ++rh) {
+              if constexpr (decltype(masked)::value) {
+                const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
+                const int64_t tok = gblk * kBlockSize + warp * 32 + mt * 16 + g + rh * 8;
+                if (tok <= pos) v = max_num(v, acc[mt][nt][rh * 2 + e]);
+              } else {
+                v = max_num(v, acc[mt][nt][rh * 2 + e]);
+              }
+            }
+          v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 4));
+          v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 8));
+          v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 16));
+          if (g == 0) red[warp * NT * 8 + col] = v;
+        }
       }
-    }
+    };
+    // NOTE: at 8 columns (NT = 1) the unmasked copy cost fp8's 96-register instance 2-3% and
+    // bought bf16 nothing (docs/perf/README.md, v29d): from 16 columns up only, where it took
+    // 4.8% off fp8 plain 64 x 256K at Q = 4 (v29e).
+    if (NT >= 2 && (gblk + 1) * kBlockSize <= static_cast<int64_t>(seq_len) - Q + 1)
+      column_maxima(std::false_type{});
+    else
+      column_maxima(std::true_type{});
     consumer_sync();  // the column maxima are complete
     if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstMax);
     if (s.misc[0]) {  // a candidate buffer filled up on the previous page
