@@ -10,6 +10,7 @@
 #include "kernels.h"
 #include "page_order.cuh"
 #include "page_traits.cuh"
+#include "ring_pos.h"
 #include "score_trace.cuh"
 #include "shard_select.cuh"
 #include "work_steal.h"
@@ -90,6 +91,7 @@ __device__ __forceinline__ void start_copy(const Smem& s, int st, const PageCopy
 }
 
 // Stage markers in s.stage_x besides a page: no more pages, or a stage to hand back unscored.
+// Both negative: a page index never is, so one compare tells a marker.
 constexpr int64_t kNoMorePages = -1, kSkipStage = -2;
 
 // What an early page's copy depends on: its request's length and its block-table entry, read
@@ -213,6 +215,7 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
   const int early = ring.n;
   CPIDX_TRACE_SUMS();
   int64_t lp = early;
+  RingPos at(early, stages);  // lp's place in the ring
   // Hands the early stages over; returns the first page left to issue.
   auto hand_over = [&](bool holds) -> int64_t {
     if (lane == 0) {
@@ -247,16 +250,16 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
       for (int i = 0; i < count; ++i, ++lp) {
         const PageCopy c = lane_copy(mine, i);
         if (lane == 0) {
-          const int st = static_cast<int>(lp % stages);
           CPIDX_TRACE_CLOCK(t0);
-          mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
+          mbar_wait(&s.empty[at.st], at.phase ^ 1u);
           CPIDX_TRACE_ADD(true, kTEmptyWait, CPIDX_TRACE_SINCE(t0));
-          s.stage_x[st] = x0 + i;  // released to the consumers by the arrive below
+          s.stage_x[at.st] = x0 + i;  // released to the consumers by the arrive below
           if (lp == 0) CPIDX_TRACE_STAMP(true, kTFirstIssue);
           CPIDX_TRACE_STAMP(true, kTLastIssue);
-          mbar_arrive_expect_tx(&s.full[st], c.bytes);
-          start_copy<kDType>(s, st, c);
+          mbar_arrive_expect_tx(&s.full[at.st], c.bytes);
+          start_copy<kDType>(s, at.st, c);
         }
+        at.next(stages);
       }
     }
   };
@@ -330,8 +333,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
     }
   }
   if (lane == 0) {  // no more pages
-    const int st = static_cast<int>(lp % stages);
-    mbar_wait(&s.empty[st], static_cast<uint32_t>(((lp / stages) & 1) ^ 1));
+    const int st = at.st;
+    mbar_wait(&s.empty[st], at.phase ^ 1u);
     s.stage_x[st] = kNoMorePages;  // released to the consumers by the arrive (as a page's)
     // NOTE: compute-sanitizer's racecheck reports this write, and the page indices written in
     // issue(), against the consumers' reads of stage_x, although the arrive (release) and their

@@ -211,20 +211,26 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   if (blockIdx.x >= g_eff && early == 0) return;  // else the early stages are handed back
 
   // ---- 3. Consume this CTA's pages [start, end). -------------------------------------------
-  // The request being scored and its pages [req_lo(), req_hi()): dense offsets are read from
-  // shared memory, sparse ones kept in registers (offs.pages reads L2).
-  int64_t r_lo = 0, r_hi = 0;  // sparse only
+  // The request being scored and its pages [req_lo(), req_hi()), kept in registers and looked
+  // up at a request change only (sparse offsets read L2; dense ones would make every page's
+  // range checks wait on shared memory). The 64-column instances, short of registers, read
+  // dense offsets from shared memory.
+  // NOTE: the fp8 consumers are latency-bound, and a quarter of their time went to the
+  // bookkeeping before each page's loads (Nsight Compute, docs/perf/README.md, v30-ncu); these
+  // ranges in registers with the stepped RingPos took 8-9% off fp8 Q = 4 steps (v31b).
+  constexpr bool kRangeRegs = kSparse || NT <= 4;
+  int64_t r_lo = 0, r_hi = 0;  // kRangeRegs only
   int r = offs.find(p, start, &r_lo);
-  if constexpr (kSparse) r_hi = r_lo + offs.pages(p, r);
+  if constexpr (kRangeRegs) r_hi = r_lo + offs.pages(p, r);
   auto req_lo = [&]() -> int64_t {
-    if constexpr (kSparse) return r_lo; else return s.prefix[r];
+    if constexpr (kRangeRegs) return r_lo; else return s.prefix[r];
   };
   auto req_hi = [&]() -> int64_t {
-    if constexpr (kSparse) return r_hi; else return s.prefix[r + 1];
+    if constexpr (kRangeRegs) return r_hi; else return s.prefix[r + 1];
   };
   auto find_req = [&](int64_t x) {
     r = offs.find(p, x, &r_lo);
-    if constexpr (kSparse) r_hi = r_lo + offs.pages(p, r);
+    if constexpr (kRangeRegs) r_hi = r_lo + offs.pages(p, r);
   };
   int seg_req = -1;
   // NOTE: above 16 columns (NT >= 4) the accumulators leave no registers for the swizzle's
@@ -271,24 +277,26 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   // The stages' pages come from the producer (s.stage_x). The next one is expected to follow the
   // last (always on the static ranges), so a new request's queries load while its page is in
   // flight; a page that did not follow (the split path's share moved) is checked after it lands.
-  for (int64_t lp = 0, next = start;; ++lp) {
+  RingPos at(0, stages);  // page lp's stage and its full barrier's parity
+  for (int64_t lp = 0, next = start;; ++lp, at.next(stages)) {
     if (next < end) {
       while (req_hi() <= next && r + 1 < B) {
         ++r;
-        if constexpr (kSparse) {
+        if constexpr (kRangeRegs) {
           r_lo = r_hi;
           r_hi = r_lo + offs.pages(p, r);
         }
       }
       if (r != seg_req) load_queries(r);
     }
-    const int st = static_cast<int>(lp % stages);
+    const int st = at.st;
     CPIDX_TRACE_CLOCK(tf);
-    mbar_wait(&s.full[st], static_cast<uint32_t>((lp / stages) & 1));
+    mbar_wait(&s.full[st], at.phase);
     CPIDX_TRACE_ADD(tid == 0, kTFullWait, CPIDX_TRACE_SINCE(tf));
     const int64_t x = s.stage_x[st];
-    if (x == kNoMorePages) break;
-    if (x == kSkipStage) {  // an early copy whose inputs changed (only ever the first stages)
+    if (x < 0) {  // a marker
+      if (x == kNoMorePages) break;
+      // kSkipStage: an early copy whose inputs changed (only ever the first stages)
       __syncwarp();
       if (lane == 0) mbar_arrive(&s.empty[st]);
       continue;
