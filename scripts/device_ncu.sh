@@ -15,9 +15,10 @@ sass=0
 while [ "${1:-}" = --sections ] || [ "${1:-}" = --sass ]; do
   case "$1" in
     --sections) sections=$2; shift 2 ;;
-    --sass) sass=1; sections="$sections SourceCounters"; shift ;;
+    --sass) sass=1; shift ;;
   esac
 done
+[ $sass = 1 ] && sections="$sections SourceCounters"  # whatever the options' order
 [ "${1:-}" = -- ] || { echo "device_ncu.sh: -- BENCH_FLAGS needed (see the header)" >&2; exit 2; }
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
