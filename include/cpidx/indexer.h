@@ -72,6 +72,9 @@ struct DecodeConfig {
 
 // Launch facts chosen at construction (for reports and benchmarks).
 struct DecodePlan {
+  // The scoring kernel's plan for a step of the bound's columns (T x max_query_len, padded):
+  // a step of fewer columns launches its own instance's plan, which may hold more CTAs per SM
+  // (fp8: four at 8 columns, three at 16).
   int grid = 0;             // persistent CTAs of the scoring kernel
   int stages = 0;           // key pages in flight per CTA
   // Requests per request offset the scoring kernel keeps in shared memory: 1 (every one) unless

@@ -112,15 +112,20 @@ struct Decoder::Impl {
     p.world = world;
     p.rank = rank;
     p.partial = at<Key>(layout.partial);
-    p.num_slots = cuda::partial_slots(launch.grid, in.num_reqs);
-    p.fused_grid = launch.grid;
+    // The step's own instance (its columns), whose grid may be below the plan's largest.
+    const int grid = launch.instance(cuda::padded_columns(in.num_heads * in.query_len)).grid;
+    p.num_slots = cuda::partial_slots(grid, in.num_reqs);
+    p.fused_grid = grid;
     p.error_flag = at<int32_t>(layout.error_flag);
     if (layout.split_max_pages > 0) {
       p.split_keys = at<Key>(layout.split_keys);
       p.split_max_pages = layout.split_max_pages;
       p.split_any_pages = layout.split_any_pages;
       p.split_longest_pages = layout.split_longest_pages;
-      if (cfg.work_stealing) p.steal_words = at<unsigned long long>(layout.steal_words);
+      if (cfg.work_stealing) {
+        p.steal_words = at<unsigned long long>(layout.steal_words);
+        p.steal_count_at = launch.grid;  // after every instance's words
+      }
     }
     p.pdl = cfg.programmatic_launch;
     return p;
@@ -241,7 +246,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
     cuda_host::free_relaxed(impl->workspace);
     return st;
   }
-  impl->plan.grid = impl->launch.grid;
+  impl->plan.grid = impl->launch.instance(impl->launch.ncols_pad).grid;
   impl->plan.stages = impl->launch.stages;
   impl->plan.offset_stride = 1 << impl->launch.prefix_shift;
   impl->plan.smem_bytes = impl->launch.smem_bytes;

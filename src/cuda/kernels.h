@@ -72,21 +72,42 @@ struct ScoreTopkParams {
   int64_t split_any_pages = -1;
   int64_t split_longest_pages = -1;
   // Split-path work stealing (work_steal.h, v15): [fused_grid] packed unclaimed page ranges,
-  // all ones between calls, then a count (zero between calls); nullptr keeps static ranges.
+  // all ones between calls, and a count at steal_count_at (zero between calls; past every
+  // instance's grid, so that launches of different grids share the words); nullptr keeps
+  // static ranges.
   unsigned long long* steal_words = nullptr;
+  int steal_count_at = 0;
   bool pdl = true;                        // programmatic dependent launch
 };
 
-struct ScoreTopkLaunch {
-  int grid = 0;           // persistent CTAs (SMs x occupancy), fixed at construction
+// One kernel instance's launch (the padded column count of a step picks the instance).
+struct ScoreTopkInstance {
+  int grid = 0;           // persistent CTAs (SMs x occupancy)
   int stages = 0;         // key pages in flight per CTA
   size_t smem_bytes = 0;  // dynamic shared memory
-  int max_reqs = 0;       // bound used to size the request prefix in shared memory
   int prefix_shift = 0;   // the prefix keeps every 2^prefix_shift-th offset (page_order.cuh)
+};
+
+struct ScoreTopkLaunch {
+  // Every instance up to the bound's columns is planned on its own: a step of fewer columns
+  // than the bound gets its instance's CTAs per SM (fp8: four at 8 columns, three at 16), not
+  // the bound instance's.
+  ScoreTopkInstance inst[4];  // 8, 16, 32, 64 padded columns, up to ncols_pad
+  int grid = 0;           // the largest instance grid: what the workspace holds
+  int stages = 0;         // the bound instance's (reported by DecodePlan), as the next two
+  size_t smem_bytes = 0;
+  int prefix_shift = 0;
+  int max_reqs = 0;       // bound used to size the request prefix in shared memory
   int ncols_pad = 0;      // padded columns (H * Q rounded up to 8) the launch was sized for
   int topk = 0;           // K the layout was sized for
   int select_grid = 0;    // CTAs of select_topk (256 threads each), fixed at construction
   int select_narrow_grid = 0;  // its CTAs of 128 threads, for steps with more items than that
+  // The instance a step of `ncols_pad` padded columns (<= this->ncols_pad) launches.
+  const ScoreTopkInstance& instance(int ncols) const {
+    int i = 0;
+    while ((8 << i) < ncols && i < 3) ++i;
+    return inst[i];
+  }
 };
 
 // Chooses the launch (stages, grid, shared memory) for the given maxima and sets the kernel's

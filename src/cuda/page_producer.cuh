@@ -324,12 +324,12 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
     bool reset = false;
     if (lane == 0) {
       __threadfence();
-      reset = atomicAdd(words + gridDim.x, 1ull) == gridDim.x - 1;
+      reset = atomicAdd(words + p.steal_count_at, 1ull) == gridDim.x - 1;
       if (reset) __threadfence();
     }
     if (__shfl_sync(0xffffffffu, reset, 0)) {
       for (int i = lane; i < static_cast<int>(gridDim.x); i += 32) words[i] = kUnstarted;
-      if (lane == 0) words[gridDim.x] = 0;
+      if (lane == 0) words[p.steal_count_at] = 0;
     }
   }
   if (lane == 0) {  // no more pages

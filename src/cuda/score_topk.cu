@@ -10,6 +10,7 @@
 // parallel, so no CTA stops streaming to merge. Cost: one read of the shard's cache bytes.
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "device_utils.cuh"
@@ -525,36 +526,50 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
     if (e != cudaSuccess) return e;
   }
   // Automatic: four or three CTAs where the registers allow it (kMinCtasPerSm), each with a ring
-  // of at least 3 pages and every offset kept; else two, else one.
+  // of at least 3 pages and every offset kept; else two, else one. Each instance up to the
+  // bound's columns on its own (a step launches the one for its columns).
   const bool automatic = ctas_per_sm == 0;
   const int most = automatic ? 4 : ctas_per_sm, least = automatic ? 1 : ctas_per_sm;
-  for (int ctas = most; ctas >= least; --ctas) {
-    const bool strict = automatic && ctas >= 3;
-    // Every offset kept first (shift 0), then sparser, down to a single kept offset.
-    for (int shift = 0; shift == 0 || (!strict && (max_reqs >> (shift - 1)) > 0); ++shift) {
-      for (int stages = 6; stages >= (strict ? 3 : 2); --stages) {
-        SmemLayout lay(stages, page_bytes, ncols, topk, max_reqs, shift);
-        // NOTE: static shared memory (a few hundred bytes) counts against the same opt-in limit.
-        if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
-        int blocks = 0;
-        e = dispatch(ncols, dtype, [&](auto nt, auto dt) {
-          return occupancy<decltype(nt)::value, decltype(dt)::value>(&blocks, lay.total,
-                                                                     shift > 0);
-        });
-        if (e != cudaSuccess) return e;
-        if (blocks < ctas) continue;
-        launch->grid = ctas * sms;
-        launch->stages = stages;
-        launch->prefix_shift = shift;
-        launch->smem_bytes = lay.total;
-        launch->max_reqs = max_reqs;
-        launch->ncols_pad = ncols;
-        launch->topk = topk;
-        return cudaSuccess;
+  auto plan_instance = [&](int nc, ScoreTopkInstance* out) -> cudaError_t {
+    for (int ctas = most; ctas >= least; --ctas) {
+      const bool strict = automatic && ctas >= 3;
+      // Every offset kept first (shift 0), then sparser, down to a single kept offset.
+      for (int shift = 0; shift == 0 || (!strict && (max_reqs >> (shift - 1)) > 0); ++shift) {
+        for (int stages = 6; stages >= (strict ? 3 : 2); --stages) {
+          SmemLayout lay(stages, page_bytes, nc, topk, max_reqs, shift);
+          // NOTE: static shared memory (a few hundred bytes) counts against the same limit.
+          if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
+          int blocks = 0;
+          cudaError_t err = dispatch(nc, dtype, [&](auto nt, auto dt) {
+            return occupancy<decltype(nt)::value, decltype(dt)::value>(&blocks, lay.total,
+                                                                       shift > 0);
+          });
+          if (err != cudaSuccess) return err;
+          if (blocks < ctas) continue;
+          out->grid = ctas * sms;
+          out->stages = stages;
+          out->prefix_shift = shift;
+          out->smem_bytes = lay.total;
+          return cudaSuccess;
+        }
       }
     }
+    return cudaErrorInvalidConfiguration;
+  };
+  *launch = ScoreTopkLaunch{};
+  for (int i = 0, nc = 8; nc <= ncols; ++i, nc *= 2) {
+    e = plan_instance(nc, &launch->inst[i]);
+    if (e != cudaSuccess) return e;
+    launch->grid = std::max(launch->grid, launch->inst[i].grid);
   }
-  return cudaErrorInvalidConfiguration;
+  const ScoreTopkInstance& bound = launch->instance(ncols);
+  launch->stages = bound.stages;
+  launch->prefix_shift = bound.prefix_shift;
+  launch->smem_bytes = bound.smem_bytes;
+  launch->max_reqs = max_reqs;
+  launch->ncols_pad = ncols;
+  launch->topk = topk;
+  return cudaSuccess;
 }
 
 cudaError_t read_score_trace(long long* host, int ctas) {
@@ -574,17 +589,19 @@ cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const Score
   // A step of at most max_reqs >> prefix_shift requests fits the planned prefix with every
   // offset kept: the dense instance runs on the same shared memory (the same bytes, so the
   // same CTAs per SM). The request count is a host value, so a captured graph keeps its choice.
-  const int dense_reqs = l.max_reqs >> l.prefix_shift;
+  const ScoreTopkInstance& in = l.instance(ncols);
+  if (p.fused_grid != in.grid) return cudaErrorInvalidValue;
+  const int dense_reqs = l.max_reqs >> in.prefix_shift;
   const bool sparse = p.num_reqs > dense_reqs;
   const int reqs_smem = sparse ? l.max_reqs : dense_reqs;
-  const int shift = sparse ? l.prefix_shift : 0;
+  const int shift = sparse ? in.prefix_shift : 0;
   // plan_score_topk raised every instance's shared-memory cap to the device's limit.
   return dispatch(ncols, dtype, [&](auto nt, auto dt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
     constexpr DType DT = decltype(dt)::value;
-    const SmemLayout lay(l.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, reqs_smem, shift);
+    const SmemLayout lay(in.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, reqs_smem, shift);
     const auto kernel = sparse ? score_topk_kernel<NT, DT, true> : score_topk_kernel<NT, DT, false>;
-    return launch_with_pdl(p.pdl, kernel, l.grid, kThreads, lay.total, stream, p, l.stages,
+    return launch_with_pdl(p.pdl, kernel, in.grid, kThreads, lay.total, stream, p, in.stages,
                            reqs_smem, shift);
   });
 }

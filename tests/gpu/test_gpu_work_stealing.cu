@@ -9,6 +9,7 @@
 // reset between calls would lose pages.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <thread>
@@ -19,6 +20,7 @@ namespace {
 
 using namespace cpidx_gpu_test;
 using cpidx_test::random_decode;
+using cpidx::DType;
 using cpidx_test::sel_of;
 
 // One CTA per SM (all of its shared memory) spinning for `ns`; CTA 0 raises *started first.
@@ -97,7 +99,9 @@ std::vector<StealRun> decode_in_turn(const std::vector<DecodeData>& batches,
                                      const cpidx::Selection& sel, bool steal, int held_sms,
                                      int rounds) {
   UsePath use(Path::kSplit);
-  cpidx::DecodeConfig cfg = config_for(batches[0], sel);
+  int64_t rows = 1;  // the batches may differ in Q: the Decoder is planned for the most rows
+  for (const DecodeData& d : batches) rows = std::max(rows, d.rows());
+  cpidx::DecodeConfig cfg = config_for(batches[0], sel, 1, 0, static_cast<int>(rows));
   cfg.work_stealing = steal;
   std::unique_ptr<cpidx::Decoder> dec;
   std::vector<StealRun> runs;
@@ -156,6 +160,37 @@ TEST(GpuWorkStealing, IdsEqualStaticRangesAndReferenceWhateverTheStartOrder) {
         EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
       }
     }
+  }
+}
+
+// Steps of different column counts on one Decoder (planned for the library's default
+// max_query_len, 8: 32 columns) launch their own instances' plans: fp8 pages at Q = 1, 4 and 2
+// run four, three and four scoring CTAs per SM, so consecutive calls' grids differ and share
+// the steal words (their count sits after every instance's words). The ids equal the static
+// ranges' and the reference's, call after call.
+TEST(GpuWorkStealing, StepsOfDifferentColumnCountsShareTheWords) {
+  SKIP_WITHOUT_GPU();
+  const cpidx::Selection sel = sel_of(16);
+  const int32_t max_len = 600000;  // >= 16 pages for each of 4 x 132 CTAs: the ranges shared
+  std::vector<DecodeData> batches;
+  for (int Q : {1, 4, 2}) {
+    batches.push_back(random_decode(7500 + Q, 4, Q, {600000, 1, 510003, 390000 + 17, 9000,
+                                                     270000, 0},
+                                    max_len, DType::kFP8E4M3));
+  }
+  std::vector<std::vector<int32_t>> want;
+  for (const DecodeData& d : batches) want.push_back(cpu_decode(d, sel));
+  const std::vector<StealRun> fixed = decode_in_turn(batches, sel, false, 0, 1);
+  ASSERT_EQ(fixed.size(), batches.size());
+  const std::vector<StealRun> runs = decode_in_turn(batches, sel, true, 0, 3);
+  ASSERT_EQ(runs.size(), 3 * batches.size());
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const size_t i = k % batches.size();
+    SCOPED_TRACE("call " + std::to_string(k) + ", Q=" + std::to_string(batches[i].query_len));
+    ASSERT_TRUE(runs[k].status.is_ok()) << runs[k].status.to_string();
+    EXPECT_EQ(runs[k].ids, fixed[i].ids) << "ids differ from the static ranges'";
+    const CompareResult r = compare_ids(batches[i], sel, runs[k].ids, want[i]);
+    EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
   }
 }
 
