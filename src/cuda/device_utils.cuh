@@ -60,6 +60,24 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// mbar_wait for a warp that has nothing else to do (the producer waiting for a free stage): each
+// try_wait may suspend the thread for up to `ns` nanoseconds (it resumes as soon as the phase
+// completes), instead of the hardware's short default, so the wait polls a few times a page
+// instead of ~37 (docs/perf/README.md, v30-ncu) and leaves the issue slots to the consumers.
+__device__ __forceinline__ void mbar_wait_suspended(uint64_t* bar, uint32_t parity,
+                                                    uint32_t ns) {
+  uint32_t addr = smem_addr(bar);
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1, %2;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(addr),
+      "r"(parity), "r"(ns)
+      : "memory");
+}
+
 // Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
 // completing on `bar`. Streaming data: evict-first in L2, so what the step reads again (the
 // per-CTA lists the selection merges, the tables, the queries) is not pushed out by the pages.

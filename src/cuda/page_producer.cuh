@@ -90,6 +90,13 @@ __device__ __forceinline__ void start_copy(const Smem& s, int st, const PageCopy
                 &s.full[st]);
 }
 
+// How long the fp8 producer's wait for a free stage may suspend it per poll (it resumes when the
+// stage frees): longer than a page takes, so it polls about once a page.
+// NOTE: fp8 only. Its consumers are issue-bound and the suspended waits took 0.7-1.3% off its
+// large Q = 4 steps and 3.3% off plain 64 x 8K Q = 4; bf16 lost 0.2-0.8% with them
+// (docs/perf/README.md, v32a), so its producer polls as before.
+constexpr uint32_t kProducerSuspendNs = 20000;
+
 // Stage markers in s.stage_x besides a page: no more pages, or a stage to hand back unscored.
 // Both negative: a page index never is, so one compare tells a marker.
 constexpr int64_t kNoMorePages = -1, kSkipStage = -2;
@@ -251,7 +258,10 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
         const PageCopy c = lane_copy(mine, i);
         if (lane == 0) {
           CPIDX_TRACE_CLOCK(t0);
-          mbar_wait(&s.empty[at.st], at.phase ^ 1u);
+          if constexpr (kDType == DType::kFP8E4M3)
+            mbar_wait_suspended(&s.empty[at.st], at.phase ^ 1u, kProducerSuspendNs);
+          else
+            mbar_wait(&s.empty[at.st], at.phase ^ 1u);
           CPIDX_TRACE_ADD(true, kTEmptyWait, CPIDX_TRACE_SINCE(t0));
           s.stage_x[at.st] = x0 + i;  // released to the consumers by the arrive below
           if (lp == 0) CPIDX_TRACE_STAMP(true, kTFirstIssue);
