@@ -576,6 +576,33 @@ TEST(GpuSanitize, WorkStealingSplitStep) {
   }
 }
 
+TEST(GpuSanitize, Fp8SplitStepOfManyShortRequests) {
+  SKIP_WITHOUT_GPU();
+  // fp8 on the split path, 600 requests of 1-3 blocks: a CTA scores pages of several requests in
+  // a row with no segment end between them. Each request's queries are scaled by its own power
+  // of two, so each has its own fp8 query scales (s.qinv): a page's keys formed with the next
+  // request's scales would show in the ids, and racecheck sees how the scales are handed over
+  // between requests (docs/perf/README.md, v34a).
+  std::mt19937 rng(5858);
+  std::vector<int32_t> lens(600);
+  for (auto& x : lens) x = static_cast<int32_t>(rng() % 384 + 1);
+  cpidx_test::DecodeData d =
+      random_decode(5858, kT, 1, lens, 384, cpidx::DType::kFP8E4M3);
+  const int64_t per_req = static_cast<int64_t>(kT) * cpidx_test::kD;
+  for (int r = 0; r < d.num_reqs(); ++r) {
+    const float up = std::ldexp(1.0f, (r % 9) * 4 - 16);  // 2^-16 .. 2^16: exact in bf16
+    for (int64_t i = r * per_req; i < (r + 1) * per_req; ++i) {
+      const size_t at = static_cast<size_t>(i);
+      d.query[at] = cpidx_test::bf16_of(cpidx::ref::bf16_to_float(d.query[at]) * up);
+    }
+  }
+  const Selection sel{16, 1, 1};
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  UsePath use(Path::kSplit);
+  const CompareResult r = compare_ids(d, sel, gpu_decode(d, sel), cpu);
+  EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
+}
+
 TEST(GpuSanitize, SmallSparseTable) {
   SKIP_WITHOUT_GPU();
   const Selection sel{8, 0, 1};
