@@ -256,9 +256,11 @@ Result Bench::run(const Shape& sh, int replays) {
     if (!st.is_ok()) { res.check = "create: " + st.message(); return res; }
   }
   const int L = decs[0]->geometry().local_heads;
-  res.grid = decs[0]->plan().grid;
-  res.stages = decs[0]->plan().stages;
-  res.offset_stride = decs[0]->plan().offset_stride;
+  // The instance this shape's steps launch (a bound above Q plans its own: plan() is the bound's).
+  const cpidx::DecodePlan launched = decs[0]->step_plan(T, static_cast<int>(sh.qlen));
+  res.grid = launched.grid;
+  res.stages = launched.stages;
+  res.offset_stride = launched.offset_stride;
   int32_t* ids = nullptr;
   Key* gathered = nullptr;
   BENCH_CUDA(cudaMalloc(&ids, static_cast<size_t>(T * n * K) * 4));

@@ -102,6 +102,10 @@ class Decoder {
   const DecodeConfig& config() const;
   const Geometry& geometry() const;
   const DecodePlan& plan() const;
+  // The scoring plan a step of `num_heads` heads x `query_len` query tokens launches: plan()'s
+  // for the bound's columns, its own instance's for fewer (grid, stages, offset_stride and
+  // smem_bytes may differ; the rest is plan()'s).
+  DecodePlan step_plan(int num_heads, int query_len) const;
 
   // Plain decode (no context parallelism) of every head in `in` (in.num_heads <= T):
   // ids [in.num_heads, n, K] into `out`; optional sparse table when in.num_heads == 1.

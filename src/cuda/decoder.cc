@@ -73,6 +73,18 @@ struct Decoder::Impl {
   template <typename T>
   T* at(size_t offset) const { return reinterpret_cast<T*>(workspace + offset); }
 
+  // The plan of the scoring instance a step of `ncols` padded columns launches (<= the bound's),
+  // the split path's and the workspace's figures as in `plan`.
+  DecodePlan step_plan(int ncols) const {
+    const cuda::ScoreTopkInstance& in = launch.instance(ncols);
+    DecodePlan s = plan;
+    s.grid = in.grid;
+    s.stages = in.stages;
+    s.offset_stride = 1 << in.prefix_shift;
+    s.smem_bytes = in.smem_bytes;
+    return s;
+  }
+
   Status check_inputs(const DecodeInputs& in, int expected_heads) const {
     CPIDX_RETURN_IF_ERROR(ref::validate(in, cfg.sel, cfg.max_tokens));
     CPIDX_CHECK(in.num_heads == expected_heads,
@@ -246,10 +258,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
     cuda_host::free_relaxed(impl->workspace);
     return st;
   }
-  impl->plan.grid = impl->launch.instance(impl->launch.ncols_pad).grid;
-  impl->plan.stages = impl->launch.stages;
-  impl->plan.offset_stride = 1 << impl->launch.prefix_shift;
-  impl->plan.smem_bytes = impl->launch.smem_bytes;
+  impl->plan = impl->step_plan(impl->launch.ncols_pad);
   impl->plan.split_max_pages = impl->layout.split_max_pages;
   impl->plan.split_any_pages = impl->layout.split_any_pages;
   impl->plan.workspace_bytes = impl->layout.total;
@@ -260,6 +269,10 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
 const DecodeConfig& Decoder::config() const { return impl_->cfg; }
 const Geometry& Decoder::geometry() const { return impl_->geo; }
 const DecodePlan& Decoder::plan() const { return impl_->plan; }
+DecodePlan Decoder::step_plan(int num_heads, int query_len) const {
+  const int ncols = cuda::padded_columns(num_heads * query_len);
+  return impl_->step_plan(ncols < impl_->launch.ncols_pad ? ncols : impl_->launch.ncols_pad);
+}
 int32_t* Decoder::error_flag() const { return impl_->at<int32_t>(impl_->layout.error_flag); }
 void* Decoder::exchange_buffer() const { return impl_->workspace + impl_->layout.q_send; }
 size_t Decoder::exchange_buffer_bytes() const {

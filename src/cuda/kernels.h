@@ -94,9 +94,6 @@ struct ScoreTopkLaunch {
   // the bound instance's.
   ScoreTopkInstance inst[4];  // 8, 16, 32, 64 padded columns, up to ncols_pad
   int grid = 0;           // the largest instance grid: what the workspace holds
-  int stages = 0;         // the bound instance's (reported by DecodePlan), as the next two
-  size_t smem_bytes = 0;
-  int prefix_shift = 0;
   int max_reqs = 0;       // bound used to size the request prefix in shared memory
   int ncols_pad = 0;      // padded columns (H * Q rounded up to 8) the launch was sized for
   int topk = 0;           // K the layout was sized for

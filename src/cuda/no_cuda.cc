@@ -21,6 +21,7 @@ Status Decoder::create(const DecodeConfig&, int, std::unique_ptr<Decoder>*) { re
 const DecodeConfig& Decoder::config() const { return impl_->cfg; }
 const Geometry& Decoder::geometry() const { return impl_->geo; }
 const DecodePlan& Decoder::plan() const { return impl_->plan; }
+DecodePlan Decoder::step_plan(int, int) const { return impl_->plan; }
 Status Decoder::decode(const DecodeInputs&, const TopkOutput&, const SparseTableOutput*,
                        cudaStream_t) { return no_cuda(); }
 Status Decoder::shard_keys(const DecodeInputs&, Key*, cudaStream_t) { return no_cuda(); }

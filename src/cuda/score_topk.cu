@@ -562,10 +562,6 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
     if (e != cudaSuccess) return e;
     launch->grid = std::max(launch->grid, launch->inst[i].grid);
   }
-  const ScoreTopkInstance& bound = launch->instance(ncols);
-  launch->stages = bound.stages;
-  launch->prefix_shift = bound.prefix_shift;
-  launch->smem_bytes = bound.smem_bytes;
   launch->max_reqs = max_reqs;
   launch->ncols_pad = ncols;
   launch->topk = topk;

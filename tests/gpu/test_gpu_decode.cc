@@ -382,6 +382,7 @@ TEST(GpuDecode, CtasPerSmDoNotChangeIds) {
         }
         ASSERT_TRUE(st.is_ok()) << what << ": " << st.to_string();
         EXPECT_EQ(dec->plan().grid, (ctas == 0 ? auto_ctas : ctas) * sms) << what;
+        EXPECT_EQ(dec->step_plan(4, 2).grid, dec->plan().grid) << what << ": the bound's step";
         DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));
         ids.poison();
         ASSERT_TRUE(dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
@@ -393,6 +394,15 @@ TEST(GpuDecode, CtasPerSmDoNotChangeIds) {
     }
     const CompareResult r = compare_ids(d, sel, got.front(), cpu_decode(d, sel));
     EXPECT_EQ(r.bad_rows, 0) << cpidx::to_string(dtype) << ": " << r.first_bad;
+    // A bound above a step's columns (4 heads x 8 tokens: 32 columns, two CTAs per SM): a step
+    // of fewer columns launches its own instance's plan (v32b), fp8 at 8 columns four CTAs.
+    cpidx::DecodeConfig wide = config_for(d, sel);
+    wide.max_query_len = 8;
+    std::unique_ptr<cpidx::Decoder> dec;
+    ASSERT_TRUE(cpidx::Decoder::create(wide, 0, &dec).is_ok());
+    EXPECT_EQ(dec->plan().grid, 2 * sms) << cpidx::to_string(dtype);
+    EXPECT_EQ(dec->step_plan(4, 8).grid, 2 * sms) << cpidx::to_string(dtype);
+    EXPECT_EQ(dec->step_plan(4, 2).grid, auto_ctas * sms) << cpidx::to_string(dtype);
   }
 }
 
