@@ -9,7 +9,8 @@
 #   ab.json     the same rows as JSON ({"runs": [{"build", "rep", "config", "results"}]})
 #   tests.log   the new build's GPU tests (--tests)
 #   trace_base.txt, trace_new.txt   `cpidx bench --trace` of both trees (--trace)
-#   sanitize_summary.txt   compute-sanitizer on the new build (--sanitize)
+#   sanitize_summary.txt, sanitize.log   compute-sanitizer on the new build (--sanitize): the
+#               summary line per tool, and the tools' logs (each hazard's two accesses)
 # Options:
 #   --config "FLAGS"   bench flags added to the shapes for one block (repeatable; default: one
 #                      block with none)
@@ -142,6 +143,8 @@ if [ -n "$sanitize" ] && [ $(( budget - 20 - $(elapsed) )) -gt 60 ]; then
     rc=1
   fi
   cp "$OUT/san/sanitize_summary.txt" "$OUT/sanitize_summary.txt" 2>/dev/null
+  # The tool's own log names each hazard's two accesses: keep it (one file a tool, 'all' too).
+  cat "$OUT"/san/sanitize_{memcheck,racecheck,synccheck}.log >"$OUT/sanitize.log" 2>/dev/null
   rm -rf "$OUT/san"
   [ -f "$OUT/sanitize_summary.txt" ] && tee -a "$log" <"$OUT/sanitize_summary.txt"
 fi

@@ -45,7 +45,7 @@ struct SmemLayout {
     const int cap = cand_capacity(topk);
     stages_off = take(static_cast<size_t>(stages) * page_bytes, 128);
     q_off = take(static_cast<size_t>(ncols) * kQStride * 2, 16);
-    qinv_off = take(static_cast<size_t>(ncols) * sizeof(float), 16);
+    qinv_off = take(2 * static_cast<size_t>(ncols) * sizeof(float), 16);
     red_off = take(2ull * kConsumerWarps * ncols * sizeof(float), 16);
     cbuf_off = take(static_cast<size_t>(ncols) * cap * sizeof(Key), 16);
     tmp_off = take(static_cast<size_t>(ncols) * topk * sizeof(Key), 16);
@@ -260,11 +260,24 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
       }
       if constexpr (Page::kHalf) {  // every thread takes NT turns: the shuffles see whole warps
         const float down = scale_query_chunk(&v);
-        if (chunk == 0) s.qinv[col] = down;
+        if (chunk == 0) s.qinv[NT * 8 + col] = down;  // staged: see below
       }
       *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
     }
     consumer_sync();
+    // The scales back replace the previous request's only now: on the split path warp 0 may
+    // still have been forming the last page's keys with them until this barrier (and before,
+    // when a stage held another request's page, v33a). Each is moved by the thread that staged
+    // it, and read after the next page's barrier.
+    if constexpr (Page::kHalf) {
+      if (tid % (kHeadDim / 8) == 0) {
+#pragma unroll
+        for (int k = 0; k < NT; ++k) {  // the columns of this thread's chunk 0s
+          const int col = (tid + k * kConsumerThreads) / (kHeadDim / 8);
+          s.qinv[col] = s.qinv[NT * 8 + col];
+        }
+      }
+    }
     if constexpr (kQueryRegs) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
