@@ -365,6 +365,10 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
         }
       }
     }
+    // NOTE: the warp's loads are ordered before the stage's next bulk copy by this arrive (after
+    // __syncwarp) and the producer's wait. racecheck reports those copies against these loads on
+    // one case (sparse request offsets, 64 columns) and on no other; a proxy fence before the
+    // arrive did not change that and cost fp8 Q = 4 up to 1.9% (docs/reliability.md, v34b).
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage
     if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstMma);
