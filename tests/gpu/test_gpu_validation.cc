@@ -553,6 +553,34 @@ TEST(GpuSanitize, SparseRequestOffsetsInBothKernels) {
   }
 }
 
+TEST(GpuSanitize, ManyShortRequestsOfSixtyFourColumns) {
+  SKIP_WITHOUT_GPU();
+  // The step above with dense request offsets: as many requests of up to two blocks as the
+  // Decoder keeps every offset of (64 columns), each page another request's, both paths. It
+  // tells racecheck's reports on the sparse case (docs/reliability.md) from the step's shape.
+  const int T = 8, Q = 8, max_tokens = 8800;
+  const Selection sel{16, 1, 1};
+  UseMaxTokens bound(max_tokens);
+  int reqs = 0;
+  {
+    const cpidx_test::DecodeData probe = random_decode(5959, T, Q, {256}, 256);
+    std::unique_ptr<cpidx::Decoder> dec;
+    ASSERT_TRUE(cpidx::Decoder::create(config_for(probe, sel), 0, &dec).is_ok());
+    reqs = std::min(1100, max_tokens / dec->plan().offset_stride);
+  }
+  ASSERT_GE(reqs, 200) << "too few requests for dense offsets at 64 columns";
+  std::mt19937 rng(5959);
+  std::vector<int32_t> lens(static_cast<size_t>(reqs));
+  for (auto& x : lens) x = static_cast<int32_t>(rng() % 257);
+  cpidx_test::DecodeData d = random_decode(5959, T, Q, lens, 256);
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    const CompareResult r = compare_ids(d, sel, gpu_decode(d, sel), cpu);
+    EXPECT_EQ(r.bad_rows, 0) << path_name(path) << " (" << reqs << " requests): " << r.first_bad;
+  }
+}
+
 TEST(GpuSanitize, WorkStealingSplitStep) {
   SKIP_WITHOUT_GPU();
   // A split step with >= 16 pages for each of two CTAs on up to 132 SMs: the CTAs take pages
