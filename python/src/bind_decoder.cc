@@ -223,6 +223,33 @@ void bind_decoder(nb::module_& m) {
       .def_prop_ro("stages", [](const PyDecoder& d) { return d.decoder->plan().stages; })
       .def_prop_ro("offset_stride",
                    [](const PyDecoder& d) { return d.decoder->plan().offset_stride; })
+      .def(
+          "step_plan",
+          [](const PyDecoder& d, int num_heads, int query_len) {
+            if (num_heads < 1 || num_heads > d.cfg().total_heads) {
+              throw nb::value_error(("num_heads: expected 1 to total_heads " +
+                                     std::to_string(d.cfg().total_heads) + ", got " +
+                                     std::to_string(num_heads))
+                                        .c_str());
+            }
+            if (query_len < 1 || query_len > d.cfg().max_query_len) {
+              throw nb::value_error(("query_len: expected 1 to max_query_len " +
+                                     std::to_string(d.cfg().max_query_len) + ", got " +
+                                     std::to_string(query_len))
+                                        .c_str());
+            }
+            const DecodePlan s = d.decoder->step_plan(num_heads, query_len);
+            nb::dict out;
+            out["grid"] = s.grid;
+            out["stages"] = s.stages;
+            out["offset_stride"] = s.offset_stride;
+            out["smem_bytes"] = s.smem_bytes;
+            return out;
+          },
+          "num_heads"_a, "query_len"_a,
+          "The scoring plan a step of num_heads heads x query_len tokens launches: {grid, stages, "
+          "offset_stride, smem_bytes}. grid/stages/offset_stride above are the bound's "
+          "(total_heads x max_query_len); a step of fewer columns may run more CTAs per SM.")
       .def("decode", &PyDecoder::decode, "index_query"_a, "index_cache"_a, "block_table"_a,
            "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
            "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),

@@ -105,6 +105,28 @@ def test_large_max_tokens_keep_two_ctas_per_sm():
     assert int(large.error_flag().item()) == 0
 
 
+def test_step_plan_names_the_instance_a_step_launches():
+    kw = dict(total_heads=4, world_size=1, rank=0, max_tokens=64, max_seq_len=4096, topk=16,
+              init_blocks=0, local_blocks=1, device=0)
+    bf16 = cpidx.Decoder(**kw)
+    bound = bf16.step_plan(4, bf16.max_query_len)
+    assert (bound["grid"], bound["stages"], bound["offset_stride"]) == (
+        bf16.grid, bf16.stages, bf16.offset_stride)
+    assert bound["smem_bytes"] > 0
+    # fp8 at 8 columns (4 heads, Q=1) runs four CTAs per SM, more than the default bound's
+    # 32-column instance (the properties above).
+    fp8 = cpidx.Decoder(cache_dtype="fp8_e4m3", **kw)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert fp8.step_plan(4, 1)["grid"] == 4 * sms > fp8.grid
+    assert fp8.step_plan(1, 2) == fp8.step_plan(4, 1)  # same padded width
+    with pytest.raises(ValueError, match="num_heads"):
+        bf16.step_plan(5, 1)
+    with pytest.raises(ValueError, match="query_len"):
+        bf16.step_plan(4, 0)
+    with pytest.raises(ValueError, match="query_len"):
+        bf16.step_plan(4, bf16.max_query_len + 1)
+
+
 def test_fp8_cache_gpu():
     if not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("torch without float8_e4m3fn")
