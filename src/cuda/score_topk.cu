@@ -265,10 +265,9 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
       *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
     }
     consumer_sync();
-    // The scales back replace the previous request's only now: on the split path warp 0 may
-    // still have been forming the last page's keys with them until this barrier (and before,
-    // when a stage held another request's page, v33a). Each is moved by the thread that staged
-    // it, and read after the next page's barrier.
+    // The new scales replace the previous request's only now: on the split path warp 0 may have
+    // been forming the previous page's keys with those until this barrier (racecheck, v34a).
+    // Each is moved by the thread that staged it, and read after the next page's barrier.
     if constexpr (Page::kHalf) {
       if (tid % (kHeadDim / 8) == 0) {
 #pragma unroll
