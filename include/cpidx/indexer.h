@@ -104,7 +104,8 @@ class Decoder {
   const DecodePlan& plan() const;
   // The scoring plan a step of `num_heads` heads x `query_len` query tokens launches: plan()'s
   // for the bound's columns, its own instance's for fewer (grid, stages, offset_stride and
-  // smem_bytes may differ; the rest is plan()'s).
+  // smem_bytes may differ; the rest is plan()'s). A query only: a product past the bound reads
+  // as the bound's plan, one below a column as the narrowest instance's.
   DecodePlan step_plan(int num_heads, int query_len) const;
 
   // Plain decode (no context parallelism) of every head in `in` (in.num_heads <= T):

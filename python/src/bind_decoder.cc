@@ -226,18 +226,8 @@ void bind_decoder(nb::module_& m) {
       .def(
           "step_plan",
           [](const PyDecoder& d, int num_heads, int query_len) {
-            if (num_heads < 1 || num_heads > d.cfg().total_heads) {
-              throw nb::value_error(("num_heads: expected 1 to total_heads " +
-                                     std::to_string(d.cfg().total_heads) + ", got " +
-                                     std::to_string(num_heads))
-                                        .c_str());
-            }
-            if (query_len < 1 || query_len > d.cfg().max_query_len) {
-              throw nb::value_error(("query_len: expected 1 to max_query_len " +
-                                     std::to_string(d.cfg().max_query_len) + ", got " +
-                                     std::to_string(query_len))
-                                        .c_str());
-            }
+            check_range("num_heads", num_heads, 1, "total_heads", d.cfg().total_heads);
+            check_range("query_len", query_len, 1, "max_query_len", d.cfg().max_query_len);
             const DecodePlan s = d.decoder->step_plan(num_heads, query_len);
             nb::dict out;
             out["grid"] = s.grid;

@@ -393,4 +393,10 @@ PrefillInputs prefill_inputs(const InArray& index_query, const InArray& index_ca
   return in;
 }
 
+void check_range(const char* name, int64_t value, int64_t lo, const char* hi_name, int64_t hi) {
+  if (value < lo || value > hi) {
+    value_fail(cat(name, ": expected ", lo, " to ", hi_name, " ", hi, ", got ", value));
+  }
+}
+
 }  // namespace cpidx::py

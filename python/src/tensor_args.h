@@ -77,4 +77,8 @@ PrefillInputs prefill_inputs(const InArray& index_query, const InArray& index_ca
 
 Selection selection(int topk, int init_blocks, int local_blocks);
 
+// A scalar argument against its range: ValueError "<name>: expected <lo> to <hi_name> <hi>, got
+// <value>" unless lo <= value <= hi.
+void check_range(const char* name, int64_t value, int64_t lo, const char* hi_name, int64_t hi);
+
 }  // namespace cpidx::py
