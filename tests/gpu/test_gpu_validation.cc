@@ -556,8 +556,8 @@ TEST(GpuSanitize, SparseRequestOffsetsInBothKernels) {
 TEST(GpuSanitize, ManyShortRequestsOfSixtyFourColumns) {
   SKIP_WITHOUT_GPU();
   // The step above with dense request offsets: as many requests of up to two blocks as the
-  // Decoder keeps every offset of (64 columns), each page another request's, both paths. It
-  // tells racecheck's reports on the sparse case (docs/reliability.md) from the step's shape.
+  // Decoder keeps every offset of (64 columns), each page another request's, both paths. Each
+  // CTA holds one or two pages here, so no stage is copied into twice (the next case's are).
   const int T = 8, Q = 8, max_tokens = 8800;
   const Selection sel{16, 1, 1};
   UseMaxTokens bound(max_tokens);
@@ -578,6 +578,36 @@ TEST(GpuSanitize, ManyShortRequestsOfSixtyFourColumns) {
     UsePath use(path);
     const CompareResult r = compare_ids(d, sel, gpu_decode(d, sel), cpu);
     EXPECT_EQ(r.bad_rows, 0) << path_name(path) << " (" << reqs << " requests): " << r.first_bad;
+  }
+}
+
+TEST(GpuSanitize, SixtyFourColumnsRefillEveryStage) {
+  SKIP_WITHOUT_GPU();
+  // A 64-column step with dense request offsets in which every CTA scores more pages than it
+  // has stages, so each stage is copied into again after the consumers read it (the ring wraps),
+  // on both paths. The case above holds one or two pages a CTA, the sparse one ~6. racecheck
+  // reports the refills against the previous page's loads here as on the sparse case, so its
+  // reports come with the refill at 64 columns, not with sparse offsets (docs/reliability.md).
+  const int T = 8, Q = 8, reqs = 12;
+  const Selection sel{16, 1, 1};
+  std::mt19937 rng(6060);
+  std::vector<int32_t> lens(static_cast<size_t>(reqs));
+  for (auto& x : lens) x = static_cast<int32_t>(19000 + rng() % 1001);
+  cpidx_test::DecodeData d = random_decode(6060, T, Q, lens, 20000);
+  {
+    std::unique_ptr<cpidx::Decoder> dec;
+    ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+    const cpidx::DecodePlan plan = dec->plan();
+    int64_t pages = 0;
+    for (int32_t len : lens) pages += (len + cpidx::kBlockSize - 1) / cpidx::kBlockSize;
+    ASSERT_EQ(plan.offset_stride, 1);
+    ASSERT_GE(pages, 2ll * plan.stages * plan.grid) << "the ring would not wrap";
+  }
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    const CompareResult r = compare_ids(d, sel, gpu_decode(d, sel), cpu);
+    EXPECT_EQ(r.bad_rows, 0) << path_name(path) << ": " << r.first_bad;
   }
 }
 
