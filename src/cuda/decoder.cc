@@ -125,7 +125,7 @@ struct Decoder::Impl {
     p.rank = rank;
     p.partial = at<Key>(layout.partial);
     // The step's own instance (its columns), whose grid may be below the plan's largest.
-    const int grid = launch.instance(cuda::padded_columns(in.num_heads * in.query_len)).grid;
+    const int grid = launch.step_instance(in.num_heads, in.query_len).grid;
     p.num_slots = cuda::partial_slots(grid, in.num_reqs);
     p.fused_grid = grid;
     p.error_flag = at<int32_t>(layout.error_flag);

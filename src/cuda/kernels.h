@@ -88,6 +88,9 @@ struct ScoreTopkInstance {
   int prefix_shift = 0;   // the prefix keeps every 2^prefix_shift-th offset (page_order.cuh)
 };
 
+// Columns (heads x query tokens) padded as the kernels lay them out: 8, 16, 32 or 64.
+int padded_columns(int heads_x_q);
+
 struct ScoreTopkLaunch {
   // Every instance up to the bound's columns is planned on its own: a step of fewer columns
   // than the bound gets its instance's CTAs per SM (fp8: four at 8 columns, three at 16), not
@@ -104,6 +107,10 @@ struct ScoreTopkLaunch {
     int i = 0;
     while ((8 << i) < ncols && i < 3) ++i;
     return inst[i];
+  }
+  // The instance a step of `heads` heads x `query_len` tokens launches (validated inputs).
+  const ScoreTopkInstance& step_instance(int heads, int query_len) const {
+    return instance(padded_columns(heads * query_len));
   }
 };
 
@@ -160,8 +167,6 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l);
 // requests that spanned CTAs.
 cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& l,
                                cudaStream_t stream);
-// Columns (heads x query tokens) padded as the kernels lay them out: 8, 16, 32 or 64.
-int padded_columns(int heads_x_q);
 
 struct MergeParams {
   const Key* gathered = nullptr;   // [world, total_heads, n, K]; or, when channel.world > 0,

@@ -33,8 +33,12 @@ constexpr int kQStride = kHeadDim + 8;  // bf16 elements per query row in smem (
 struct SmemLayout {
   size_t stages_off, q_off, qinv_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, prefix_off,
       full_off, empty_off, stage_x_off, misc_off, total;
-  __host__ __device__ SmemLayout(int stages, int page_bytes, int ncols, int topk, int max_reqs,
+  __host__ __device__ SmemLayout(int stages, DType dtype, int ncols, int topk, int max_reqs,
                                  int prefix_shift) {
+    const size_t page_bytes = static_cast<size_t>(kBlockSize) * kHeadDim * dtype_bytes(dtype);
+    // fp8 query scales, the current request's and the next one's (staged: load_queries); bf16
+    // queries are not scaled.
+    const size_t scale_sets = dtype == DType::kFP8E4M3 ? 2 : 0;
     size_t o = 0;
     auto take = [&](size_t bytes, size_t align) {
       o = (o + align - 1) / align * align;
@@ -45,7 +49,7 @@ struct SmemLayout {
     const int cap = cand_capacity(topk);
     stages_off = take(static_cast<size_t>(stages) * page_bytes, 128);
     q_off = take(static_cast<size_t>(ncols) * kQStride * 2, 16);
-    qinv_off = take(2 * static_cast<size_t>(ncols) * sizeof(float), 16);
+    qinv_off = take(scale_sets * ncols * sizeof(float), 16);
     red_off = take(2ull * kConsumerWarps * ncols * sizeof(float), 16);
     cbuf_off = take(static_cast<size_t>(ncols) * cap * sizeof(Key), 16);
     tmp_off = take(static_cast<size_t>(ncols) * topk * sizeof(Key), 16);
@@ -115,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   const int Q = p.query_len, H = p.num_heads, K = p.topk, cap = cand_capacity(K);
   const int ncols = H * Q;  // <= NT * 8
   const int grid = gridDim.x;
-  const SmemLayout lay(stages, Page::kBytes, NT * 8, K, max_reqs_smem, prefix_shift);
+  const SmemLayout lay(stages, kDType, NT * 8, K, max_reqs_smem, prefix_shift);
   const Smem s{smem_raw + lay.stages_off,
                reinterpret_cast<__nv_bfloat16*>(smem_raw + lay.q_off),
                reinterpret_cast<float*>(smem_raw + lay.qinv_off),
@@ -365,9 +369,10 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
       }
     }
     // NOTE: the warp's loads are ordered before the stage's next bulk copy by this arrive (after
-    // __syncwarp) and the producer's wait. racecheck reports those copies against these loads on
-    // one case (sparse request offsets, 64 columns) and on no other; a proxy fence before the
-    // arrive did not change that and cost fp8 Q = 4 up to 1.9% (docs/reliability.md, v34b).
+    // __syncwarp) and the producer's wait. racecheck reports those copies against these loads
+    // where the producer is held by its consumers (two-stage rings, the 64-column instances) and
+    // not on the same code at 8-16 columns with deeper rings; a proxy fence before the arrive did
+    // not change that and cost fp8 Q = 4 up to 1.9% (docs/reliability.md, v34b).
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage
     if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstMma);
@@ -524,7 +529,6 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
   const int ncols = padded_columns(max_heads_x_q);
-  const int page_bytes = kBlockSize * kHeadDim * dtype_bytes(dtype);
   // NOTE: two CTAs per SM keep one CTA streaming while the other selects or merges; each keeps
   // `stages` pages in flight. Take the deepest pipeline that still fits two CTAs, else one
   // (four or three first where kMinCtasPerSm allows them: fp8).
@@ -552,7 +556,7 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
       // Every offset kept first (shift 0), then sparser, down to a single kept offset.
       for (int shift = 0; shift == 0 || (!strict && (max_reqs >> (shift - 1)) > 0); ++shift) {
         for (int stages = 6; stages >= (strict ? 3 : 2); --stages) {
-          SmemLayout lay(stages, page_bytes, nc, topk, max_reqs, shift);
+          SmemLayout lay(stages, dtype, nc, topk, max_reqs, shift);
           // NOTE: static shared memory (a few hundred bytes) counts against the same limit.
           if (lay.total + 1024 > static_cast<size_t>(smem_optin)) continue;
           int blocks = 0;
@@ -611,7 +615,7 @@ cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const Score
   return dispatch(ncols, dtype, [&](auto nt, auto dt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
     constexpr DType DT = decltype(dt)::value;
-    const SmemLayout lay(in.stages, PageTraits<DT>::kBytes, NT * 8, p.topk, reqs_smem, shift);
+    const SmemLayout lay(in.stages, DT, NT * 8, p.topk, reqs_smem, shift);
     const auto kernel = sparse ? score_topk_kernel<NT, DT, true> : score_topk_kernel<NT, DT, false>;
     return launch_with_pdl(p.pdl, kernel, in.grid, kThreads, lay.total, stream, p, in.stages,
                            reqs_smem, shift);

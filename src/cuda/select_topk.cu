@@ -402,7 +402,7 @@ cudaError_t read_select_trace(long long* host, int ctas) {
 cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& l,
                                cudaStream_t stream) {
   if (p.num_reqs > l.max_reqs ||
-      p.fused_grid != l.instance(padded_columns(p.num_heads * p.query_len)).grid ||
+      p.fused_grid != l.step_instance(p.num_heads, p.query_len).grid ||
       (p.split_max_pages >= 0 && p.split_keys == nullptr)) {
     return cudaErrorInvalidValue;
   }

@@ -25,7 +25,7 @@ __device__ __forceinline__ void consumer_sync() {
 struct Smem {
   uint8_t* pages;     // [stages][page bytes]
   __nv_bfloat16* q;   // [ncols][kQStride] (fp8 pages: fp16, scaled per column)
-  float* qinv;        // [2][ncols]: fp8 pages: what scales a column's dots back; then staged
+  float* qinv;        // fp8 pages only, [2][ncols]: what scales a column's dots back; then staged
   float* red;         // [2][kConsumerWarps][ncols]
   Key* cbuf;          // [ncols][cap]: candidates, then the ordered top K
   Key* tmp;           // [ncols][K]
