@@ -29,6 +29,13 @@ namespace {
 
 constexpr int kQStride = kHeadDim + 8;  // bf16 elements per query row in smem (padded)
 
+// fp8 pages at 16 columns (Q = 4 at 4 heads, Q = 2 at 8) are scored two at a time under one
+// barrier when they follow each other in one request (the kernel's kPairPages): their maxima
+// take two slots of a red set. Not at 8 columns, whose 96-register instance spills with it.
+__host__ __device__ constexpr bool pairs_pages(DType dtype, int ncols) {
+  return dtype == DType::kFP8E4M3 && ncols == 16;
+}
+
 // Shared-memory layout, computed identically on host (sizing) and device (carving).
 struct SmemLayout {
   size_t stages_off, q_off, qinv_off, red_off, cbuf_off, tmp_off, cnt_off, tau_off, prefix_off,
@@ -50,7 +57,8 @@ struct SmemLayout {
     stages_off = take(static_cast<size_t>(stages) * page_bytes, 128);
     q_off = take(static_cast<size_t>(ncols) * kQStride * 2, 16);
     qinv_off = take(scale_sets * ncols * sizeof(float), 16);
-    red_off = take(2ull * kConsumerWarps * ncols * sizeof(float), 16);
+    red_off = take((pairs_pages(dtype, ncols) ? 4ull : 2ull) * kConsumerWarps * ncols * sizeof(float),
+                   16);
     cbuf_off = take(static_cast<size_t>(ncols) * cap * sizeof(Key), 16);
     tmp_off = take(static_cast<size_t>(ncols) * topk * sizeof(Key), 16);
     cnt_off = take(static_cast<size_t>(ncols) * sizeof(int), 16);
@@ -295,6 +303,9 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   // last (always on the static ranges), so a new request's queries load while its page is in
   // flight; a page that did not follow (the split path's share moved) is checked after it lands.
   RingPos at(0, stages);  // page lp's stage and its full barrier's parity
+  constexpr bool kPairPages = pairs_pages(kDType, NT * 8);
+  constexpr int kRedSet = (kPairPages ? 2 : 1) * kConsumerWarps * NT * 8;  // one set a barrier
+  int rs = 0;  // kPairPages: the red set of this iteration (two, alternating; else lp's)
   for (int64_t lp = 0, next = start;; ++lp, at.next(stages)) {
     if (next < end) {
       while (req_hi() <= next && r + 1 < B) {
@@ -325,98 +336,138 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
     if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstPage);
     CPIDX_TRACE_PAGE(tid == 0, lp);
     const int64_t gblk = (x - req_lo()) * p.world + p.rank;
-    const uint8_t* page = s.pages + static_cast<size_t>(st) * Page::kBytes;
+    // Scores stage sst (block blk of the request) into this warp's column maxima at rmax,
+    // releasing the stage once the warp's loads are done.
+    auto score_stage = [&](int sst, int64_t blk, float* rmax) {
+      const uint8_t* page = s.pages + static_cast<size_t>(sst) * Page::kBytes;
 
-    // Tensor-core scores of this warp's 32 tokens x all columns. Dims are permuted identically
-    // in A (keys) and B (queries) so each thread reads 16 contiguous bytes per row; the key
-    // loads are bank-swizzled (PageTraits). Every accumulator sees the same MMAs in the same
-    // order as a straight loop over (j, half), so the scores do not depend on the swizzle.
-    float acc[2][NT][4];
+      // Tensor-core scores of this warp's 32 tokens x all columns. Dims are permuted identically
+      // in A (keys) and B (queries) so each thread reads 16 contiguous bytes per row; the key
+      // loads are bank-swizzled (PageTraits). Every accumulator sees the same MMAs in the same
+      // order as a straight loop over (j, half), so the scores do not depend on the swizzle.
+      float acc[2][NT][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-    constexpr int kGroup = kSwizzle ? Page::kSwizzleMask + 1 : 1;  // chunks loaded together
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+      constexpr int kGroup = kSwizzle ? Page::kSwizzleMask + 1 : 1;  // chunks loaded together
 #pragma unroll
-    for (int j0 = 0; j0 < 4; j0 += kGroup) {
+      for (int j0 = 0; j0 < 4; j0 += kGroup) {
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        typename Page::Raw lo_raw[kGroup], hi_raw[kGroup];
+        for (int mt = 0; mt < 2; ++mt) {
+          typename Page::Raw lo_raw[kGroup], hi_raw[kGroup];
 #pragma unroll
-        for (int i = 0; i < kGroup; ++i) {
-          lo_raw[i] = Page::load(page, warp * 32 + mt * 16 + g, j0 + (i ^ swz), c4);
-          hi_raw[i] = Page::load(page, warp * 32 + mt * 16 + g + 8, j0 + (i ^ swz), c4);
-        }
-        unswizzle(lo_raw, swz);
-        unswizzle(hi_raw, swz);
+          for (int i = 0; i < kGroup; ++i) {
+            lo_raw[i] = Page::load(page, warp * 32 + mt * 16 + g, j0 + (i ^ swz), c4);
+            hi_raw[i] = Page::load(page, warp * 32 + mt * 16 + g + 8, j0 + (i ^ swz), c4);
+          }
+          unswizzle(lo_raw, swz);
+          unswizzle(hi_raw, swz);
 #pragma unroll
-        for (int jj = 0; jj < kGroup; ++jj) {
-          const int j = j0 + jj;
-          const uint4 lo = Page::widen(lo_raw[jj]), hi = Page::widen(hi_raw[jj]);
+          for (int jj = 0; jj < kGroup; ++jj) {
+            const int j = j0 + jj;
+            const uint4 lo = Page::widen(lo_raw[jj]), hi = Page::widen(hi_raw[jj]);
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
+            for (int half = 0; half < 2; ++half) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              const uint2 b = kQueryRegs ? qreg[j][half][nt] : query_frag(s, nt, g, j, c4, half);
-              const uint32_t a0 = half ? lo.z : lo.x, a1 = half ? hi.z : hi.x;
-              const uint32_t a2 = half ? lo.w : lo.y, a3 = half ? hi.w : hi.y;
-              mma_16816<Page::kHalf>(acc[mt][nt], a0, a1, a2, a3, b.x, b.y);
+              for (int nt = 0; nt < NT; ++nt) {
+                const uint2 b = kQueryRegs ? qreg[j][half][nt] : query_frag(s, nt, g, j, c4, half);
+                const uint32_t a0 = half ? lo.z : lo.x, a1 = half ? hi.z : hi.x;
+                const uint32_t a2 = half ? lo.w : lo.y, a3 = half ? hi.w : hi.y;
+                mma_16816<Page::kHalf>(acc[mt][nt], a0, a1, a2, a3, b.x, b.y);
+              }
             }
           }
         }
       }
-    }
-    // NOTE: the warp's loads are ordered before the stage's next bulk copy by this arrive (after
-    // __syncwarp) and the producer's wait. racecheck reports those copies against these loads
-    // where the producer is held by its consumers (two-stage rings, the 64-column instances) and
-    // not on the same code at 8-16 columns with deeper rings; a proxy fence before the arrive did
-    // not change that and cost fp8 Q = 4 up to 1.9% (docs/reliability.md, v34b).
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage
-    if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstMma);
+      // NOTE: the warp's loads are ordered before the stage's next bulk copy by this arrive (after
+      // __syncwarp) and the producer's wait. racecheck reports those copies against these loads
+      // where the producer is held by its consumers (two-stage rings, the 64-column instances) and
+      // not on the same code at 8-16 columns with deeper rings; a proxy fence before the arrive did
+      // not change that and cost fp8 Q = 4 up to 1.9% (docs/reliability.md, v34b).
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&s.empty[sst]);  // this warp is done with the stage
+      if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstMma);
 
-    // Causal block max per column: starts at -inf; NaN dots never win (fmaxf), as in the
-    // reference, so a block whose visible dots are all NaN scores -inf. A block every column
-    // sees whole (all but a request's last one or two) takes the same maxima in the same order
-    // without the mask's per-token compares.
-    float* red = s.red + (lp & 1) * kConsumerWarps * NT * 8;
-    auto column_maxima = [&](auto masked) {
+      // Causal block max per column: starts at -inf; NaN dots never win (fmaxf), as in the
+      // reference, so a block whose visible dots are all NaN scores -inf. A block every column
+      // sees whole (all but a request's last one or two) takes the same maxima in the same order
+      // without the mask's per-token compares.
+      auto column_maxima = [&](auto masked) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = nt * 8 + c4 * 2 + e;
-          float v = -INFINITY;
+          for (int e = 0; e < 2; ++e) {
+            const int col = nt * 8 + c4 * 2 + e;
+            float v = -INFINITY;
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int rh = 0; rh < 2; ++rh) {
-              if constexpr (decltype(masked)::value) {
-                const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
-                const int64_t tok = gblk * kBlockSize + warp * 32 + mt * 16 + g + rh * 8;
-                if (tok <= pos) v = max_num(v, acc[mt][nt][rh * 2 + e]);
-              } else {
-                v = max_num(v, acc[mt][nt][rh * 2 + e]);
+              for (int rh = 0; rh < 2; ++rh) {
+                if constexpr (decltype(masked)::value) {
+                  const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
+                  const int64_t tok = blk * kBlockSize + warp * 32 + mt * 16 + g + rh * 8;
+                  if (tok <= pos) v = max_num(v, acc[mt][nt][rh * 2 + e]);
+                } else {
+                  v = max_num(v, acc[mt][nt][rh * 2 + e]);
+                }
               }
-            }
-          v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 4));
-          v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 8));
-          v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 16));
-          if (g == 0) red[warp * NT * 8 + col] = v;
+            v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 4));
+            v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 8));
+            v = max_num(v, __shfl_xor_sync(0xffffffffu, v, 16));
+            if (g == 0) rmax[warp * NT * 8 + col] = v;
+          }
         }
-      }
+      };
+      // NOTE: at 8 columns (NT = 1) the unmasked copy cost fp8's 96-register instance 2-3% and
+      // bought bf16 nothing (docs/perf/README.md, v29d): from 16 columns up only, where it took
+      // 4.8% off fp8 plain 64 x 256K at Q = 4 (v29e).
+      if (NT >= 2 && (blk + 1) * kBlockSize <= static_cast<int64_t>(seq_len) - Q + 1)
+        column_maxima(std::false_type{});
+      else
+        column_maxima(std::true_type{});
     };
-    // NOTE: at 8 columns (NT = 1) the unmasked copy cost fp8's 96-register instance 2-3% and
-    // bought bf16 nothing (docs/perf/README.md, v29d): from 16 columns up only, where it took
-    // 4.8% off fp8 plain 64 x 256K at Q = 4 (v29e).
-    if (NT >= 2 && (gblk + 1) * kBlockSize <= static_cast<int64_t>(seq_len) - Q + 1)
-      column_maxima(std::false_type{});
-    else
-      column_maxima(std::true_type{});
+    // fp8 at 16 columns: two pages of one request under one barrier when the next stage holds
+    // the next page (kPairPages: the per-page barrier, maxima hand-over and key offers are paid
+    // once per two 16 KB pages). Every consumer warp waits for that stage and reads the same
+    // index, so they all decide alike. It is always filled: the producer fills the stages in
+    // order and ends with a marker, and its previous page was released before this one. Only
+    // where x + 1 is predicted (x and x + 1 inside this CTA's range and request), and not on a
+    // CTA's first page: that one is scored while the rest of the ring lands (v35b paired it and
+    // lost the overlap on CTAs of 2-3 pages, up to +0.9 us on small steps).
+    // The next stage (recomputed where needed: the 16-column fp8 instance is short of registers).
+    auto next_stage = [&]() {
+      RingPos nb = at;
+      nb.next(stages);
+      return nb;
+    };
+    bool paired = false;  // the next stage holds page x + 1
+    if constexpr (kPairPages) {
+      if (x > start && x + 1 < end && x + 1 < req_hi()) {
+        const RingPos nb = next_stage();
+        mbar_wait(&s.full[nb.st], nb.phase);
+        paired = s.stage_x[nb.st] == x + 1;  // else a marker, or a page from elsewhere: next time
+      }
+    }
+    float* red = s.red + (kPairPages ? rs : static_cast<int>(lp & 1)) * kRedSet;
+    if constexpr (kPairPages) rs ^= 1;
+    score_stage(st, gblk, red);
+    if constexpr (kPairPages) {
+      if (paired) {
+        CPIDX_TRACE_ADD(tid == 0, kTPages, 1);
+        score_stage(next_stage().st, gblk + p.world, red + kConsumerWarps * NT * 8);
+      }
+    }
+    const int64_t x_last = x + (paired ? 1 : 0);
+    if (paired) next = x_last >= start && x_last < end ? x_last + 1 : end;
     consumer_sync();  // the column maxima are complete
     if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstMax);
+    if (paired) {  // the second page's stage is this iteration's last
+      ++lp;
+      at.next(stages);
+    }
     if (s.misc[0]) {  // a candidate buffer filled up on the previous page
       consumer_sync();
       if (tid == 0) s.misc[0] = 0;
@@ -424,26 +475,34 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
     }
     if (tid < ncols) {
       const int col = tid;
-      float v = red[col];
+      // Offers the key of page xp (block gb) whose column maxima are at rd.
+      auto offer = [&](const float* rd, int64_t gb, int64_t xp) {
+        float v = rd[col];
 #pragma unroll
-      for (int w = 1; w < kConsumerWarps; ++w) v = max_num(v, red[w * NT * 8 + col]);
-      if constexpr (Page::kHalf) v *= s.qinv[col];  // exact: a power of two
-      const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
-      const int64_t vis = visible_blocks(pos);
-      if (split) {
-        const float score = forced_score(p.scale * v, gblk, vis, p.init_blocks, p.local_blocks);
-        p.split_keys[col * p.split_max_pages + x] = gblk < vis ? make_key(score, gblk) : kPadKey;
-      } else if (gblk < vis) {
-        const float score = forced_score(p.scale * v, gblk, vis, p.init_blocks, p.local_blocks);
-        const Key key = make_key(score, gblk);
-        if (key > s.tau[col]) {
-          s.cbuf[col * cap + s.cnt[col]] = key;
-          if (++s.cnt[col] == cap) s.misc[0] = 1;
+        for (int w = 1; w < kConsumerWarps; ++w) v = max_num(v, rd[w * NT * 8 + col]);
+        if constexpr (Page::kHalf) v *= s.qinv[col];  // exact: a power of two
+        const int64_t pos = static_cast<int64_t>(seq_len) - Q + (col % Q);
+        const int64_t vis = visible_blocks(pos);
+        if (split) {
+          const float score = forced_score(p.scale * v, gb, vis, p.init_blocks, p.local_blocks);
+          p.split_keys[col * p.split_max_pages + xp] = gb < vis ? make_key(score, gb) : kPadKey;
+        } else if (gb < vis) {
+          const float score = forced_score(p.scale * v, gb, vis, p.init_blocks, p.local_blocks);
+          const Key key = make_key(score, gb);
+          if (key > s.tau[col]) {
+            s.cbuf[col * cap + s.cnt[col]] = key;
+            // Paired pages offer two keys a barrier: compacted while two slots are left.
+            if (++s.cnt[col] == cap - (kPairPages ? 1 : 0)) s.misc[0] = 1;
+          }
         }
+      };
+      offer(red, gblk, x);
+      if constexpr (kPairPages) {
+        if (paired) offer(red + kConsumerWarps * NT * 8, gblk + p.world, x + 1);
       }
     }
     CPIDX_TRACE_STAMP(tid == 0 && split, kTLastPage);  // split: no segment end
-    if (split || (x + 1 != req_hi() && x + 1 != end)) continue;
+    if (split || (x_last + 1 != req_hi() && x_last + 1 != end)) continue;
 
     // ---- 4. End of this CTA's part of request r: finish it, or leave its list for the merge.
     CPIDX_TRACE_STAMP(tid == 0, kTLastPage);  // the last one recorded is the CTA's last page

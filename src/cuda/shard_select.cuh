@@ -26,7 +26,7 @@ struct Smem {
   uint8_t* pages;     // [stages][page bytes]
   __nv_bfloat16* q;   // [ncols][kQStride] (fp8 pages: fp16, scaled per column)
   float* qinv;        // fp8 pages only, [2][ncols]: what scales a column's dots back; then staged
-  float* red;         // [2][kConsumerWarps][ncols]
+  float* red;         // [2][kConsumerWarps][ncols] ([2][2][...]: fp8 pages at 16 columns)
   Key* cbuf;          // [ncols][cap]: candidates, then the ordered top K
   Key* tmp;           // [ncols][K]
   int* cnt;           // [ncols]
