@@ -1,8 +1,9 @@
 // GPU decode kernels against the CPU reference: random shapes (Q, T, K, contexts to 1M tokens,
 // padding rows, shuffled block tables, bf16 and fp8), the golden cases (exact, plain and
 // context-parallel), simulated context-parallel ranks == plain decode bitwise, tie-heavy inputs,
-// the fused sparse table, CUDA-graph replay with changing lengths, objects torn down during a
-// capture, and bad device values.
+// block scores rising through long requests (candidate buffers refilled), the fused sparse
+// table, CUDA-graph replay with changing lengths, objects torn down during a capture, and bad
+// device values.
 // Every test skips cleanly without a GPU.
 #include <gtest/gtest.h>
 
@@ -24,6 +25,8 @@ using cpidx::DType;
 using cpidx::Selection;
 using cpidx_test::Values;
 using cpidx_test::bf16_of;
+using cpidx_test::kBS;
+using cpidx_test::kD;
 using cpidx_test::lengths;
 using cpidx_test::random_decode;
 using cpidx_test::sel_of;
@@ -106,6 +109,72 @@ TEST(GpuDecode, Fp8CacheMatchesReference) {
       UsePath use(path);
       EXPECT_EQ(gpu_decode(t, sel), want) << what << ": ties must match exactly, "
                                           << path_name(path);
+    }
+  }
+}
+
+// The e4m3 bits of an integer 0-16 (each exact: exponent bias 7, three mantissa bits).
+uint8_t e4m3_of_small_int(int v) {
+  if (v == 0) return 0;
+  int e = 0;
+  while ((v >> (e + 1)) != 0) ++e;
+  const uint8_t bits = static_cast<uint8_t>(((e + 7) << 3) | (((v << 3) >> e) & 7));
+  EXPECT_EQ(cpidx::ref::fp8e4m3_to_float(bits), static_cast<float>(v)) << "e4m3 of " << v;
+  return bits;
+}
+
+// Block scores that rise through every request: each page's key beats every column's running
+// K-th, so on the fused path a CTA's candidate buffers fill every cap pages and are compacted on
+// the next. fp8 at 16 columns (4 heads, Q = 4) offers two pages' keys a barrier (score_topk.cu,
+// kPairPages) and compacts while two slots are left. One scoring CTA per SM, so each holds ~80
+// pages (two fills or more at K = 16, cap 32; one at K = 33, cap 66); odd page counts and CTA
+// ranges that end anywhere put pairs against every boundary. Queries are all 1 and every key a
+// small integer, so each dot is exact and the ids must match the reference in order: token 0 of
+// block b holds 200 + b (in 16s and a remainder, every one exact in e4m3 and bf16), above any
+// other token's dot (|dot| <= 128, keys of -1, 0 or 1).
+TEST(GpuDecode, RisingBlockScoresRefillTheCandidateBuffers) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> lens = {150000, 0,      3 * kBS + 1, 149873, 131071,
+                                     140000, 150000, 99999,       150000, 150000};
+  for (DType dtype : {DType::kFP8E4M3, DType::kBF16}) {
+    DecodeData d = random_decode(610 + static_cast<int>(dtype), 4, 4, lens, 150000, dtype,
+                                 Values::kTies, 1.0f);
+    for (auto& q : d.query) q = bf16_of(1.0f);
+    for (int req = 0; req < d.num_reqs(); ++req) {
+      const int64_t used = cpidx::cdiv(lens[static_cast<size_t>(req)], kBS);
+      for (int64_t b = 0; b < used; ++b) {
+        const int64_t page = d.block_table[static_cast<size_t>(req * d.bt_row_stride + b)];
+        const int sum = 200 + static_cast<int>(b);  // <= 1371: 85 dims of 16 and one of 11
+        for (int dim = 0; dim < kD; ++dim) {
+          const int v = dim < sum / 16 ? 16 : dim == sum / 16 ? sum % 16 : 0;
+          const size_t at = static_cast<size_t>(page) * kBS * kD + static_cast<size_t>(dim);
+          if (dtype == DType::kBF16) d.cache_bf16[at] = bf16_of(static_cast<float>(v));
+          else d.cache_fp8[at] = e4m3_of_small_int(v);
+        }
+      }
+    }
+    DeviceBatch batch(d);
+    const int64_t n = d.rows();
+    for (int K : {16, 33}) {
+      const Selection sel = sel_of(K, 1, 2);
+      const std::vector<int32_t> want = cpu_decode(d, sel);
+      for (Path path : kBothPaths) {
+        UsePath use(path);
+        const std::string what = std::string(cpidx::to_string(dtype)) + " K=" +
+                                 std::to_string(K) + " " + path_name(path);
+        cpidx::DecodeConfig c = config_for(d, sel);
+        c.max_query_len = 4;  // the 16-column instance
+        c.scoring_ctas_per_sm = 1;
+        std::unique_ptr<cpidx::Decoder> dec;
+        const cpidx::Status st = cpidx::Decoder::create(c, 0, &dec);
+        ASSERT_TRUE(st.is_ok()) << what << ": " << st.to_string();
+        DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * K));
+        ids.poison();
+        ASSERT_TRUE(dec->decode(batch.all_heads(), cpidx::TopkOutput{ids.ptr, n * K, K}, nullptr,
+                                nullptr).is_ok()) << what;
+        CUDA_OK(cudaDeviceSynchronize());
+        EXPECT_EQ(ids.download(), want) << what;
+      }
     }
   }
 }
