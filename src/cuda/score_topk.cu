@@ -57,8 +57,8 @@ struct SmemLayout {
     stages_off = take(static_cast<size_t>(stages) * page_bytes, 128);
     q_off = take(static_cast<size_t>(ncols) * kQStride * 2, 16);
     qinv_off = take(scale_sets * ncols * sizeof(float), 16);
-    red_off = take((pairs_pages(dtype, ncols) ? 4ull : 2ull) * kConsumerWarps * ncols * sizeof(float),
-                   16);
+    const size_t red_sets = pairs_pages(dtype, ncols) ? 4 : 2;  // two a barrier, two pages a set
+    red_off = take(red_sets * kConsumerWarps * ncols * sizeof(float), 16);
     cbuf_off = take(static_cast<size_t>(ncols) * cap * sizeof(Key), 16);
     tmp_off = take(static_cast<size_t>(ncols) * topk * sizeof(Key), 16);
     cnt_off = take(static_cast<size_t>(ncols) * sizeof(int), 16);

@@ -168,6 +168,12 @@ inline bool& test_tight_query_bound() {
   return tight;
 }
 using UseTightQueryBound = ScopedChoice<bool, test_tight_query_bound>;
+// The helpers' DecodeConfig::scoring_ctas_per_sm (0: the library's automatic count).
+inline int& test_ctas_per_sm() {
+  static int ctas = 0;
+  return ctas;
+}
+using UseCtasPerSm = ScopedChoice<int, test_ctas_per_sm>;
 
 inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selection& sel,
                                       int world = 1, int rank = 0, int max_tokens = 0) {
@@ -181,6 +187,7 @@ inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selectio
   c.sel = sel;
   c.cache_dtype = d.dtype;
   if (test_tight_query_bound()) c.max_query_len = d.query_len;
+  c.scoring_ctas_per_sm = test_ctas_per_sm();
   // Split forced: every test shape (<= 16M tokens of context per step) fits 2^17 pages.
   c.split_max_pages = test_path() == Path::kFused   ? 0
                       : test_path() == Path::kSplit ? int64_t{1} << 17

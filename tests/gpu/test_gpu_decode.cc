@@ -113,16 +113,6 @@ TEST(GpuDecode, Fp8CacheMatchesReference) {
   }
 }
 
-// The e4m3 bits of an integer 0-16 (each exact: exponent bias 7, three mantissa bits).
-uint8_t e4m3_of_small_int(int v) {
-  if (v == 0) return 0;
-  int e = 0;
-  while ((v >> (e + 1)) != 0) ++e;
-  const uint8_t bits = static_cast<uint8_t>(((e + 7) << 3) | (((v << 3) >> e) & 7));
-  EXPECT_EQ(cpidx::ref::fp8e4m3_to_float(bits), static_cast<float>(v)) << "e4m3 of " << v;
-  return bits;
-}
-
 // Block scores that rise through every request: each page's key beats every column's running
 // K-th, so on the fused path a CTA's candidate buffers fill every cap pages and are compacted on
 // the next. fp8 at 16 columns (4 heads, Q = 4) offers two pages' keys a barrier (score_topk.cu,
@@ -134,6 +124,16 @@ uint8_t e4m3_of_small_int(int v) {
 // other token's dot (|dot| <= 128, keys of -1, 0 or 1).
 TEST(GpuDecode, RisingBlockScoresRefillTheCandidateBuffers) {
   SKIP_WITHOUT_GPU();
+  UseTightQueryBound bound(true);  // the 16-column instance
+  UseCtasPerSm one(1);
+  // The e4m3 bits of the integers 0-16, each exact (exponent bias 7, three mantissa bits).
+  uint8_t e4m3[17] = {};
+  for (int v = 1; v <= 16; ++v) {
+    int e = 0;
+    while ((v >> (e + 1)) != 0) ++e;
+    e4m3[v] = static_cast<uint8_t>(((e + 7) << 3) | (((v << 3) >> e) & 7));
+    ASSERT_EQ(cpidx::ref::fp8e4m3_to_float(e4m3[v]), static_cast<float>(v)) << "e4m3 of " << v;
+  }
   const std::vector<int32_t> lens = {150000, 0,      3 * kBS + 1, 149873, 131071,
                                      140000, 150000, 99999,       150000, 150000};
   for (DType dtype : {DType::kFP8E4M3, DType::kBF16}) {
@@ -149,31 +149,17 @@ TEST(GpuDecode, RisingBlockScoresRefillTheCandidateBuffers) {
           const int v = dim < sum / 16 ? 16 : dim == sum / 16 ? sum % 16 : 0;
           const size_t at = static_cast<size_t>(page) * kBS * kD + static_cast<size_t>(dim);
           if (dtype == DType::kBF16) d.cache_bf16[at] = bf16_of(static_cast<float>(v));
-          else d.cache_fp8[at] = e4m3_of_small_int(v);
+          else d.cache_fp8[at] = e4m3[v];
         }
       }
     }
-    DeviceBatch batch(d);
-    const int64_t n = d.rows();
     for (int K : {16, 33}) {
       const Selection sel = sel_of(K, 1, 2);
       const std::vector<int32_t> want = cpu_decode(d, sel);
       for (Path path : kBothPaths) {
         UsePath use(path);
-        const std::string what = std::string(cpidx::to_string(dtype)) + " K=" +
-                                 std::to_string(K) + " " + path_name(path);
-        cpidx::DecodeConfig c = config_for(d, sel);
-        c.max_query_len = 4;  // the 16-column instance
-        c.scoring_ctas_per_sm = 1;
-        std::unique_ptr<cpidx::Decoder> dec;
-        const cpidx::Status st = cpidx::Decoder::create(c, 0, &dec);
-        ASSERT_TRUE(st.is_ok()) << what << ": " << st.to_string();
-        DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * K));
-        ids.poison();
-        ASSERT_TRUE(dec->decode(batch.all_heads(), cpidx::TopkOutput{ids.ptr, n * K, K}, nullptr,
-                                nullptr).is_ok()) << what;
-        CUDA_OK(cudaDeviceSynchronize());
-        EXPECT_EQ(ids.download(), want) << what;
+        EXPECT_EQ(gpu_decode(d, sel), want)
+            << cpidx::to_string(dtype) << " K=" << K << " " << path_name(path);
       }
     }
   }

@@ -596,7 +596,7 @@ TEST(GpuSanitize, SixtyFourColumnsRefillEveryStage) {
     ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
     const cpidx::DecodePlan plan = dec->plan();
     int64_t pages = 0;
-    for (int32_t len : lens) pages += (len + cpidx::kBlockSize - 1) / cpidx::kBlockSize;
+    for (int32_t len : lens) pages += cpidx::cdiv(len, cpidx::kBlockSize);
     ASSERT_EQ(plan.offset_stride, 1);
     ASSERT_GE(pages, 2ll * plan.stages * plan.grid) << "the ring would not wrap";
   }
