@@ -653,6 +653,28 @@ TEST(GpuSanitize, Fp8SplitStepOfManyShortRequests) {
   EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
 }
 
+TEST(GpuSanitize, Fp8PairedPagesOfSixteenColumns) {
+  SKIP_WITHOUT_GPU();
+  // fp8 at 16 columns (4 heads, Q = 4, the batch's own query bound) scores two consecutive pages
+  // of a request under one barrier, after a CTA's first page and inside its range (score_topk.cu,
+  // kPairPages, v35c). One CTA per SM gives each ~7 pages, so pairs meet request ends, range ends
+  // and odd remainders; racecheck sees the paired maxima buffers and their reuse.
+  UseTightQueryBound bound(true);
+  UseCtasPerSm one(1);
+  const Selection sel{16, 1, 1};
+  const std::vector<int32_t> lens = {40000, 3 * cpidx::kBlockSize + 1, 39873, 0, 16385, 33000};
+  cpidx_test::DecodeData d = random_decode(6161, kT, 4, lens, 40000, cpidx::DType::kFP8E4M3);
+  {
+    std::unique_ptr<cpidx::Decoder> dec;
+    ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+    int64_t pages = 0;
+    for (int32_t len : lens) pages += cpidx::cdiv(len, cpidx::kBlockSize);
+    ASSERT_GE(pages, 4ll * dec->plan().grid) << "CTAs too short to pair pages";
+  }
+  expect_both_paths_match(d, sel, "");
+  EXPECT_EQ(gpu_cp_simulated(d, sel, 2), gpu_decode(d, sel)) << "P=2";
+}
+
 TEST(GpuSanitize, SmallSparseTable) {
   SKIP_WITHOUT_GPU();
   const Selection sel{8, 0, 1};
