@@ -42,16 +42,24 @@ struct DecodeConfig {
   // the fused path's per-CTA lists and merge unless a request's list is very long). Chosen on
   // the device, per step, from this rank's page counts, so one captured graph serves both.
   // kAutoSplit, the library's rule: steps of <= kDefaultSplitPages pages split; larger ones, up
-  // to the buffer (kLargeSplitPages, fewer when padded(T * max_query_len) * 8 * kLargeSplitPages
-  // would pass kSplitBufferBytes), split when no request owns more than kSplitLongestPages
-  // pages (a longer list costs the selection more than the fused path's merge saves:
-  // docs/perf/README.md, v11). N > 0: every step of <= N pages splits. 0: always the fused
-  // path. The buffer costs split_max_pages * 8 * padded(T * max_query_len) bytes.
+  // to the buffer (large_split_pages(dtype), fewer when padded(T * max_query_len) * 8 * that
+  // would pass kSplitBufferBytes), split when no request owns more than
+  // split_longest_pages(dtype) pages (a longer list costs the selection more than the fused
+  // path's merge saves). fp8 pages stream twice as fast, so the fused path's per-CTA lists and
+  // merge weigh more against them and the split path pays off further out (docs/perf/README.md,
+  // v36). N > 0: every step of <= N pages splits. 0: always the fused path. The buffer costs
+  // split_max_pages * 8 * padded(T * max_query_len) bytes.
   static constexpr int64_t kAutoSplit = -1;
-  static constexpr int64_t kDefaultSplitPages = 16384;   // 2M tokens of context on this rank
-  static constexpr int64_t kLargeSplitPages = 65536;     // 8M tokens
-  static constexpr int64_t kSplitLongestPages = 4096;    // 512K tokens of one request
+  static constexpr int64_t kDefaultSplitPages = 16384;  // 2M tokens of context on this rank
   static constexpr size_t kSplitBufferBytes = size_t{16} << 20;
+  // Steps of up to this many pages may split: 8M tokens (bf16), 16M (fp8).
+  static constexpr int64_t large_split_pages(DType dtype) {
+    return dtype == DType::kFP8E4M3 ? 131072 : 65536;
+  }
+  // ... while no request owns more than this many: 1M tokens (bf16), 4M (fp8).
+  static constexpr int64_t split_longest_pages(DType dtype) {
+    return dtype == DType::kFP8E4M3 ? 32768 : 8192;
+  }
   int64_t split_max_pages = kAutoSplit;
   // Persistent scoring CTAs per SM: 0 lets the library choose (four or three where the
   // registers allow it, today fp8 caches with heads x query length <= 8 or <= 16, else two;

@@ -49,8 +49,9 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
   if (c.split_max_pages == DecodeConfig::kAutoSplit) {
     const int64_t fits = static_cast<int64_t>(DecodeConfig::kSplitBufferBytes / (cols * sizeof(Key)));
     w.split_any_pages = DecodeConfig::kDefaultSplitPages;
-    w.split_max_pages = std::max(w.split_any_pages, std::min(DecodeConfig::kLargeSplitPages, fits));
-    w.split_longest_pages = DecodeConfig::kSplitLongestPages;
+    w.split_max_pages = std::max(w.split_any_pages,
+                                 std::min(DecodeConfig::large_split_pages(c.cache_dtype), fits));
+    w.split_longest_pages = DecodeConfig::split_longest_pages(c.cache_dtype);
   } else {
     w.split_max_pages = w.split_any_pages = w.split_longest_pages = c.split_max_pages;
   }

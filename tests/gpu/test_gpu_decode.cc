@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "cpidx/prefill.h"
+#include "cpidx/workspace.h"
 #include "gpu_util.h"
 #include "json_lite.h"
 
@@ -680,16 +681,54 @@ TEST(GpuDecode, GraphReplayCrossesBetweenPaths) {
                                  {99 * 128, 129, 0, 0}, {7, 0, 0, 1}, {bound, 3000, 3, 0}});
 }
 
+// Host only (no GPU): the automatic split limits by cache dtype and column count, and the
+// buffer they cost. fp8 splits up to 2^17 pages where the 16 MiB buffer holds them (<= 16
+// columns), bf16 up to 2^16; a request of up to 32768 / 8192 pages keeps a large step split.
+TEST(DecodeWorkspace, AutomaticSplitLimitsFollowTheCacheDtype) {
+  using cpidx::DecodeConfig;
+  using cpidx::DType;
+  struct Case {
+    DType dtype;
+    int query_len;  // x 4 heads = the columns
+    int64_t max_pages, longest;
+  };
+  for (const Case& c : {Case{DType::kBF16, 1, 65536, 8192}, Case{DType::kBF16, 4, 65536, 8192},
+                        Case{DType::kBF16, 8, 65536, 8192}, Case{DType::kFP8E4M3, 1, 131072, 32768},
+                        Case{DType::kFP8E4M3, 4, 131072, 32768},
+                        Case{DType::kFP8E4M3, 8, 65536, 32768}}) {
+    DecodeConfig config;
+    config.total_heads = 4;
+    config.max_tokens = 256;
+    config.max_seq_len = 1 << 22;
+    config.max_query_len = c.query_len;
+    config.sel = Selection{16, 1, 1};
+    config.cache_dtype = c.dtype;
+    const cpidx::DecodeWorkspaceLayout w = cpidx::decode_workspace_layout(config, 264);
+    const std::string what = std::string(cpidx::to_string(c.dtype)) + ", Q=" + std::to_string(c.query_len);
+    EXPECT_EQ(w.split_any_pages, DecodeConfig::kDefaultSplitPages) << what;
+    EXPECT_EQ(w.split_max_pages, c.max_pages) << what;
+    EXPECT_EQ(w.split_longest_pages, c.longest) << what;
+    EXPECT_LE(static_cast<size_t>(w.split_max_pages) * 4 * c.query_len * sizeof(cpidx::Key),
+              DecodeConfig::kSplitBufferBytes)
+        << what;
+    config.split_max_pages = 0;
+    EXPECT_EQ(cpidx::decode_workspace_layout(config, 264).split_max_pages, 0) << what;
+  }
+}
+
 TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
   SKIP_WITHOUT_GPU();
   // The library's rule (DecodeConfig::kAutoSplit): above kDefaultSplitPages pages a step splits
-  // only while no request owns more than kSplitLongestPages pages. Both kernels must reach the
-  // same verdict from the same lengths, inside one graph, whichever side a replay lands on.
+  // only while no request owns more than split_longest_pages(dtype) pages. Both kernels must
+  // reach the same verdict from the same lengths, inside one graph, whichever side a replay
+  // lands on. bf16: 8192 pages (1M tokens) a request.
   using cpidx::DecodeConfig;
-  const int reqs = 5;
-  const int32_t longest_split = static_cast<int32_t>(DecodeConfig::kSplitLongestPages) * 128;
+  const int reqs = 3;
+  const int64_t longest = DecodeConfig::split_longest_pages(cpidx::DType::kBF16);
+  const int32_t longest_split = static_cast<int32_t>(longest) * 128;
   const int32_t bound = longest_split + 40000;
-  static_assert(5 * DecodeConfig::kSplitLongestPages > DecodeConfig::kDefaultSplitPages,
+  static_assert(3 * DecodeConfig::split_longest_pages(cpidx::DType::kBF16) >
+                    DecodeConfig::kDefaultSplitPages,
                 "the first replays must be past the size that always splits");
   DecodeData d = random_decode(830, 2, 1, std::vector<int32_t>(reqs, bound), bound);
   const Selection sel = sel_of(16);
@@ -699,14 +738,13 @@ TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
   std::unique_ptr<cpidx::Decoder> dec;
   ASSERT_TRUE(cpidx::Decoder::create(config, 0, &dec).is_ok());
   ASSERT_GE(dec->plan().split_max_pages, reqs * cpidx::cdiv(bound, 128));
-  // 20480 pages, longest 4096 (split); 21 k pages, one request of 4409 (fused); back to split;
-  // 2 requests over the longest but 8818 pages in all (split: at most kDefaultSplitPages).
+  // 24576 pages, longest 8192 (split); 24889 pages, one request of 8505 (fused); back to split;
+  // one request over the longest, 8505 pages in all (split: at most kDefaultSplitPages).
   const int32_t over = bound;
   expect_replays_follow_lengths(
       *dec, d, b, sel,
-      {std::vector<int32_t>(reqs, longest_split),
-       {longest_split, longest_split, over, longest_split, longest_split},
-       std::vector<int32_t>(reqs, longest_split - 1), {over, 0, 0, 0, over}});
+      {std::vector<int32_t>(reqs, longest_split), {longest_split, over, longest_split},
+       std::vector<int32_t>(reqs, longest_split - 1), {over, 0, 0}});
 }
 
 void graph_replay_follows_new_lengths_and_tables() {
