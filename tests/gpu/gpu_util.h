@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -281,6 +282,28 @@ inline CompareResult compare_ids(const DecodeData& d, const cpidx::Selection& se
   const cpidx::TopkOutput got{const_cast<int32_t*>(gpu.data()), n * sel.topk, sel.topk};
   const cpidx::TopkOutput want{const_cast<int32_t*>(cpu.data()), n * sel.topk, sel.topk};
   return cpidx::ref::compare_ids(d.all_heads(), sel, got, want);
+}
+
+// Both GPU paths (the Decoder as the Use* scopes set it up) against one CPU reference, every
+// output written, and against each other bit for bit; `what` names the case in a failure.
+inline void expect_matches_reference(const DecodeData& d, const cpidx::Selection& sel,
+                                     const std::string& what) {
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  std::vector<int32_t> fused;
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    SCOPED_TRACE(path_name(path));
+    const std::vector<int32_t> gpu = gpu_decode(d, sel);
+    ASSERT_EQ(gpu.size(), cpu.size());
+    for (int32_t v : gpu) ASSERT_NE(v, cpidx_test::kPoison) << what << ": unwritten output";
+    const CompareResult r = compare_ids(d, sel, gpu, cpu);
+    EXPECT_EQ(r.bad_rows, 0) << what << ": " << r.first_bad;
+    // Near ties are rare on random data; a systematic error would show up as many of them.
+    EXPECT_LE(r.near_tie_rows, std::max<int64_t>(2, (r.exact_rows + r.near_tie_rows) / 50))
+        << what;
+    if (path == Path::kFused) fused = gpu;
+    else EXPECT_EQ(gpu, fused) << what << ": the two paths differ";
+  }
 }
 
 }  // namespace cpidx_gpu_test

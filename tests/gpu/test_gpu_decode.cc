@@ -32,26 +32,6 @@ using cpidx_test::lengths;
 using cpidx_test::random_decode;
 using cpidx_test::sel_of;
 
-// Both GPU paths against one CPU reference, and against each other bit for bit.
-void expect_matches_reference(const DecodeData& d, const Selection& sel, const char* what) {
-  const std::vector<int32_t> cpu = cpu_decode(d, sel);
-  std::vector<int32_t> fused;
-  for (Path path : kBothPaths) {
-    UsePath use(path);
-    SCOPED_TRACE(path_name(path));
-    const std::vector<int32_t> gpu = gpu_decode(d, sel);
-    ASSERT_EQ(gpu.size(), cpu.size());
-    for (int32_t v : gpu) ASSERT_NE(v, cpidx_test::kPoison) << what << ": unwritten output";
-    const CompareResult r = compare_ids(d, sel, gpu, cpu);
-    EXPECT_EQ(r.bad_rows, 0) << what << ": " << r.first_bad;
-    // Near ties are rare on random data; a systematic error would show up as many of them.
-    EXPECT_LE(r.near_tie_rows, std::max<int64_t>(2, (r.exact_rows + r.near_tie_rows) / 50))
-        << what;
-    if (path == Path::kFused) fused = gpu;
-    else EXPECT_EQ(gpu, fused) << what << ": the two paths differ";
-  }
-}
-
 // Bodies run once per path by the tests below.
 void graph_replay_follows_new_lengths_and_tables();
 void bad_device_values_are_clamped_and_flagged();
@@ -64,8 +44,7 @@ TEST(GpuDecode, RandomShapesMatchReference) {
     for (int Q : {1, 2, 4, 8}) {
       const int32_t max_len = 3000 + 997 * Q;
       DecodeData d = random_decode(seed++, T, Q, lengths(rng, 5, max_len, true), max_len);
-      expect_matches_reference(d, sel_of(16), ("T=" + std::to_string(T) + " Q=" +
-                                               std::to_string(Q)).c_str());
+      expect_matches_reference(d, sel_of(16), "T=" + std::to_string(T) + " Q=" + std::to_string(Q));
     }
   }
 }
@@ -76,7 +55,7 @@ TEST(GpuDecode, TopKRange) {
   for (int K : {1, 4, 16, 33, 64}) {
     for (auto [init, local] : {std::pair{0, 1}, std::pair{1, 2}, std::pair{2, 4}}) {
       DecodeData d = random_decode(200 + K, 4, 2, lengths(rng, 6, 20000, true), 20000);
-      expect_matches_reference(d, sel_of(K, init, local), ("K=" + std::to_string(K)).c_str());
+      expect_matches_reference(d, sel_of(K, init, local), "K=" + std::to_string(K));
     }
   }
 }
@@ -100,7 +79,7 @@ TEST(GpuDecode, Fp8CacheMatchesReference) {
     for (int q : {4, 1}) {
       DecodeData d = random_decode(400 + q, 4, q, lengths(rng, 7, 40000, true), 40000,
                                    DType::kFP8E4M3);
-      expect_matches_reference(d, sel_of(16), (what + ", Q=" + std::to_string(q)).c_str());
+      expect_matches_reference(d, sel_of(16), what + ", Q=" + std::to_string(q));
     }
     DecodeData t = random_decode(401, 4, 1, lengths(rng, 7, 9000, true), 9000, DType::kFP8E4M3,
                                  Values::kTies, 1.0f);
@@ -197,7 +176,7 @@ TEST(GpuDecode, QueriesOfAnyMagnitudeAndNonFiniteValues) {
           q = bf16_of(std::ldexp(bf16_to_float(q), ei));
         }
       }
-      expect_matches_reference(d, sel_of(16), (what + ", queries scaled by 2^e").c_str());
+      expect_matches_reference(d, sel_of(16), what + ", queries scaled by 2^e");
 
       // Non-finite: every column gets an inf, a -inf or a NaN at a random dim; 1 in 64 keys NaN.
       DecodeData n = random_decode(421, 4, Q, lengths(rng, 6, 20000, true), 20000, dtype);
@@ -476,8 +455,9 @@ TEST(GpuDecode, StepsWithMoreItemsThanTheWideSelectionGrid) {
       const int reqs = (items + cols - 1) / cols;
       DecodeData d = random_decode(6100 + items + max_len, T, Q, lengths(rng, reqs, max_len, true),
                                    max_len);
-      expect_matches_reference(d, sel_of(16), ("items=" + std::to_string(reqs * cols) +
-                                               " max_len=" + std::to_string(max_len)).c_str());
+      expect_matches_reference(
+          d, sel_of(16),
+          "items=" + std::to_string(reqs * cols) + " max_len=" + std::to_string(max_len));
     }
   }
 }
@@ -522,7 +502,7 @@ TEST(GpuDecode, SparseRequestOffsetsForLargeMaxTokens) {
     EXPECT_GT(stride, 1);
     EXPECT_EQ(c.reqs > c.max_tokens / stride, c.sparse) << "stride " << stride;
     EXPECT_EQ(dec->plan().grid, 2 * sms);
-    expect_matches_reference(d, sel, what.c_str());
+    expect_matches_reference(d, sel, what);
     EXPECT_EQ(gpu_decode(d, sel), every_offset);
     for (int world : {2, 4}) {
       EXPECT_EQ(gpu_cp_simulated(d, sel, world), every_offset) << "P=" << world;
@@ -704,7 +684,8 @@ TEST(DecodeWorkspace, AutomaticSplitLimitsFollowTheCacheDtype) {
     config.sel = Selection{16, 1, 1};
     config.cache_dtype = c.dtype;
     const cpidx::DecodeWorkspaceLayout w = cpidx::decode_workspace_layout(config, 264);
-    const std::string what = std::string(cpidx::to_string(c.dtype)) + ", Q=" + std::to_string(c.query_len);
+    const std::string what =
+        std::string(cpidx::to_string(c.dtype)) + ", Q=" + std::to_string(c.query_len);
     EXPECT_EQ(w.split_any_pages, DecodeConfig::kDefaultSplitPages) << what;
     EXPECT_EQ(w.split_max_pages, c.max_pages) << what;
     EXPECT_EQ(w.split_longest_pages, c.longest) << what;

@@ -460,18 +460,6 @@ TEST(GpuValidation, CreateChecksTheDevice) {
 // fused sparse table, bad device values), compared with the CPU reference. Sized so that
 // memcheck, racecheck and synccheck each finish in well under a minute.
 
-// The step's ids on both decode paths against the reference (the Decoder as the test has set
-// it up through the Use* scopes); `what` names the case in a failure.
-void expect_both_paths_match(const cpidx_test::DecodeData& d, const Selection& sel,
-                             const std::string& what) {
-  const std::vector<int32_t> cpu = cpu_decode(d, sel);
-  for (Path path : kBothPaths) {
-    UsePath use(path);
-    const CompareResult r = compare_ids(d, sel, gpu_decode(d, sel), cpu);
-    EXPECT_EQ(r.bad_rows, 0) << path_name(path) << what << ": " << r.first_bad;
-  }
-}
-
 TEST(GpuSanitize, SmallDecodeEveryPath) {
   SKIP_WITHOUT_GPU();
   const Selection sel{8, 1, 1};
@@ -532,7 +520,7 @@ TEST(GpuSanitize, ManyItemsTakeTheNarrowSelection) {
   lens[1] = 20000;
   const Selection sel{16, 1, 1};
   cpidx_test::DecodeData d = random_decode(5555, T, Q, lens, 20000);
-  expect_both_paths_match(d, sel, "");
+  expect_matches_reference(d, sel, "");
 }
 
 TEST(GpuSanitize, SparseRequestOffsetsInBothKernels) {
@@ -552,7 +540,7 @@ TEST(GpuSanitize, SparseRequestOffsetsInBothKernels) {
   ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
   const int stride = dec->plan().offset_stride;
   ASSERT_LT((1 << 14) / stride, reqs) << "stride " << stride;
-  expect_both_paths_match(d, sel, "");
+  expect_matches_reference(d, sel, "");
 }
 
 TEST(GpuSanitize, ManyShortRequestsOfSixtyFourColumns) {
@@ -575,7 +563,7 @@ TEST(GpuSanitize, ManyShortRequestsOfSixtyFourColumns) {
   std::vector<int32_t> lens(static_cast<size_t>(reqs));
   for (auto& x : lens) x = static_cast<int32_t>(rng() % 257);
   cpidx_test::DecodeData d = random_decode(5959, T, Q, lens, 256);
-  expect_both_paths_match(d, sel, " (" + std::to_string(reqs) + " requests)");
+  expect_matches_reference(d, sel, std::to_string(reqs) + " requests");
 }
 
 TEST(GpuSanitize, SixtyFourColumnsRefillEveryStage) {
@@ -600,7 +588,7 @@ TEST(GpuSanitize, SixtyFourColumnsRefillEveryStage) {
     ASSERT_EQ(plan.offset_stride, 1);
     ASSERT_GE(pages, 2ll * plan.stages * plan.grid) << "the ring would not wrap";
   }
-  expect_both_paths_match(d, sel, "");
+  expect_matches_reference(d, sel, "");
 }
 
 TEST(GpuSanitize, WorkStealingSplitStep) {
@@ -671,7 +659,7 @@ TEST(GpuSanitize, Fp8PairedPagesOfSixteenColumns) {
     for (int32_t len : lens) pages += cpidx::cdiv(len, cpidx::kBlockSize);
     ASSERT_GE(pages, 4ll * dec->plan().grid) << "CTAs too short to pair pages";
   }
-  expect_both_paths_match(d, sel, "");
+  expect_matches_reference(d, sel, "");
   EXPECT_EQ(gpu_cp_simulated(d, sel, 2), gpu_decode(d, sel)) << "P=2";
 }
 
