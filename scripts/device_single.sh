@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/device_single.sh: everything single-GPU in one device call, most important first:
 # build + the GPU tests (decode and prefill), the prefill benchmark, optional decode benchmarks
-# (DECODE_BENCH="flags[;flags...]", one JSON per set), optional Nsight Compute profiles
+# (DECODE_BENCH="flags[;flags...]", one JSON per set, rewritten after every row so a set cut at
+# its time limit keeps the rows it finished), optional Nsight Compute profiles
 # (NCU_RUNS="kernel regex|bench flags[;...]", all into ncu.txt), the fused kernel's timeline
 # (TRACE_FLAGS="bench flags": scripts/device_trace.sh), compute-sanitizer on the small cases,
 # the Python suite on the GPU. Each stage is time-boxed; each writes one or two files straight

@@ -572,6 +572,54 @@ int run_bench(int argc, char** argv) {
   std::unique_ptr<StepBench> step_bench;  // created for the first step shape
   std::vector<Result> results;
   std::vector<std::pair<StepShape, StepResult>> step_results;
+  // The JSON file is rewritten after every row (to a temporary, then renamed), so a run stopped
+  // by a time limit leaves the rows it finished.
+  auto write_json = [&]() -> bool {
+    if (json.empty() || !printer) return true;
+    const std::string tmp = json + ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "w");
+    if (!f) { std::fprintf(stderr, "cannot write %s\n", tmp.c_str()); return false; }
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    std::fprintf(f,
+                 "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, "
+                 "\"ctas_per_sm\": %lld, \"work_stealing\": %s, \"max_tokens\": %lld, "
+                 "\"max_query_len\": %lld, \"results\": [\n",
+                 prop.name, dtype.c_str(), static_cast<long long>(split_pages),
+                 static_cast<long long>(ctas_per_sm), steal ? "true" : "false",
+                 static_cast<long long>(max_tokens), static_cast<long long>(max_query_len));
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      std::fprintf(f,
+                   "  {\"mode\": \"%s\", \"heads\": %d, \"world\": %d, \"reqs\": %d, \"context\": %lld, "
+                   "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, \"us\": %.3f, "
+                   "\"gbps\": %.1f, \"gpu_us\": %.3f, "
+                   "\"floor_us\": %.3f, \"grid\": %d, \"stages\": %d, \"offset_stride\": %d, "
+                   "\"check\": \"%s\"}%s\n",
+                   r.shape.mode.c_str(), r.shape.heads, r.shape.world, r.shape.reqs,
+                   static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.calls, r.cache_mb,
+                   r.us, r.gbps, r.gpu_us, r.floor_us, r.grid, r.stages, r.offset_stride,
+                   r.check.c_str(), i + 1 < results.size() ? "," : "");
+    }
+    std::fprintf(f, "], \"step_results\": [\n");
+    for (size_t i = 0; i < step_results.size(); ++i) {
+      const auto& [ss, r] = step_results[i];
+      std::fprintf(f,
+                   "  {\"mode\": \"step\", \"exchange\": \"%s\", \"world\": %d, \"reqs\": %d, \"context\": %lld, "
+                   "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, "
+                   "\"us\": %.3f, \"floor_us\": %.3f, \"exchange_us\": %.3f, \"gbps\": %.1f, "
+                   "\"q_bytes\": %lld, \"k_bytes\": %lld, \"check\": \"%s\"}%s\n",
+                   ss.exchange.c_str(), ss.world, ss.reqs, static_cast<long long>(ss.context), ss.qlen, r.sets,
+                   r.calls, r.cache_mb, r.us, r.floor_us, r.exchange_us, r.gbps,
+                   static_cast<long long>(r.q_bytes), static_cast<long long>(r.k_bytes),
+                   r.check.c_str(), i + 1 < step_results.size() ? "," : "");
+    }
+    std::fprintf(f, "], \"environment\": \"%s\", \"step_processes\": \"%s\"}\n",
+                 StepBench::environment().c_str(), processes ? "mpi" : "threads");
+    const bool written = std::fclose(f) == 0 && std::rename(tmp.c_str(), json.c_str()) == 0;
+    if (!written) std::fprintf(stderr, "cannot write %s\n", json.c_str());
+    return written;
+  };
   bool all_ok = true;
   for (const Mode& md : mode_list) {
     const std::string& m = md.name;
@@ -617,6 +665,7 @@ int run_bench(int argc, char** argv) {
                 std::fflush(stdout);
               }
               step_results.emplace_back(ss, r);
+              write_json();  // failures reported here, decided at the end (no rank left behind)
             }
             continue;
           }
@@ -650,52 +699,12 @@ int run_bench(int argc, char** argv) {
                       stg.c_str(), r.check.c_str());
           std::fflush(stdout);
           results.push_back(r);
+          write_json();
         }
       }
     }
   }
-  if (!json.empty() && printer) {
-    std::FILE* f = std::fopen(json.c_str(), "w");
-    if (!f) { std::fprintf(stderr, "cannot write %s\n", json.c_str()); return kExitFailed; }
-    cudaDeviceProp prop;
-    cudaGetDeviceProperties(&prop, 0);
-    std::fprintf(f,
-                 "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, "
-                 "\"ctas_per_sm\": %lld, \"work_stealing\": %s, \"max_tokens\": %lld, "
-                 "\"max_query_len\": %lld, \"results\": [\n",
-                 prop.name, dtype.c_str(), static_cast<long long>(split_pages),
-                 static_cast<long long>(ctas_per_sm), steal ? "true" : "false",
-                 static_cast<long long>(max_tokens), static_cast<long long>(max_query_len));
-    for (size_t i = 0; i < results.size(); ++i) {
-      const Result& r = results[i];
-      std::fprintf(f,
-                   "  {\"mode\": \"%s\", \"heads\": %d, \"world\": %d, \"reqs\": %d, \"context\": %lld, "
-                   "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, \"us\": %.3f, "
-                   "\"gbps\": %.1f, \"gpu_us\": %.3f, "
-                   "\"floor_us\": %.3f, \"grid\": %d, \"stages\": %d, \"offset_stride\": %d, "
-                   "\"check\": \"%s\"}%s\n",
-                   r.shape.mode.c_str(), r.shape.heads, r.shape.world, r.shape.reqs,
-                   static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.calls, r.cache_mb,
-                   r.us, r.gbps, r.gpu_us, r.floor_us, r.grid, r.stages, r.offset_stride,
-                   r.check.c_str(), i + 1 < results.size() ? "," : "");
-    }
-    std::fprintf(f, "], \"step_results\": [\n");
-    for (size_t i = 0; i < step_results.size(); ++i) {
-      const auto& [ss, r] = step_results[i];
-      std::fprintf(f,
-                   "  {\"mode\": \"step\", \"exchange\": \"%s\", \"world\": %d, \"reqs\": %d, \"context\": %lld, "
-                   "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, "
-                   "\"us\": %.3f, \"floor_us\": %.3f, \"exchange_us\": %.3f, \"gbps\": %.1f, "
-                   "\"q_bytes\": %lld, \"k_bytes\": %lld, \"check\": \"%s\"}%s\n",
-                   ss.exchange.c_str(), ss.world, ss.reqs, static_cast<long long>(ss.context), ss.qlen, r.sets,
-                   r.calls, r.cache_mb, r.us, r.floor_us, r.exchange_us, r.gbps,
-                   static_cast<long long>(r.q_bytes), static_cast<long long>(r.k_bytes),
-                   r.check.c_str(), i + 1 < step_results.size() ? "," : "");
-    }
-    std::fprintf(f, "], \"environment\": \"%s\", \"step_processes\": \"%s\"}\n",
-                 StepBench::environment().c_str(), processes ? "mpi" : "threads");
-    std::fclose(f);
-  }
+  if (!write_json()) return kExitFailed;
   return all_ok ? kExitOk : kExitFailed;
 }
 #endif
