@@ -574,13 +574,14 @@ int run_bench(int argc, char** argv) {
   std::vector<std::pair<StepShape, StepResult>> step_results;
   // The JSON file is rewritten after every row (to a temporary, then renamed), so a run stopped
   // by a time limit leaves the rows it finished.
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  const std::string environment = StepBench::environment();
   auto write_json = [&]() -> bool {
     if (json.empty() || !printer) return true;
     const std::string tmp = json + ".tmp";
     std::FILE* f = std::fopen(tmp.c_str(), "w");
     if (!f) { std::fprintf(stderr, "cannot write %s\n", tmp.c_str()); return false; }
-    cudaDeviceProp prop;
-    cudaGetDeviceProperties(&prop, 0);
     std::fprintf(f,
                  "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, "
                  "\"ctas_per_sm\": %lld, \"work_stealing\": %s, \"max_tokens\": %lld, "
@@ -615,7 +616,7 @@ int run_bench(int argc, char** argv) {
                    r.check.c_str(), i + 1 < step_results.size() ? "," : "");
     }
     std::fprintf(f, "], \"environment\": \"%s\", \"step_processes\": \"%s\"}\n",
-                 StepBench::environment().c_str(), processes ? "mpi" : "threads");
+                 environment.c_str(), processes ? "mpi" : "threads");
     const bool written = std::fclose(f) == 0 && std::rename(tmp.c_str(), json.c_str()) == 0;
     if (!written) std::fprintf(stderr, "cannot write %s\n", json.c_str());
     return written;

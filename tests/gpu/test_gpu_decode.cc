@@ -16,6 +16,7 @@
 
 #include "cpidx/prefill.h"
 #include "cpidx/workspace.h"
+#include "cuda/kernels.h"
 #include "gpu_util.h"
 #include "json_lite.h"
 
@@ -689,7 +690,8 @@ TEST(DecodeWorkspace, AutomaticSplitLimitsFollowTheCacheDtype) {
     EXPECT_EQ(w.split_any_pages, DecodeConfig::kDefaultSplitPages) << what;
     EXPECT_EQ(w.split_max_pages, c.max_pages) << what;
     EXPECT_EQ(w.split_longest_pages, c.longest) << what;
-    EXPECT_LE(static_cast<size_t>(w.split_max_pages) * 4 * c.query_len * sizeof(cpidx::Key),
+    const size_t columns = static_cast<size_t>(cpidx::cuda::padded_columns(4 * c.query_len));
+    EXPECT_LE(static_cast<size_t>(w.split_max_pages) * columns * sizeof(cpidx::Key),
               DecodeConfig::kSplitBufferBytes)
         << what;
     config.split_max_pages = 0;
@@ -704,13 +706,12 @@ TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
   // reach the same verdict from the same lengths, inside one graph, whichever side a replay
   // lands on. bf16: 8192 pages (1M tokens) a request.
   using cpidx::DecodeConfig;
-  const int reqs = 3;
-  const int64_t longest = DecodeConfig::split_longest_pages(cpidx::DType::kBF16);
+  constexpr int reqs = 3;
+  constexpr int64_t longest = DecodeConfig::split_longest_pages(cpidx::DType::kBF16);
+  static_assert(reqs * longest > DecodeConfig::kDefaultSplitPages,
+                "the first replays must be past the size that always splits");
   const int32_t longest_split = static_cast<int32_t>(longest) * 128;
   const int32_t bound = longest_split + 40000;
-  static_assert(3 * DecodeConfig::split_longest_pages(cpidx::DType::kBF16) >
-                    DecodeConfig::kDefaultSplitPages,
-                "the first replays must be past the size that always splits");
   DecodeData d = random_decode(830, 2, 1, std::vector<int32_t>(reqs, bound), bound);
   const Selection sel = sel_of(16);
   DeviceBatch b(d);
