@@ -52,9 +52,10 @@ struct DecodeConfig {
   static constexpr int64_t kAutoSplit = -1;
   static constexpr int64_t kDefaultSplitPages = 16384;  // 2M tokens of context on this rank
   static constexpr size_t kSplitBufferBytes = size_t{16} << 20;
-  // Steps of up to this many pages may split: 8M tokens (bf16), 16M (fp8).
+  // Steps of up to this many pages may split: 8M tokens (bf16), 32M (fp8; the 16 MiB buffer
+  // holds that many pages' keys at up to 8 columns, 16M tokens' at 16).
   static constexpr int64_t large_split_pages(DType dtype) {
-    return dtype == DType::kFP8E4M3 ? 131072 : 65536;
+    return dtype == DType::kFP8E4M3 ? 262144 : 65536;
   }
   // ... while no request owns more than this many: 1M tokens (bf16), 4M (fp8).
   static constexpr int64_t split_longest_pages(DType dtype) {
@@ -93,6 +94,9 @@ struct DecodePlan {
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
   int64_t split_max_pages = 0;  // the split path's capacity: steps with more pages are fused
   int64_t split_any_pages = 0;  // steps with at most this many pages split whatever their lengths
+  // Steps between split_any_pages and split_max_pages pages split when no request owns more than
+  // this many pages (DecodeConfig::split_longest_pages; equal to split_max_pages when forced).
+  int64_t split_longest_pages = 0;
   size_t workspace_bytes = 0;
 };
 

@@ -262,6 +262,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   impl->plan = impl->step_plan(impl->launch.ncols_pad);
   impl->plan.split_max_pages = impl->layout.split_max_pages;
   impl->plan.split_any_pages = impl->layout.split_any_pages;
+  impl->plan.split_longest_pages = impl->layout.split_longest_pages;
   impl->plan.workspace_bytes = impl->layout.total;
   out->reset(new Decoder(std::move(impl)));
   return Status::ok();

@@ -674,7 +674,7 @@ TEST(DecodeWorkspace, AutomaticSplitLimitsFollowTheCacheDtype) {
     int64_t max_pages, longest;
   };
   for (const Case& c : {Case{DType::kBF16, 1, 65536, 8192}, Case{DType::kBF16, 4, 65536, 8192},
-                        Case{DType::kBF16, 8, 65536, 8192}, Case{DType::kFP8E4M3, 1, 131072, 32768},
+                        Case{DType::kBF16, 8, 65536, 8192}, Case{DType::kFP8E4M3, 1, 262144, 32768},
                         Case{DType::kFP8E4M3, 4, 131072, 32768},
                         Case{DType::kFP8E4M3, 8, 65536, 32768}}) {
     DecodeConfig config;
@@ -720,6 +720,8 @@ TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
   std::unique_ptr<cpidx::Decoder> dec;
   ASSERT_TRUE(cpidx::Decoder::create(config, 0, &dec).is_ok());
   ASSERT_GE(dec->plan().split_max_pages, reqs * cpidx::cdiv(bound, 128));
+  ASSERT_EQ(dec->plan().split_any_pages, DecodeConfig::kDefaultSplitPages);
+  ASSERT_EQ(dec->plan().split_longest_pages, longest);
   // 24576 pages, longest 8192 (split); 24889 pages, one request of 8505 (fused); back to split;
   // one request over the longest, 8505 pages in all (split: at most kDefaultSplitPages).
   const int32_t over = bound;
