@@ -572,8 +572,8 @@ int run_bench(int argc, char** argv) {
   std::unique_ptr<StepBench> step_bench;  // created for the first step shape
   std::vector<Result> results;
   std::vector<std::pair<StepShape, StepResult>> step_results;
-  // The JSON file is rewritten after every row (to a temporary, then renamed), so a run stopped
-  // by a time limit leaves the rows it finished.
+  // The JSON file is written before the first row and rewritten after every row (to a
+  // temporary, then renamed), so a run stopped by a time limit leaves the rows it finished.
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   const std::string environment = StepBench::environment();
@@ -621,6 +621,7 @@ int run_bench(int argc, char** argv) {
     if (!written) std::fprintf(stderr, "cannot write %s\n", json.c_str());
     return written;
   };
+  write_json();  // from the start: a set stopped before its first row leaves an empty list
   bool all_ok = true;
   for (const Mode& md : mode_list) {
     const std::string& m = md.name;
