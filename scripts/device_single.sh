@@ -8,8 +8,8 @@
 # the Python suite on the GPU. Each stage is time-boxed; each writes one or two files straight
 # into $OUT (few files come back from the device machine), so a call stopped at its limit still
 # returns what finished.
-# Knobs: GTEST_FILTER, TEST_TIMEOUT (s, default 330), SKIP_TESTS=1, PREFILL_FLAGS, DECODE_BENCH, NCU_RUNS, TRACE_FLAGS,
-# SANITIZE_TOOLS (default all), SKIP_SANITIZE=1, SKIP_PYTHON=1.
+# Knobs: GTEST_FILTER, TEST_TIMEOUT (s, default 330), SKIP_TESTS=1, PREFILL_FLAGS, DECODE_BENCH,
+# NCU_RUNS, TRACE_FLAGS, SANITIZE_TOOLS (default all), SKIP_SANITIZE=1, SKIP_PYTHON=1.
 set -uo pipefail
 export OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
