@@ -663,8 +663,9 @@ TEST(GpuDecode, GraphReplayCrossesBetweenPaths) {
 }
 
 // Host only (no GPU): the automatic split limits by cache dtype and column count, and the
-// buffer they cost. fp8 splits up to 2^17 pages where the 16 MiB buffer holds them (<= 16
-// columns), bf16 up to 2^16; a request of up to 32768 / 8192 pages keeps a large step split.
+// buffer they cost. fp8 splits up to 2^18 pages where the 16 MiB buffer holds them (<= 8
+// columns; 2^17 at 16, 2^16 at 32), bf16 up to 2^16; a request of up to 32768 / 8192 pages
+// keeps a large step split.
 TEST(DecodeWorkspace, AutomaticSplitLimitsFollowTheCacheDtype) {
   using cpidx::DecodeConfig;
   using cpidx::DType;
