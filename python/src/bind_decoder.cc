@@ -223,6 +223,15 @@ void bind_decoder(nb::module_& m) {
       .def_prop_ro("stages", [](const PyDecoder& d) { return d.decoder->plan().stages; })
       .def_prop_ro("offset_stride",
                    [](const PyDecoder& d) { return d.decoder->plan().offset_stride; })
+      // The decode path's rule (DecodePlan): steps of at most split_any_pages pages take the
+      // split path; up to split_max_pages they do while no request owns more than
+      // split_longest_pages; larger steps take the fused path. 0 / 0 / 0: always fused.
+      .def_prop_ro("split_max_pages",
+                   [](const PyDecoder& d) { return d.decoder->plan().split_max_pages; })
+      .def_prop_ro("split_any_pages",
+                   [](const PyDecoder& d) { return d.decoder->plan().split_any_pages; })
+      .def_prop_ro("split_longest_pages",
+                   [](const PyDecoder& d) { return d.decoder->plan().split_longest_pages; })
       .def(
           "step_plan",
           [](const PyDecoder& d, int num_heads, int query_len) {

@@ -119,6 +119,15 @@ def test_step_plan_names_the_instance_a_step_launches():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert fp8.step_plan(4, 1)["grid"] == 4 * sms > fp8.grid
     assert fp8.step_plan(1, 2) == fp8.step_plan(4, 1)  # same padded width
+    # The path rule by cache dtype (DecodeConfig::split_*_pages): the 16 MiB key buffer holds
+    # 2^16 pages at the default bound's 32 columns, for either dtype; a request may own 8192
+    # pages (bf16) or 32768 (fp8) in a split step above 16384 pages.
+    assert (bf16.split_any_pages, bf16.split_max_pages, bf16.split_longest_pages) == (
+        16384, 65536, 8192)
+    assert (fp8.split_any_pages, fp8.split_max_pages, fp8.split_longest_pages) == (
+        16384, 65536, 32768)
+    narrow = cpidx.Decoder(cache_dtype="fp8_e4m3", max_query_len=1, **kw)
+    assert narrow.split_max_pages == 262144  # 8 columns
     with pytest.raises(ValueError, match="num_heads"):
         bf16.step_plan(5, 1)
     with pytest.raises(ValueError, match="query_len"):

@@ -47,7 +47,8 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
   w.keys_recv = take(cp ? P * T * n * K * sizeof(Key) : 0);
   const size_t cols = cuda::padded_columns(c.total_heads * c.max_query_len);
   if (c.split_max_pages == DecodeConfig::kAutoSplit) {
-    const int64_t fits = static_cast<int64_t>(DecodeConfig::kSplitBufferBytes / (cols * sizeof(Key)));
+    const int64_t fits =
+        static_cast<int64_t>(DecodeConfig::kSplitBufferBytes / (cols * sizeof(Key)));
     w.split_any_pages = DecodeConfig::kDefaultSplitPages;
     w.split_max_pages = std::max(w.split_any_pages,
                                  std::min(DecodeConfig::large_split_pages(c.cache_dtype), fits));

@@ -700,20 +700,18 @@ TEST(DecodeWorkspace, AutomaticSplitLimitsFollowTheCacheDtype) {
   }
 }
 
-TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
-  SKIP_WITHOUT_GPU();
-  // The library's rule (DecodeConfig::kAutoSplit): above kDefaultSplitPages pages a step splits
-  // only while no request owns more than split_longest_pages(dtype) pages. Both kernels must
-  // reach the same verdict from the same lengths, inside one graph, whichever side a replay
-  // lands on. bf16: 8192 pages (1M tokens) a request.
+// The library's rule (DecodeConfig::kAutoSplit): above kDefaultSplitPages pages a step splits
+// only while no request owns more than split_longest_pages(dtype) pages. Both kernels must reach
+// the same verdict from the same lengths, inside one graph, whichever side a replay lands on.
+// `reqs` requests of up to the longest split request + 40000 tokens, `heads` heads, Q = 1.
+void graph_replay_crosses_the_automatic_rule(DType dtype, int reqs, int heads,
+                                             std::initializer_list<std::vector<int32_t>> steps) {
   using cpidx::DecodeConfig;
-  constexpr int reqs = 3;
-  constexpr int64_t longest = DecodeConfig::split_longest_pages(cpidx::DType::kBF16);
-  static_assert(reqs * longest > DecodeConfig::kDefaultSplitPages,
-                "the first replays must be past the size that always splits");
-  const int32_t longest_split = static_cast<int32_t>(longest) * 128;
-  const int32_t bound = longest_split + 40000;
-  DecodeData d = random_decode(830, 2, 1, std::vector<int32_t>(reqs, bound), bound);
+  const int64_t longest = DecodeConfig::split_longest_pages(dtype);
+  ASSERT_GT(reqs * longest, DecodeConfig::kDefaultSplitPages)
+      << "the replays must reach past the size that always splits";
+  const int32_t bound = static_cast<int32_t>(longest) * 128 + 40000;
+  DecodeData d = random_decode(830, heads, 1, std::vector<int32_t>(reqs, bound), bound, dtype);
   const Selection sel = sel_of(16);
   DeviceBatch b(d);
   cpidx::DecodeConfig config = config_for(d, sel);
@@ -723,13 +721,33 @@ TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
   ASSERT_GE(dec->plan().split_max_pages, reqs * cpidx::cdiv(bound, 128));
   ASSERT_EQ(dec->plan().split_any_pages, DecodeConfig::kDefaultSplitPages);
   ASSERT_EQ(dec->plan().split_longest_pages, longest);
-  // 24576 pages, longest 8192 (split); 24889 pages, one request of 8505 (fused); back to split;
-  // one request over the longest, 8505 pages in all (split: at most kDefaultSplitPages).
-  const int32_t over = bound;
-  expect_replays_follow_lengths(
-      *dec, d, b, sel,
-      {std::vector<int32_t>(reqs, longest_split), {longest_split, over, longest_split},
-       std::vector<int32_t>(reqs, longest_split - 1), {over, 0, 0}});
+  expect_replays_follow_lengths(*dec, d, b, sel, steps);
+}
+
+// bf16: 8192 pages (1M tokens) a request. 24576 pages, longest 8192 (split); 24889 pages, one
+// request of 8505 (fused); back to split; one request over the longest, 8505 pages in all
+// (split: at most kDefaultSplitPages).
+TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
+  SKIP_WITHOUT_GPU();
+  constexpr auto longest =
+      static_cast<int32_t>(cpidx::DecodeConfig::split_longest_pages(DType::kBF16) * 128);
+  constexpr int32_t over = longest + 40000;
+  graph_replay_crosses_the_automatic_rule(
+      DType::kBF16, 3, 2,
+      {std::vector<int32_t>(3, longest), {longest, over, longest},
+       std::vector<int32_t>(3, longest - 1), {over, 0, 0}});
+}
+
+// fp8: 32768 pages (4M tokens) a request, one head (8 padded columns: the Decoder splits up to
+// 2^18 pages). 65536 pages, longest 32768 (split); one request of 33081 (fused); back to split.
+TEST(GpuDecode, GraphReplayCrossesTheAutomaticRuleFp8) {
+  SKIP_WITHOUT_GPU();
+  constexpr auto longest =
+      static_cast<int32_t>(cpidx::DecodeConfig::split_longest_pages(DType::kFP8E4M3) * 128);
+  constexpr int32_t over = longest + 40000;
+  graph_replay_crosses_the_automatic_rule(
+      DType::kFP8E4M3, 2, 1,
+      {std::vector<int32_t>(2, longest), {longest, over}, std::vector<int32_t>(2, longest - 1)});
 }
 
 void graph_replay_follows_new_lengths_and_tables() {
