@@ -739,15 +739,15 @@ TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
 }
 
 // fp8: 32768 pages (4M tokens) a request, one head (8 padded columns: the Decoder splits up to
-// 2^18 pages). 65536 pages, longest 32768 (split); one request of 33081 (fused); back to split.
+// 2^18 pages). One request, so the CPU reference stays at ~4M tokens a replay: 32768 pages
+// (past kDefaultSplitPages, at the longest: split); 33081 (fused); 32768 again (split).
 TEST(GpuDecode, GraphReplayCrossesTheAutomaticRuleFp8) {
   SKIP_WITHOUT_GPU();
   constexpr auto longest =
       static_cast<int32_t>(cpidx::DecodeConfig::split_longest_pages(DType::kFP8E4M3) * 128);
   constexpr int32_t over = longest + 40000;
-  graph_replay_crosses_the_automatic_rule(
-      DType::kFP8E4M3, 2, 1,
-      {std::vector<int32_t>(2, longest), {longest, over}, std::vector<int32_t>(2, longest - 1)});
+  graph_replay_crosses_the_automatic_rule(DType::kFP8E4M3, 1, 1,
+                                          {{longest}, {over}, {longest - 1}});
 }
 
 void graph_replay_follows_new_lengths_and_tables() {
