@@ -710,14 +710,20 @@ TEST(DecodeWorkspace, AutomaticSplitLimitsFollowTheCacheDtype) {
 // The library's rule (DecodeConfig::kAutoSplit): above kDefaultSplitPages pages a step splits
 // only while no request owns more than split_longest_pages(dtype) pages. Both kernels must reach
 // the same verdict from the same lengths, inside one graph, whichever side a replay lands on.
-// `reqs` requests of up to the longest split request + 40000 tokens, `heads` heads, Q = 1.
-void graph_replay_crosses_the_automatic_rule(DType dtype, int reqs, int heads,
+// `heads` heads, Q = 1; the requests and their bound are the steps' (each step one length a
+// request).
+void graph_replay_crosses_the_automatic_rule(DType dtype, int heads,
                                              std::initializer_list<std::vector<int32_t>> steps) {
   using cpidx::DecodeConfig;
   const int64_t longest = DecodeConfig::split_longest_pages(dtype);
+  const int reqs = static_cast<int>(steps.begin()->size());
   ASSERT_GT(reqs * longest, DecodeConfig::kDefaultSplitPages)
       << "the replays must reach past the size that always splits";
-  const int32_t bound = static_cast<int32_t>(longest) * 128 + 40000;
+  int32_t bound = 0;
+  for (const std::vector<int32_t>& lens : steps) {
+    ASSERT_EQ(static_cast<int>(lens.size()), reqs) << "every step has the same requests";
+    for (int32_t len : lens) bound = std::max(bound, len);
+  }
   DecodeData d = random_decode(830, heads, 1, std::vector<int32_t>(reqs, bound), bound, dtype);
   const Selection sel = sel_of(16);
   DeviceBatch b(d);
@@ -740,7 +746,7 @@ TEST(GpuDecode, GraphReplayCrossesTheAutomaticRule) {
       static_cast<int32_t>(cpidx::DecodeConfig::split_longest_pages(DType::kBF16) * 128);
   constexpr int32_t over = longest + 40000;
   graph_replay_crosses_the_automatic_rule(
-      DType::kBF16, 3, 2,
+      DType::kBF16, 2,
       {std::vector<int32_t>(3, longest), {longest, over, longest},
        std::vector<int32_t>(3, longest - 1), {over, 0, 0}});
 }
@@ -753,8 +759,7 @@ TEST(GpuDecode, GraphReplayCrossesTheAutomaticRuleFp8) {
   constexpr auto longest =
       static_cast<int32_t>(cpidx::DecodeConfig::split_longest_pages(DType::kFP8E4M3) * 128);
   constexpr int32_t over = longest + 40000;
-  graph_replay_crosses_the_automatic_rule(DType::kFP8E4M3, 1, 1,
-                                          {{longest}, {over}, {longest - 1}});
+  graph_replay_crosses_the_automatic_rule(DType::kFP8E4M3, 1, {{longest}, {over}, {longest - 1}});
 }
 
 void graph_replay_follows_new_lengths_and_tables() {
