@@ -49,7 +49,9 @@ struct DecodeConfig {
   // merge weigh more against them and the split path pays off further out, while its keys stay
   // within 16 MiB (docs/perf/README.md, v36, v37). N > 0: every step of <= N pages splits.
   // 0: always the fused path. The buffer costs split_max_pages * 8 * padded(T * max_query_len)
-  // bytes. Decoder::plan() (Python: Decoder.split_*_pages) gives the limits a Decoder took.
+  // bytes. Either way the limits stop at the pages a step can own, max_tokens *
+  // cdiv(max_seq_len, 128) (a small Decoder reserves no more keys than its steps write).
+  // Decoder::plan() (Python: Decoder.split_*_pages) gives the limits a Decoder took.
   static constexpr int64_t kAutoSplit = -1;
   static constexpr int64_t kDefaultSplitPages = 16384;  // 2M tokens of context on this rank
   static constexpr size_t kSplitBufferBytes = size_t{16} << 20;

@@ -106,7 +106,7 @@ def test_large_max_tokens_keep_two_ctas_per_sm():
 
 
 def test_step_plan_names_the_instance_a_step_launches():
-    kw = dict(total_heads=4, world_size=1, rank=0, max_tokens=64, max_seq_len=4096, topk=16,
+    kw = dict(total_heads=4, world_size=1, rank=0, max_tokens=64, max_seq_len=1 << 20, topk=16,
               init_blocks=0, local_blocks=1, device=0)
     bf16 = cpidx.Decoder(**kw)
     bound = bf16.step_plan(4, bf16.max_query_len)
@@ -128,6 +128,10 @@ def test_step_plan_names_the_instance_a_step_launches():
         16384, 65536, 32768)
     narrow = cpidx.Decoder(cache_dtype="fp8_e4m3", max_query_len=1, **kw)
     assert narrow.split_max_pages == 262144  # 8 columns
+    # The limits stop at the pages a step can own: 64 requests of 32 pages.
+    small = cpidx.Decoder(**dict(kw, max_seq_len=4096))
+    assert (small.split_any_pages, small.split_max_pages) == (2048, 2048)
+    assert bf16.workspace_bytes - small.workspace_bytes == (65536 - 2048) * 32 * 8  # keys
     with pytest.raises(ValueError, match="num_heads"):
         bf16.step_plan(5, 1)
     with pytest.raises(ValueError, match="query_len"):

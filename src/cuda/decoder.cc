@@ -56,6 +56,13 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
   } else {
     w.split_max_pages = w.split_any_pages = w.split_longest_pages = c.split_max_pages;
   }
+  // No step owns more pages than max_tokens requests of max_seq_len tokens (plain decode scores
+  // every block of them; a rank's shard holds fewer): limits past that would only size keys no
+  // step can write. Every step takes the path it took before the clamp.
+  const int64_t reachable =
+      std::max<int64_t>(0, int64_t{c.max_tokens} * cdiv(c.max_seq_len, kBlockSize));
+  w.split_max_pages = std::min(w.split_max_pages, reachable);
+  w.split_any_pages = std::min(w.split_any_pages, reachable);
   w.split_keys = take(static_cast<size_t>(w.split_max_pages) * cols * sizeof(Key));
   w.steal_words =
       take(w.split_max_pages > 0 ? (static_cast<size_t>(grid) + 1) * sizeof(uint64_t) : 0);

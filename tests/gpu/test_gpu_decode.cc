@@ -707,6 +707,48 @@ TEST(DecodeWorkspace, AutomaticSplitLimitsFollowTheCacheDtype) {
   }
 }
 
+// Host only: the split limits stop at the pages a step can own, max_tokens requests of
+// max_seq_len tokens, so a small Decoder reserves only the keys its steps can write; forced
+// limits too. The path every reachable step takes is unchanged.
+TEST(DecodeWorkspace, SplitLimitsStopAtTheReachablePages) {
+  using cpidx::DecodeConfig;
+  struct Case {
+    int max_tokens;
+    int32_t max_seq_len;
+    int64_t forced;  // DecodeConfig::split_max_pages
+    int64_t max_pages, any_pages;
+  };
+  for (const Case& c : {
+           // 64 x 32 pages: both limits at 2048.
+           Case{64, 4096, DecodeConfig::kAutoSplit, 2048, 2048},
+           // 8 x 2049 pages (one past a page): above kDefaultSplitPages, under the buffer's.
+           Case{8, 2048 * 128 + 1, DecodeConfig::kAutoSplit, 8 * 2049,
+                DecodeConfig::kDefaultSplitPages},
+           // Far past the buffer: the automatic limits as they were.
+           Case{256, 1 << 22, DecodeConfig::kAutoSplit, 65536, DecodeConfig::kDefaultSplitPages},
+           Case{4, 1000, 100, 32, 32},     // forced past the 4 x 8 pages
+           Case{4, 1 << 20, 100, 100, 100},  // forced within them
+       }) {
+    DecodeConfig config;
+    config.total_heads = 4;
+    config.max_tokens = c.max_tokens;
+    config.max_seq_len = c.max_seq_len;
+    config.sel = Selection{16, 1, 1};
+    config.split_max_pages = c.forced;
+    const std::string what = std::to_string(c.max_tokens) + " x " +
+                             std::to_string(c.max_seq_len) + ", forced " + std::to_string(c.forced);
+    const cpidx::DecodeWorkspaceLayout w = cpidx::decode_workspace_layout(config, 264);
+    EXPECT_EQ(w.split_max_pages, c.max_pages) << what;
+    EXPECT_EQ(w.split_any_pages, c.any_pages) << what;
+    // The key buffer holds the limit's pages (up to the next region's 256-byte alignment).
+    const size_t keys = static_cast<size_t>(c.max_pages) *
+                        cpidx::cuda::padded_columns(4 * cpidx::kMaxQueryLen) *
+                        sizeof(cpidx::Key);
+    EXPECT_GE(w.steal_words - w.split_keys, keys) << what;
+    EXPECT_LT(w.steal_words - w.split_keys, keys + 256) << what;
+  }
+}
+
 // The library's rule (DecodeConfig::kAutoSplit): above kDefaultSplitPages pages a step splits
 // only while no request owns more than split_longest_pages(dtype) pages. Both kernels must reach
 // the same verdict from the same lengths, inside one graph, whichever side a replay lands on.
