@@ -46,23 +46,23 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
   w.keys_send = take(cp ? T * n * K * sizeof(Key) : 0);
   w.keys_recv = take(cp ? P * T * n * K * sizeof(Key) : 0);
   const size_t cols = cuda::padded_columns(c.total_heads * c.max_query_len);
+  // No step owns more pages than max_tokens requests of max_seq_len tokens (plain decode scores
+  // every block of them; a rank's shard holds fewer): the limits stop there, so a small Decoder
+  // sizes no keys its steps cannot write. Every step takes the path it would without the cap.
+  const int64_t reachable =
+      std::max<int64_t>(0, int64_t{c.max_tokens} * cdiv(c.max_seq_len, kBlockSize));
   if (c.split_max_pages == DecodeConfig::kAutoSplit) {
     const int64_t fits =
         static_cast<int64_t>(DecodeConfig::kSplitBufferBytes / (cols * sizeof(Key)));
-    w.split_any_pages = DecodeConfig::kDefaultSplitPages;
-    w.split_max_pages = std::max(w.split_any_pages,
-                                 std::min(DecodeConfig::large_split_pages(c.cache_dtype), fits));
+    w.split_any_pages = std::min(DecodeConfig::kDefaultSplitPages, reachable);
+    w.split_max_pages = std::min(
+        reachable, std::max(DecodeConfig::kDefaultSplitPages,
+                            std::min(DecodeConfig::large_split_pages(c.cache_dtype), fits)));
     w.split_longest_pages = DecodeConfig::split_longest_pages(c.cache_dtype);
   } else {
-    w.split_max_pages = w.split_any_pages = w.split_longest_pages = c.split_max_pages;
+    w.split_max_pages = w.split_any_pages = w.split_longest_pages =
+        std::min(c.split_max_pages, reachable);
   }
-  // No step owns more pages than max_tokens requests of max_seq_len tokens (plain decode scores
-  // every block of them; a rank's shard holds fewer): limits past that would only size keys no
-  // step can write. Every step takes the path it took before the clamp.
-  const int64_t reachable =
-      std::max<int64_t>(0, int64_t{c.max_tokens} * cdiv(c.max_seq_len, kBlockSize));
-  w.split_max_pages = std::min(w.split_max_pages, reachable);
-  w.split_any_pages = std::min(w.split_any_pages, reachable);
   w.split_keys = take(static_cast<size_t>(w.split_max_pages) * cols * sizeof(Key));
   w.steal_words =
       take(w.split_max_pages > 0 ? (static_cast<size_t>(grid) + 1) * sizeof(uint64_t) : 0);

@@ -740,6 +740,7 @@ TEST(DecodeWorkspace, SplitLimitsStopAtTheReachablePages) {
     const cpidx::DecodeWorkspaceLayout w = cpidx::decode_workspace_layout(config, 264);
     EXPECT_EQ(w.split_max_pages, c.max_pages) << what;
     EXPECT_EQ(w.split_any_pages, c.any_pages) << what;
+    if (c.forced > 0) EXPECT_EQ(w.split_longest_pages, c.max_pages) << what;  // all three alike
     // The key buffer holds the limit's pages (up to the next region's 256-byte alignment).
     const size_t keys = static_cast<size_t>(c.max_pages) *
                         cpidx::cuda::padded_columns(4 * cpidx::kMaxQueryLen) *
