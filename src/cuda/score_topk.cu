@@ -72,9 +72,11 @@ struct SmemLayout {
   }
 };
 
-// The B fragment of MMA (j, half) for lane (g, c4): 4 dims of column nt * 8 + g.
+// The B fragment of MMA (j, half) for lane (g, c4): 4 dims of column nt * 8 + g, those its A
+// fragment holds of the keys (Page::dim).
+template <typename Page>
 __device__ __forceinline__ uint2 query_frag(const Smem& s, int nt, int g, int j, int c4, int half) {
-  return *reinterpret_cast<const uint2*>(s.q + (nt * 8 + g) * kQStride + j * 32 + c4 * 8 +
+  return *reinterpret_cast<const uint2*>(s.q + (nt * 8 + g) * kQStride + Page::dim(j, c4) +
                                          half * 4);
 }
 
@@ -122,7 +124,10 @@ template <int NT, DType kDType, bool kSparse>
 __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
     score_topk_kernel(const ScoreTopkParams p, const int stages, const int max_reqs_smem,
                       const int prefix_shift) {
-  using Page = PageTraits<kDType>;
+  // 16-byte fp8 key loads in the 16-column instance: -4 to -5% at 64 x 1M, Q = 4 (v40). At 8
+  // columns they cost the 96-register instance spills and gained nothing (plain 1 x 1M +4%);
+  // above 16, spills (64 columns: 312 B).
+  using Page = PageTraits<kDType, kDType == DType::kFP8E4M3 && NT == 2 ? 2 : 1>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const int Q = p.query_len, H = p.num_heads, K = p.topk, cap = cand_capacity(K);
   const int ncols = H * Q;  // <= NT * 8
@@ -295,7 +300,8 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) qreg[j][half][nt] = query_frag(s, nt, g, j, c4, half);
+          for (int nt = 0; nt < NT; ++nt)
+            qreg[j][half][nt] = query_frag<Page>(s, nt, g, j, c4, half);
     }
     CPIDX_TRACE_ADD(tid == 0, kTQueries, CPIDX_TRACE_SINCE(tq));
   };
@@ -352,28 +358,31 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-      constexpr int kGroup = kSwizzle ? Page::kSwizzleMask + 1 : 1;  // chunks loaded together
+      constexpr int kGroup = kSwizzle ? Page::kSwizzleMask + 1 : 1;  // loads swizzled together
+      constexpr int kPer = Page::kPerLoad;                             // chunks a load brings
 #pragma unroll
-      for (int j0 = 0; j0 < 4; j0 += kGroup) {
+      for (int l0 = 0; l0 < 4 / kPer; l0 += kGroup) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           typename Page::Raw lo_raw[kGroup], hi_raw[kGroup];
 #pragma unroll
           for (int i = 0; i < kGroup; ++i) {
-            lo_raw[i] = Page::load(page, warp * 32 + mt * 16 + g, j0 + (i ^ swz), c4);
-            hi_raw[i] = Page::load(page, warp * 32 + mt * 16 + g + 8, j0 + (i ^ swz), c4);
+            lo_raw[i] = Page::load(page, warp * 32 + mt * 16 + g, l0 + (i ^ swz), c4);
+            hi_raw[i] = Page::load(page, warp * 32 + mt * 16 + g + 8, l0 + (i ^ swz), c4);
           }
           unswizzle(lo_raw, swz);
           unswizzle(hi_raw, swz);
 #pragma unroll
-          for (int jj = 0; jj < kGroup; ++jj) {
-            const int j = j0 + jj;
-            const uint4 lo = Page::widen(lo_raw[jj]), hi = Page::widen(hi_raw[jj]);
+          for (int jj = 0; jj < kGroup * kPer; ++jj) {
+            const int j = l0 * kPer + jj;
+            const uint4 lo = Page::widen(lo_raw[jj / kPer], jj % kPer),
+                        hi = Page::widen(hi_raw[jj / kPer], jj % kPer);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
-                const uint2 b = kQueryRegs ? qreg[j][half][nt] : query_frag(s, nt, g, j, c4, half);
+                const uint2 b =
+                    kQueryRegs ? qreg[j][half][nt] : query_frag<Page>(s, nt, g, j, c4, half);
                 const uint32_t a0 = half ? lo.z : lo.x, a1 = half ? hi.z : hi.x;
                 const uint32_t a2 = half ? lo.w : lo.y, a3 = half ? hi.w : hi.y;
                 mma_16816<Page::kHalf>(acc[mt][nt], a0, a1, a2, a3, b.x, b.y);
