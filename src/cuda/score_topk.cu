@@ -124,9 +124,9 @@ template <int NT, DType kDType, bool kSparse>
 __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
     score_topk_kernel(const ScoreTopkParams p, const int stages, const int max_reqs_smem,
                       const int prefix_shift) {
-  // 16-byte fp8 key loads in the 16-column instance: -4 to -5% at 64 x 1M, Q = 4 (v40). At 8
-  // columns they cost the 96-register instance spills and gained nothing (plain 1 x 1M +4%);
-  // above 16, spills (64 columns: 312 B).
+  // 16-byte fp8 key loads in the 16-column instance: -3.7% plain, -5.1% CP P=2 at 64 x 1M, Q = 4
+  // (v40b). At 8 columns they cost the 96-register instance spills and gained nothing (plain
+  // 1 x 1M +4%, v40); above 16, spills (64 columns: 312 B).
   using Page = PageTraits<kDType, kDType == DType::kFP8E4M3 && NT == 2 ? 2 : 1>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const int Q = p.query_len, H = p.num_heads, K = p.topk, cap = cand_capacity(K);
