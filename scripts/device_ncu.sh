@@ -6,6 +6,7 @@
 # warps' stalls and the instruction mix). Each run's report goes to $OUT/ncu_<N>.txt.
 # --sass: also the SourceCounters section, and each SASS instruction's executions and stall
 # samples as CSV ($OUT/ncu_<N>_sass.csv.gz, from `ncu --page source --print-source sass`).
+# bench/ncu_sass.py reads that CSV: by opcode, by code region, shared-memory bank conflicts.
 # Example (the consumers' own rate: pages from a 16 MiB pool, so from L2):
 #   scripts/device_ncu.sh -- --modes plain4 --reqs 8 --contexts 1M --qlens 1 --dtype fp8 \
 #     --pool-mb 16 -- --modes plain4 --reqs 8 --contexts 1M --qlens 4 --dtype fp8 --pool-mb 16

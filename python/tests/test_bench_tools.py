@@ -94,3 +94,48 @@ def test_trace_summary_puts_both_builds_of_a_shape_together(tmp_path):
 def test_ab_summary_usage_on_bad_arguments(capsys):
     assert ab_summary.main(["ab_summary.py"]) == 2
     assert "device_ab.sh" in capsys.readouterr().err
+
+
+_sass_spec = importlib.util.spec_from_file_location(
+    "ncu_sass", os.path.join(_ROOT, "bench", "ncu_sass.py"))
+ncu_sass = importlib.util.module_from_spec(_sass_spec)
+_sass_spec.loader.exec_module(ncu_sass)
+
+
+def _sass_csv(tmp_path, instructions):
+    """A file shaped as `ncu --page source --csv --print-source sass` writes it, gzipped."""
+    import csv
+    import gzip
+    names = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+             "L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal",
+             "L1 Wavefronts Shared Excessive"]
+    path = tmp_path / "ncu_1_sass.csv.gz"
+    with gzip.open(path, "wt", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "score_topk_kernel"])
+        w.writerow(names)
+        for row in instructions:
+            w.writerow(row)
+    return str(path)
+
+
+def test_ncu_sass_sums_by_opcode_region_and_shared_wavefronts(tmp_path):
+    path = _sass_csv(tmp_path, [
+        ["0x7f0000a0100", "      LDS.64 R38, [R11]", "40", "200000", "1600000", "400000", "1200000"],
+        ["0x7f0000a0110", "      F2FP.F16.E4M3.UNPACK_B R68, R38", "50", "400000", "0", "0", "0"],
+        ["0x7f0000a0200", "@!P2  STS [R13+0x1180], R14", "10", "100", "100", "100", "0"],
+        ["0x7f0000a0210", "      F2FP.F16.E4M3.UNPACK_B R70, R38.H1", "0", "400000", "0", "0",
+         "0"],
+    ])
+    rows = ncu_sass.read(path)
+    assert len(rows) == 4
+    ops = ncu_sass.by_opcode(rows, 1000)
+    assert ops[0].split()[:3] == ["F2FP", "800.0", "50"]  # both widenings, the predicate dropped
+    assert any(l.split()[:2] == ["STS", "0.1"] for l in ops)
+    regions = ncu_sass.by_region(rows, 1000, [(0xa0110, "score"), (0xa0200, "maxima")])
+    assert [l.split()[:3] for l in regions] == [
+        ["before", "200.0", "40"], ["score", "400.0", "50"], ["maxima", "400.1", "10"]]
+    shared = ncu_sass.shared_accesses(rows)
+    assert shared[1].startswith("a0100 200000 1600000 400000 1200000 LDS.64")
+    assert len(shared) == 3 and shared[-1] == "# totals: 200100 1600100 400100 1200000"
+    assert [l.split()[0] for l in ncu_sass.listing(rows, 1000, 0.3)] == ["a0100", "a0110", "a0210"]
