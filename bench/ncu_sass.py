@@ -57,7 +57,8 @@ SHARED = ("L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal", "L1 Wavefronts S
 def header(rows, per):
     total = sum(num(r, EXEC) for r in rows)
     stalls = sum(num(r, STALLS) for r in rows)
-    return f"# {len(rows)} instructions, {total / per:.1f} executions a unit, {stalls:.0f} stall samples"
+    return (f"# {len(rows)} instructions, {total / per:.1f} executions a unit, "
+            f"{stalls:.0f} stall samples")
 
 
 def _share(s, total):

@@ -121,7 +121,8 @@ def _sass_csv(tmp_path, instructions):
 
 def test_ncu_sass_sums_by_opcode_region_and_shared_wavefronts(tmp_path):
     path = _sass_csv(tmp_path, [
-        ["0x7f0000a0100", "      LDS.64 R38, [R11]", "40", "200000", "1600000", "400000", "1200000"],
+        ["0x7f0000a0100", "      LDS.64 R38, [R11]", "40", "200000", "1600000", "400000",
+         "1200000"],
         ["0x7f0000a0110", "      F2FP.F16.E4M3.UNPACK_B R68, R38", "50", "400000", "0", "0", "0"],
         ["0x7f0000a0200", "@!P2  STS [R13+0x1180], R14", "10", "100", "100", "100", "0"],
         ["0x7f0000a0210", "      F2FP.F16.E4M3.UNPACK_B R70, R38.H1", "0", "400000", "0", "0",

@@ -32,10 +32,10 @@ struct PageTraits<DType::kBF16, 1> {
   static constexpr int kRowBytes = kHeadDim * 2;
   static constexpr int kSwizzleMask = 1;
   static constexpr bool kHalf = false;  // bf16 MMAs on the queries as given
-  static constexpr int kPerLoad = 1;
+  static constexpr int kChunksPerLoad = 1;
   using Raw = uint4;
   __host__ __device__ static constexpr int dim(int j, int c4) { return j * 32 + c4 * 8; }
-  // 8 bf16 of token `tok`: chunk l's dims [dim(l, c4), +8).
+  // 8 bf16 of token `tok`: chunk l's dims [dim(l, c4), +8) (2 dim(l, c4) bytes in, written out).
   __device__ static Raw load(const uint8_t* page, int tok, int l, int c4) {
     return *reinterpret_cast<const uint4*>(page + tok * kRowBytes + l * 64 + c4 * 16);
   }
@@ -51,14 +51,14 @@ struct PageTraits<DType::kBF16, 1> {
 // same banks: 8 wavefronts a load, for 256 bytes at 8 bytes a lane (one chunk), for 512 at 16
 // (kChunksPerLoad 2: chunks 2l and 2l + 1 are the halves of load l), which halves a page's key
 // loads and their wavefronts (v40).
-template <int kChunksPerLoad>
-struct PageTraits<DType::kFP8E4M3, kChunksPerLoad> {
-  static_assert(kChunksPerLoad == 1 || kChunksPerLoad == 2, "8 or 16 bytes a load");
+template <int kChunks>
+struct PageTraits<DType::kFP8E4M3, kChunks> {
+  static_assert(kChunks == 1 || kChunks == 2, "8 or 16 bytes a load");
+  static constexpr int kChunksPerLoad = kChunks;
   static constexpr int kBytes = kBlockSize * kHeadDim;
   static constexpr int kRowBytes = kHeadDim;
   static constexpr int kSwizzleMask = 0;
   static constexpr bool kHalf = true;
-  static constexpr int kPerLoad = kChunksPerLoad;
   using Raw = std::conditional_t<kChunksPerLoad == 2, uint4, uint2>;
   __host__ __device__ static constexpr int dim(int j, int c4) {
     return kChunksPerLoad == 2 ? (j / 2) * 64 + c4 * 16 + (j % 2) * 8 : j * 32 + c4 * 8;
@@ -72,7 +72,8 @@ struct PageTraits<DType::kFP8E4M3, kChunksPerLoad> {
         : "r"(four));
     return h;
   }
-  // kChunksPerLoad x 8 e4m3 of token `tok`: load l's chunks' dims.
+  // kChunksPerLoad x 8 e4m3 of token `tok`: load l's chunks' dims (dim(l * kChunksPerLoad, c4),
+  // written out: the compiler's operand order, so the 8-byte instances' PTX, stays as before).
   __device__ static Raw load(const uint8_t* page, int tok, int l, int c4) {
     if constexpr (kChunksPerLoad == 1)
       return *reinterpret_cast<const Raw*>(page + tok * kRowBytes + l * 32 + c4 * 8);

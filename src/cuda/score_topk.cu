@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
       constexpr int kGroup = kSwizzle ? Page::kSwizzleMask + 1 : 1;  // loads swizzled together
-      constexpr int kPer = Page::kPerLoad;                             // chunks a load brings
+      constexpr int kPer = Page::kChunksPerLoad;                       // chunks a load brings
 #pragma unroll
       for (int l0 = 0; l0 < 4 / kPer; l0 += kGroup) {
 #pragma unroll
