@@ -409,12 +409,20 @@ void print_trace(int grid, int select_items, double page_bytes) {
   std::vector<long long> pt(static_cast<size_t>(grid) * kTracePages);
   if (read_page_trace(pt.data(), grid) == cudaSuccess) {
     std::vector<double> at;
+    long long stale = 0;  // stamps older than this launch: a page the kernel did not stamp
     for (int c : ctas) {
       const long long n = std::min<long long>(t[static_cast<size_t>(c) * kTraceSlots + kTPages],
                                               kTracePages);
       const long long* v = &pt[static_cast<size_t>(c) * kTracePages];
-      for (long long i = 0; i < n; ++i) at.push_back((v[i] - t0) * 1e-3);
+      for (long long i = 0; i < n; ++i) {
+        if (v[i] < t0) {
+          ++stale;
+        } else {
+          at.push_back((v[i] - t0) * 1e-3);
+        }
+      }
     }
+    if (stale > 0) std::printf("#   landed: %lld page stamps older than the launch, left out\n", stale);
     std::sort(at.begin(), at.end());
     if (!at.empty()) {
       const double bin = 2.0;

@@ -466,6 +466,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
     if constexpr (kPairPages) {
       if (paired) {
         CPIDX_TRACE_ADD(tid == 0, kTPages, 1);
+        CPIDX_TRACE_PAGE(tid == 0, lp + 1);  // the stage it lands in, as ++lp below counts it
         score_stage(next_stage().st, gblk + p.world, red + kConsumerWarps * NT * 8);
       }
     }
