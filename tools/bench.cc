@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -335,6 +336,46 @@ void print_clock(const char* name, const std::vector<long long>& v, int slots,
   if (!mhz.empty()) print_quantiles(name, std::move(mhz));
 }
 
+// CTAs placed long after the grid's start (v41-slow: one of 396 entered ~500 us late, when the
+// others began to exit), and how many CTAs each SM held from the start: an SM holding fewer than
+// the others is where a late CTA's slot was kept (by another kernel's CTAs, or its split).
+void print_late_ctas(const std::vector<long long>& t, const std::vector<int>& ctas, long long t0) {
+  using namespace cpidx::cuda;
+  const auto at = [&](int c, int slot) { return t[static_cast<size_t>(c) * kTraceSlots + slot]; };
+  std::vector<double> entry;
+  for (int c : ctas) entry.push_back((at(c, kTEntry) - t0) * 1e-3);
+  std::vector<double> sorted = entry;
+  std::sort(sorted.begin(), sorted.end());
+  const double late_us = sorted[sorted.size() / 2] + 50;
+  std::map<long long, int> on_time;  // SM id -> CTAs entered before late_us
+  std::string late;
+  for (size_t i = 0; i < ctas.size(); ++i) {
+    const int c = ctas[i];
+    if (entry[i] < late_us) {
+      ++on_time[at(c, kTSmid)];
+    } else {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, " %d:%lld:%.1f:%lld", c, at(c, kTSmid), entry[i],
+                    at(c, kTPages));
+      late += buf;
+    }
+  }
+  std::map<int, std::vector<long long>> sms_by_count;  // CTAs held from the start -> SM ids
+  for (const auto& [sm, n] : on_time) sms_by_count[n].push_back(sm);
+  std::printf("#   CTAs an SM held from the start:");
+  for (const auto& [n, sms] : sms_by_count) {
+    std::printf(" %d on %zu SMs", n, sms.size());
+    if (sms.size() <= 8) {
+      std::printf(" (");
+      for (size_t i = 0; i < sms.size(); ++i) std::printf("%s%lld", i ? "," : "", sms[i]);
+      std::printf(")");
+    }
+    std::printf(";");
+  }
+  std::printf("\n#   late CTAs (entry > median + 50 us; cta:sm:entry us:pages):%s\n",
+              late.empty() ? " none" : late.c_str());
+}
+
 // The timeline of the fused kernel's last launch (score_trace.cuh), over the CTAs that scored
 // pages: stamps in us after the earliest entry, cycle sums in us at the SM's rated clock.
 void print_trace(int grid, int select_items, double page_bytes) {
@@ -405,6 +446,7 @@ void print_trace(int grid, int select_items, double page_bytes) {
   for (const auto& [us, sm] : sm_order) std::printf(" %d:%.2f", sm, us);
   std::printf("\n");
   print_clock("sm_clock_mhz", t, kTraceSlots, ctas, kTEntry, kTExit, kTEntryClock, kTExitClock);
+  print_late_ctas(t, ctas, t0);
   // The rate at which pages landed (every CTA's first kTracePages, as full pages), per 2 us.
   std::vector<long long> pt(static_cast<size_t>(grid) * kTracePages);
   if (read_page_trace(pt.data(), grid) == cudaSuccess) {
