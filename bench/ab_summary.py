@@ -7,7 +7,8 @@
   ab_summary.py --trace trace_base.txt trace_new.txt
       one line per shape and build from `cpidx bench --trace`: the medians over the CTAs of the
       scoring grid's milestones (PDL wait, first copy issued, first page landed, last copy issued,
-      last page landed) and the selection's phases counted from its own wait.
+      last page landed), the selection's phases counted from its own wait, and the CTAs placed
+      late (entry more than 50 us after the median: v41-slow).
 Standard library only; runs on the GPU machine and here.
 """
 import collections
@@ -52,6 +53,7 @@ SELECT = ("select_loaded", "select_maxima", "select_bound", "select_gathered", "
           "select_exit")
 ROW = re.compile(r"^(plain\d*|cp\d+|step\d+)\s")
 STAT = re.compile(r"^#\s+(\w+)\s+([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)")
+LATE = re.compile(r"^#\s+late CTAs \([^)]*\):(.*)$")
 
 
 def trace_rows(path):
@@ -59,8 +61,12 @@ def trace_rows(path):
     rows, stats = [], {}
     for line in open(path):
         m = STAT.match(line)
+        late = LATE.match(line)
         if m:
             stats[m.group(1)] = float(m.group(3))  # min / median / p90 / max: the median
+        elif late:
+            entries = late.group(1).split()
+            stats["late"] = 0 if entries == ["none"] else len(entries)
         elif ROW.match(line):
             f = line.split()
             rows.append((f"{f[0]} {f[2]} x {f[3]} Q={f[4]} ({f[7]} us)", stats))
@@ -69,7 +75,8 @@ def trace_rows(path):
 
 
 def summarise_traces(base_path, new_path):
-    head = ["shape", "build"] + list(MILESTONES) + [s.replace("select_", "sel:") for s in SELECT]
+    head = (["shape", "build"] + list(MILESTONES) + [s.replace("select_", "sel:") for s in SELECT]
+            + ["late CTAs"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base, new = trace_rows(base_path), trace_rows(new_path)
     for i in range(max(len(base), len(new))):  # the two builds' rows of a shape side by side
@@ -81,6 +88,7 @@ def summarise_traces(base_path, new_path):
             waited = st.get("select_waited")
             cells += [f"{st[k] - waited:.2f}" if k in st and waited is not None else "-"
                       for k in SELECT]
+            cells.append(str(st["late"]) if "late" in st else "-")
             lines.append(f"| {label} | {build} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

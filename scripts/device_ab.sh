@@ -19,6 +19,9 @@
 #   --reps N           alternations per config (default 2)
 #   --trace "FLAGS"    then build both trees with the timeline (scripts/device_trace.sh, at
 #                      once) and run `cpidx bench --trace FLAGS` on each, one after the other
+#   --trace-reps N     that many traced runs a build, alternated (default 1): a trace is of one
+#                      launch, so an event in some launches only (a CTA placed late, v41-slow)
+#                      needs several; each run is a row of the trace summary
 #   --tests FILTER     then run the new build's cpidx_gpu_tests with this gtest filter
 #   --sanitize TOOL    then scripts/gpu_sanitize.sh TOOL in the new tree (memcheck|racecheck|
 #                      synccheck|all)
@@ -31,7 +34,7 @@
 #     --tests 'GpuDecode.*:GpuWorkStealing.*' docs/perf/raw/v17e_dense_offsets_when_the_batch_fits.patch
 set -uo pipefail
 configs=() shapes="--modes plain4,cp2 --reqs 1,8 --contexts 8192,262144 --qlens 1,4" reps=2
-tests="" sanitize="" trace="" patch="" budget=580
+tests="" sanitize="" trace="" trace_reps=1 patch="" budget=580
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) configs+=("$2"); shift 2 ;;
@@ -39,9 +42,10 @@ while [ $# -gt 0 ]; do
     --reps) reps=$2; shift 2 ;;
     --tests) tests=$2; shift 2 ;;
     --trace) trace=$2; shift 2 ;;
+    --trace-reps) trace_reps=$2; shift 2 ;;
     --sanitize) sanitize=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     -*) echo "device_ab.sh: unknown option $1" >&2; exit 2 ;;
     *) [ -z "$patch" ] || { echo "device_ab.sh: one PATCH only" >&2; exit 2; }; patch=$1; shift ;;
   esac
@@ -117,10 +121,14 @@ if [ -n "$trace" ]; then
   wait $tb_pid; tb_rc=$?
   wait $tn_pid; tn_rc=$?
   if [ $tb_rc -eq 0 ] && [ $tn_rc -eq 0 ]; then
-    # shellcheck disable=SC2086  # trace holds separate flags
-    timeout 120 ./build-trace/cpidx bench --trace $trace >"$OUT/trace_base.txt" 2>&1
-    # shellcheck disable=SC2086
-    timeout 120 "$new/build-trace/cpidx" bench --trace $trace >"$OUT/trace_new.txt" 2>&1
+    : >"$OUT/trace_base.txt"
+    : >"$OUT/trace_new.txt"
+    for ((rep = 1; rep <= trace_reps; ++rep)); do
+      # shellcheck disable=SC2086  # trace holds separate flags
+      timeout 120 ./build-trace/cpidx bench --trace $trace >>"$OUT/trace_base.txt" 2>&1
+      # shellcheck disable=SC2086
+      timeout 120 "$new/build-trace/cpidx" bench --trace $trace >>"$OUT/trace_new.txt" 2>&1
+    done
     python3 bench/ab_summary.py --trace "$OUT/trace_base.txt" "$OUT/trace_new.txt" | tee -a "$log"
   else
     echo "device_ab.sh: a trace build failed" | tee -a "$log"

@@ -74,20 +74,24 @@ _TRACE = """# trace over 264 CTAs: min / median / p90 / max (us; n_*: counts)
 #   select_waited       132.54    132.54    132.54    132.54  (32 CTAs)
 #   select_ranked       135.01    135.14    135.39    135.62  (32 CTAs)
 #   select_exit         135.71    {exit:.2f}    136.13    136.26  (32 CTAs)
+#   late CTAs (entry > median + 50 us; cta:sm:entry us:pages):{late}
 plain4      4    8   262144   1     1/2         536.7     137.4      3907     137.1     119.3   264/3    ok
 """
 
 
 def test_trace_summary_puts_both_builds_of_a_shape_together(tmp_path):
     base, new = tmp_path / "base.txt", tmp_path / "new.txt"
-    base.write_text(_TRACE.format(wait=4.54, exit=135.94) + _TRACE.format(wait=3.0, exit=100.0))
-    new.write_text(_TRACE.format(wait=4.00, exit=134.94))
+    base.write_text(_TRACE.format(wait=4.54, exit=135.94, late=" none")
+                    + _TRACE.format(wait=3.0, exit=100.0, late=" 17:40:515.2:64 301:7:516.0:70"))
+    new.write_text(_TRACE.format(wait=4.00, exit=134.94, late=" none"))
     lines = ab_summary.summarise_traces(str(base), str(new)).splitlines()
     assert [l.split("|")[2].strip() for l in lines[2:]] == ["base", "new", "base"]
     cells = [c.strip() for c in lines[3].split("|")]
     assert cells[1] == "plain4 8 x 262144 Q=1 (137.4 us)"
     assert cells[3] == "4.00"  # the PDL wait's median
-    assert cells[-2] == "2.40"  # select_exit - select_waited
+    assert cells[-3] == "2.40"  # select_exit - select_waited
+    assert cells[-2] == "0"  # no CTA placed late
+    assert [c.strip() for c in lines[4].split("|")][-2] == "2"  # two placed late
     assert "-" in cells  # milestones the trace did not print
 
 
