@@ -451,7 +451,7 @@ void print_trace(int grid, int select_items, double page_bytes) {
   std::vector<long long> pt(static_cast<size_t>(grid) * kTracePages);
   if (read_page_trace(pt.data(), grid) == cudaSuccess) {
     std::vector<double> at;
-    long long stale = 0;  // stamps older than this launch: a page the kernel did not stamp
+    long long stale = 0;  // stamps older than this launch (none since v41-slow's fix): a guard
     for (int c : ctas) {
       const long long n = std::min<long long>(t[static_cast<size_t>(c) * kTraceSlots + kTPages],
                                               kTracePages);
@@ -464,7 +464,9 @@ void print_trace(int grid, int select_items, double page_bytes) {
         }
       }
     }
-    if (stale > 0) std::printf("#   landed: %lld page stamps older than the launch, left out\n", stale);
+    if (stale > 0) {
+      std::printf("#   landed: %lld page stamps older than the launch, left out\n", stale);
+    }
     std::sort(at.begin(), at.end());
     if (!at.empty()) {
       const double bin = 2.0;

@@ -338,9 +338,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
     next = x >= start && x < end ? x + 1 : end;  // a taken page predicts nothing
     if (x < req_lo() || x >= req_hi()) find_req(x);
     if (r != seg_req) load_queries(r);
-    CPIDX_TRACE_ADD(tid == 0, kTPages, 1);
-    if (lp == 0) CPIDX_TRACE_STAMP(tid == 0, kTFirstPage);
-    CPIDX_TRACE_PAGE(tid == 0, lp);
+    CPIDX_TRACE_PAGE(tid == 0);
     const int64_t gblk = (x - req_lo()) * p.world + p.rank;
     // Scores stage sst (block blk of the request) into this warp's column maxima at rmax,
     // releasing the stage once the warp's loads are done.
@@ -465,8 +463,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
     score_stage(st, gblk, red);
     if constexpr (kPairPages) {
       if (paired) {
-        CPIDX_TRACE_ADD(tid == 0, kTPages, 1);
-        CPIDX_TRACE_PAGE(tid == 0, lp + 1);  // the stage it lands in, as ++lp below counts it
+        CPIDX_TRACE_PAGE(tid == 0);
         score_stage(next_stage().st, gblk + p.world, red + kConsumerWarps * NT * 8);
       }
     }

@@ -100,9 +100,20 @@ __device__ __forceinline__ void trace_flush(const TraceSums& sums) {
 #define CPIDX_TRACE_CYCLES(cond, slot) ((cond) ? trace_set(slot, clock64()) : (void)0)
 static __device__ long long g_select_trace[kTraceCtas * kSelectSlots];
 static __device__ long long g_page_trace[kTraceCtas * kTracePages];
-#define CPIDX_TRACE_PAGE(cond, i)                                                           \
-  ((cond) && blockIdx.x < kTraceCtas && (i) < kTracePages                                   \
-       ? (void)(g_page_trace[blockIdx.x * kTracePages + (i)] = trace_now()) : (void)0)
+// A page consumed (in a function with CPIDX_TRACE_SUMS): counted in kTPages, its landing stamped
+// at the count's index and, the first, in kTFirstPage. Indexed by the pages counted, not by the
+// ring position: a stage handed back unscored (kSkipStage) or the second of a pair would leave
+// a slot unwritten below kTPages (stale stamps, read as this launch's; v41-slow).
+#define CPIDX_TRACE_PAGE(cond)                                                              \
+  do {                                                                                      \
+    if ((cond) && blockIdx.x < kTraceCtas) {                                                \
+      const unsigned i_ = trace_sums.sum[kTPages]++;                                        \
+      const long long now_ = trace_now();                                                   \
+      if (i_ == 0) trace_set(kTFirstPage, now_);                                            \
+      if (i_ < static_cast<unsigned>(kTracePages))                                          \
+        g_page_trace[blockIdx.x * kTracePages + i_] = now_;                                 \
+    }                                                                                       \
+  } while (0)
 #define CPIDX_SELECT_RESET(cond)                                                            \
   do {                                                                                      \
     if ((cond) && blockIdx.x < kTraceCtas)                                                  \
@@ -136,7 +147,7 @@ cudaError_t copy_trace(const Symbol& symbol, int slots, long long* host, int cta
 #define CPIDX_SELECT_RESET(cond) ((void)0)
 #define CPIDX_SELECT_STAMP(cond, slot) ((void)0)
 #define CPIDX_SELECT_CLOCK(cond, slot) ((void)0)
-#define CPIDX_TRACE_PAGE(cond, i) ((void)0)
+#define CPIDX_TRACE_PAGE(cond) ((void)0)
 #define CPIDX_COPY_TRACE(symbol, slots, host, ctas) \
   ((void)(host), (void)(ctas), cudaErrorNotSupported)
 #endif
