@@ -36,10 +36,10 @@ struct DecodeConfig {
   bool check_agreement = true;
   // Launch kernels with programmatic dependent launch: a step's kernels start while the
   // previous kernel in the stream drains, and wait for its results before reading anything.
-  // Known cost: the scoring grid is the GPU's resident capacity, and launched behind a kernel
-  // whose CTAs still run, one of its CTAs has been seen placed only when the others exit (plain
-  // 64 x 256K fp8 at Q = 4 with work stealing: 5 of 11 traced launches, 70-90 us longer each;
-  // none of 5 with this false, which cost that step nothing; docs/perf/README.md, v41-slow).
+  // The scoring grid is the GPU's resident capacity; launched behind a kernel whose CTAs still
+  // run, some of its CTAs were placed only when the others exited (plain 64 x 256K fp8 Q = 4:
+  // 5 of 11 traced launches, 70-90 us longer each) until every decode kernel asked for the
+  // largest shared-memory carveout (0 of 6; docs/perf/README.md, v41-slow and v42).
   bool programmatic_launch = true;
   // Steps up to a size take the split path: the scoring kernel writes one key per (column,
   // page) to an L2-resident buffer and a second kernel selects each row's top K (cheaper than

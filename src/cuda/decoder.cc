@@ -253,6 +253,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
                 "max_query_len) of " << to_string(c.cache_dtype) << " pages; 0 chooses");
     CPIDX_CUDA_TRY(planned);
     CPIDX_CUDA_TRY(cuda::plan_select_topk(device, &impl->launch));
+    CPIDX_CUDA_TRY(cuda::plan_merge_topk());
     impl->layout = decode_workspace_layout(c, impl->launch.grid);
     CPIDX_CUDA_TRY(cudaMalloc(&impl->workspace, impl->layout.total));
     CPIDX_CUDA_TRY(cudaMemset(impl->workspace, 0, impl->layout.total));

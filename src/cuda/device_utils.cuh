@@ -127,6 +127,21 @@ cudaError_t launch_with_pdl(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+// Asks that an SM running `kernel` keep the largest shared-memory carveout. Every decode kernel
+// asks it, so the SMs never change their L1 / shared-memory split between them (a split changes
+// only on an idle SM). Without it, a score_topk grid launched by PDL behind select_topk (sized
+// to the resident capacity) sometimes found SMs that took only two of its three CTAs a SM, and
+// the CTAs left over waited ~500 us for the others to exit: 4 of 6 traced launches of plain
+// 64 x 256K fp8 Q = 4 had one to five, 0 of 6 with this. select_topk and the merge asking it
+// alone did not do (2 of 4): score_topk's own preference matters. The cost: score_topk's L1
+// drops to 28 KB, which a build whose registers spill pays (the trace build, fp8 Q = 4: +8%);
+// release rows moved within +-0.5% from 256K tokens up (docs/perf/README.md, v42, v42c).
+template <typename... KArgs>
+cudaError_t prefer_max_shared(void (*kernel)(KArgs...)) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                              cudaSharedmemCarveoutMaxShared);
+}
+
 // ---- Tensor-core MMA: D[16x8] += A[16x16] * B[16x8], fp32 accumulation ---------------------
 // bf16 inputs, or fp16 with kHalf (fp8 pages: keys widened exactly to fp16, queries scaled into
 // its range; PageTraits).

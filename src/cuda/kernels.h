@@ -184,6 +184,8 @@ struct MergeParams {
   bool pdl = true;
 };
 cudaError_t launch_merge_topk(const MergeParams& p, cudaStream_t stream);
+// The merge and query-packing kernels' attributes (prefer_max_shared), once per Decoder.
+cudaError_t plan_merge_topk();
 
 // Packs strided local queries [n, L, D] into a contiguous [n, L, D] buffer (the all-gather
 // payload).

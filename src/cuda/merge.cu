@@ -87,6 +87,11 @@ __global__ void pack_queries_kernel(const __nv_bfloat16* src, int64_t row_stride
 
 }  // namespace
 
+cudaError_t plan_merge_topk() {
+  const cudaError_t e = prefer_max_shared(merge_topk_kernel);
+  return e == cudaSuccess ? prefer_max_shared(pack_queries_kernel) : e;
+}
+
 cudaError_t launch_merge_topk(const MergeParams& p, cudaStream_t stream) {
   if (p.world * p.topk > kMaxCand || p.topk > kMaxTopK) return cudaErrorInvalidValue;
   const int64_t items = p.local_heads * p.n;

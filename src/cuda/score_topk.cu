@@ -548,6 +548,7 @@ cudaError_t raise_smem_cap(int smem_optin) {
     if (e != cudaSuccess) return e;
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem_optin - static_cast<int>(attr.sharedSizeBytes));
+    if (e == cudaSuccess) e = prefer_max_shared(kernel);
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;

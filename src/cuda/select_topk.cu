@@ -387,6 +387,7 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
     // slower; with both as here, unchanged (docs/perf/README.md, v17f).
     e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem_optin - static_cast<int>(attr.sharedSizeBytes));
+    if (e == cudaSuccess) e = prefer_max_shared(kernel);
     if (e != cudaSuccess) return e;
   }
   // Items beyond the grid loop; steps with more items than the wide grid take the narrow one.
