@@ -142,6 +142,17 @@ cudaError_t prefer_max_shared(void (*kernel)(KArgs...)) {
                               cudaSharedmemCarveoutMaxShared);
 }
 
+// Lowers *smallest to `kernel`'s carveout preference (-1: none asked; tests).
+template <typename... KArgs>
+cudaError_t lower_to_carveout(void (*kernel)(KArgs...), int* smallest) {
+  cudaFuncAttributes attr{};
+  const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+  if (e == cudaSuccess && attr.preferredShmemCarveout < *smallest) {
+    *smallest = attr.preferredShmemCarveout;
+  }
+  return e;
+}
+
 // ---- Tensor-core MMA: D[16x8] += A[16x16] * B[16x8], fp32 accumulation ---------------------
 // bf16 inputs, or fp16 with kHalf (fp8 pages: keys widened exactly to fp16, queries scaled into
 // its range; PageTraits).

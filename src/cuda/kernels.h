@@ -187,6 +187,14 @@ cudaError_t launch_merge_topk(const MergeParams& p, cudaStream_t stream);
 // The merge and query-packing kernels' attributes (prefer_max_shared), once per Decoder.
 cudaError_t plan_merge_topk();
 
+// The smallest shared-memory carveout preference (cudaFuncAttributes::preferredShmemCarveout,
+// -1 where none was asked) over score_topk's instances for `dtype`, over select_topk's, and over
+// the merge and query-packing kernels. A Decoder sets every one to cudaSharedmemCarveoutMaxShared
+// (prefer_max_shared; tests).
+cudaError_t smallest_score_topk_carveout(DType dtype, int* smallest);
+cudaError_t smallest_select_topk_carveout(int* smallest);
+cudaError_t smallest_merge_carveout(int* smallest);
+
 // Packs strided local queries [n, L, D] into a contiguous [n, L, D] buffer (the all-gather
 // payload).
 cudaError_t launch_pack_queries(const __nv_bfloat16* src, int64_t row_stride,

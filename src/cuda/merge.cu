@@ -92,6 +92,12 @@ cudaError_t plan_merge_topk() {
   return e == cudaSuccess ? prefer_max_shared(pack_queries_kernel) : e;
 }
 
+cudaError_t smallest_merge_carveout(int* smallest) {
+  *smallest = cudaSharedmemCarveoutMaxShared;
+  const cudaError_t e = lower_to_carveout(merge_topk_kernel, smallest);
+  return e == cudaSuccess ? lower_to_carveout(pack_queries_kernel, smallest) : e;
+}
+
 cudaError_t launch_merge_topk(const MergeParams& p, cudaStream_t stream) {
   if (p.world * p.topk > kMaxCand || p.topk > kMaxTopK) return cudaErrorInvalidValue;
   const int64_t items = p.local_heads * p.n;

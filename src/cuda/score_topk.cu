@@ -655,6 +655,21 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   return cudaSuccess;
 }
 
+cudaError_t smallest_score_topk_carveout(DType dtype, int* smallest) {
+  *smallest = cudaSharedmemCarveoutMaxShared;
+  for (int nc = 8; nc <= 64; nc *= 2) {
+    const cudaError_t e = dispatch(nc, dtype, [&](auto nt, auto dt) {
+      constexpr int NT = decltype(nt)::value;
+      constexpr DType DT = decltype(dt)::value;
+      const cudaError_t dense = lower_to_carveout(score_topk_kernel<NT, DT, false>, smallest);
+      return dense == cudaSuccess ? lower_to_carveout(score_topk_kernel<NT, DT, true>, smallest)
+                                  : dense;
+    });
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t read_score_trace(long long* host, int ctas) {
   return CPIDX_COPY_TRACE(g_score_trace, kTraceSlots, host, ctas);
 }

@@ -367,6 +367,15 @@ SelectKernel select_kernel(bool narrow, bool sparse) {
 
 }  // namespace
 
+cudaError_t smallest_select_topk_carveout(int* smallest) {
+  *smallest = cudaSharedmemCarveoutMaxShared;
+  for (int i = 0; i < 4; ++i) {
+    const cudaError_t e = lower_to_carveout(select_kernel((i & 1) != 0, (i & 2) != 0), smallest);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
   int sms = 0, smem_optin = 0;
   cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);

@@ -389,6 +389,28 @@ TEST(GpuDecode, DecodersOfDifferentGeometryCoexist) {
   EXPECT_EQ(gpu_decode(small, sel_of(1)), cpu_decode(small, sel_of(1)));
 }
 
+// Every decode kernel a Decoder may launch keeps the largest shared-memory carveout, so no SM
+// changes its L1 / shared-memory split between them (a score_topk grid launched behind
+// select_topk then found SMs that held fewer of its CTAs: docs/perf/README.md, v42).
+TEST(GpuDecode, DecodeKernelsKeepTheLargestCarveout) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(33);
+  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+    SCOPED_TRACE(cpidx::to_string(dtype));
+    DecodeData d = random_decode(960 + static_cast<int>(dtype), 4, 1, lengths(rng, 3, 2000, true),
+                                 2000, dtype);
+    std::unique_ptr<cpidx::Decoder> decoder;
+    ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel_of(16)), 0, &decoder).is_ok());
+    int score = -2, select = -2, merge = -2;
+    CUDA_OK(cpidx::cuda::smallest_score_topk_carveout(dtype, &score));
+    CUDA_OK(cpidx::cuda::smallest_select_topk_carveout(&select));
+    CUDA_OK(cpidx::cuda::smallest_merge_carveout(&merge));
+    EXPECT_EQ(score, cudaSharedmemCarveoutMaxShared);
+    EXPECT_EQ(select, cudaSharedmemCarveoutMaxShared);
+    EXPECT_EQ(merge, cudaSharedmemCarveoutMaxShared);
+  }
+}
+
 // The launch shape (one to four persistent CTAs per SM, hence the pipeline depth) never changes
 // the ids. The automatic plan takes four where the registers allow them (fp8 pages at 8
 // columns) and two for bf16; forcing more than fit is an error that says so.
