@@ -129,11 +129,11 @@ cudaError_t launch_with_pdl(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 
 
 // Asks that an SM running `kernel` keep the largest shared-memory carveout. Every decode kernel
 // asks it, so the SMs never change their L1 / shared-memory split between them (a split changes
-// only on an idle SM). Without it, a score_topk grid launched by PDL behind select_topk (sized
-// to the resident capacity) sometimes found SMs that took only two of its three CTAs a SM, and
+// only on an idle SM). Without it, a score_topk grid (sized to the resident capacity) launched
+// by PDL behind select_topk sometimes found SMs that took only two of its three CTAs a SM, and
 // the CTAs left over waited ~500 us for the others to exit: 4 of 6 traced launches of plain
 // 64 x 256K fp8 Q = 4 had one to five, 0 of 6 with this. select_topk and the merge asking it
-// alone did not do (2 of 4): score_topk's own preference matters. The cost: score_topk's L1
+// alone was not enough (2 of 4): score_topk's own preference matters. The cost: its L1
 // drops to 28 KB, which a build whose registers spill pays (the trace build, fp8 Q = 4: +8%);
 // release rows moved within +-0.5% from 256K tokens up (docs/perf/README.md, v42, v42c).
 template <typename... KArgs>
