@@ -115,7 +115,7 @@ struct ScoreTopkLaunch {
 };
 
 // Chooses the launch (stages, grid, shared memory) for the given maxima and sets the kernel's
-// shared-memory attribute. Called once at construction.
+// shared-memory attributes (the cap, the largest carveout). Called once at construction.
 // ctas_per_sm: 0 chooses (four, then three, where the instance's registers allow it and a
 // pipeline of >= 3 pages fits each with every offset kept; else two when a pipeline of >= 2
 // pages fits both; else one), 1-4 force it (cudaErrorInvalidConfiguration where it does not
@@ -161,7 +161,7 @@ cudaError_t read_select_trace(long long* host, int ctas);
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream);
 // Sets l->select_grid, l->select_narrow_grid and the selection kernels' shared-memory cap (the
-// request offsets are sized per launch, from the step's requests).
+// request offsets are sized per launch, from the step's requests) and carveout (the largest).
 cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l);
 // The selection after every score_topk: the split path's top K, or the fused path's merge of the
 // requests that spanned CTAs.

@@ -537,9 +537,10 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   if (err) atomicOr(p.error_flag, err);
 }
 
-// Raises the instance's dynamic shared-memory cap to all the device allows. The cap is per
-// function and process-wide, so it must never depend on one Decoder's layout: a later Decoder
-// with a smaller layout would lower it under an earlier one's launches.
+// Raises the instance's dynamic shared-memory cap to all the device allows, and asks for the
+// largest carveout (prefer_max_shared). Both are per function and process-wide, so they must
+// never depend on one Decoder's layout: a later Decoder with a smaller layout would lower the
+// cap under an earlier one's launches.
 template <int NT, DType kDType>
 cudaError_t raise_smem_cap(int smem_optin) {
   for (auto kernel : {score_topk_kernel<NT, kDType, false>, score_topk_kernel<NT, kDType, true>}) {
