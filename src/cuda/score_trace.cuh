@@ -68,22 +68,32 @@ __device__ __forceinline__ void trace_reset() {
 __device__ __forceinline__ void trace_set(int slot, long long v) {
   if (blockIdx.x < kTraceCtas) g_score_trace[blockIdx.x * kTraceSlots + slot] = v;
 }
-// The sums (cycles, counts) a recording thread keeps in registers and writes once, at its end
-// (CPIDX_TRACE_FLUSH). NOTE: added to global memory where they were taken, each sum stalled that
-// thread on a load (an L2 round trip) on the very path being timed: the consumers' first page
-// was stamped ~1 us late behind two of them, and the producer paused at every page (v25).
+// The sums (cycles, counts) go to the CTA's row as they are taken, by reductions whose result
+// is not read (RED: the thread does not wait for L2), so a recording thread keeps only its page
+// count in a register (the page stamps' index; written once, at its end: CPIDX_TRACE_FLUSH).
+// NOTE: `row += v` where a sum was taken stalled that thread on a load (an L2 round trip) on
+// the very path being timed: the consumers' first page was stamped ~1 us late behind two of
+// them, and the producer paused at every page (v25). Kept in registers instead, the sums and
+// their 64-bit clocks spilled the 96-register fp8 instances 136-140 B, which the largest
+// carveout's 28 KB of L1 (v42) no longer held: the trace build ran fp8 8 x 256K Q = 1 at 101 us
+// against the release build's 76 (docs/perf/README.md, v42-run).
+__device__ __forceinline__ void trace_add(int slot, unsigned v) {
+  if (blockIdx.x >= kTraceCtas) return;
+  long long* row = g_score_trace + blockIdx.x * kTraceSlots;
+  atomicAdd(reinterpret_cast<unsigned long long*>(row + slot), static_cast<unsigned long long>(v));
+}
 struct TraceSums {
-  unsigned sum[kTSlotCount] = {};  // one kernel's cycles fit 32 bits (2 s at 2 GHz)
+  unsigned pages = 0;
 };
 __device__ __forceinline__ void trace_flush(const TraceSums& sums) {
-  if (blockIdx.x >= kTraceCtas) return;
-#pragma unroll
-  for (int i = 0; i < kTSlotCount; ++i) {  // the producer and a consumer flush into one CTA's row
-    if (sums.sum[i] != 0) {
-      atomicAdd(reinterpret_cast<unsigned long long*>(g_score_trace + blockIdx.x * kTraceSlots + i),
-                static_cast<unsigned long long>(sums.sum[i]));
-    }
-  }
+  if (sums.pages != 0) trace_add(kTPages, sums.pages);  // the producer's and a consumer's rows
+}
+// The SM's cycle counter, 32 bits: one register across a wait (differences wrap correctly
+// below 2 s at 2 GHz).
+__device__ __forceinline__ unsigned trace_clock32() {
+  unsigned c;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(c));
+  return c;
 }
 // `cond` selects the one thread that records.
 #define CPIDX_TRACE_RESET(cond) ((cond) ? trace_reset() : (void)0)
@@ -91,10 +101,10 @@ __device__ __forceinline__ void trace_flush(const TraceSums& sums) {
 // A function that adds declares CPIDX_TRACE_SUMS(); before it returns, CPIDX_TRACE_FLUSH.
 #define CPIDX_TRACE_SUMS() TraceSums trace_sums
 #define CPIDX_TRACE_ADD(cond, slot, v) \
-  ((cond) ? (void)(trace_sums.sum[slot] += static_cast<unsigned>(v)) : (void)0)
+  ((cond) ? trace_add(slot, static_cast<unsigned>(v)) : (void)0)
 #define CPIDX_TRACE_FLUSH(cond) ((cond) ? trace_flush(trace_sums) : (void)0)
-#define CPIDX_TRACE_CLOCK(name) const long long name = clock64()
-#define CPIDX_TRACE_SINCE(name) (clock64() - (name))
+#define CPIDX_TRACE_CLOCK(name) const unsigned name = trace_clock32()
+#define CPIDX_TRACE_SINCE(name) (trace_clock32() - (name))
 #define CPIDX_TRACE_SMID(cond) ((cond) ? trace_set(kTSmid, trace_smid()) : (void)0)
 // clock64 in a slot (with the stamps beside it, the SM's clock rate).
 #define CPIDX_TRACE_CYCLES(cond, slot) ((cond) ? trace_set(slot, clock64()) : (void)0)
@@ -107,7 +117,7 @@ static __device__ long long g_page_trace[kTraceCtas * kTracePages];
 #define CPIDX_TRACE_PAGE(cond)                                                              \
   do {                                                                                      \
     if ((cond) && blockIdx.x < kTraceCtas) {                                                \
-      const unsigned i_ = trace_sums.sum[kTPages]++;                                        \
+      const unsigned i_ = trace_sums.pages++;                                        \
       const long long now_ = trace_now();                                                   \
       if (i_ == 0) trace_set(kTFirstPage, now_);                                            \
       if (i_ < static_cast<unsigned>(kTracePages))                                          \
