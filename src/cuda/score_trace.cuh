@@ -86,7 +86,7 @@ struct TraceSums {
   unsigned pages = 0;
 };
 __device__ __forceinline__ void trace_flush(const TraceSums& sums) {
-  if (sums.pages != 0) trace_add(kTPages, sums.pages);  // the producer's and a consumer's rows
+  if (sums.pages != 0) trace_add(kTPages, sums.pages);  // counted by consumer thread 0 only
 }
 // The SM's cycle counter, 32 bits: one register across a wait (differences wrap correctly
 // below 2 s at 2 GHz).
@@ -117,7 +117,7 @@ static __device__ long long g_page_trace[kTraceCtas * kTracePages];
 #define CPIDX_TRACE_PAGE(cond)                                                              \
   do {                                                                                      \
     if ((cond) && blockIdx.x < kTraceCtas) {                                                \
-      const unsigned i_ = trace_sums.pages++;                                        \
+      const unsigned i_ = trace_sums.pages++;                                               \
       const long long now_ = trace_now();                                                   \
       if (i_ == 0) trace_set(kTFirstPage, now_);                                            \
       if (i_ < static_cast<unsigned>(kTracePages))                                          \
