@@ -127,6 +127,19 @@ cudaError_t launch_with_pdl(bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+// Raises `kernel`'s dynamic shared-memory cap to all the device allows (smem_optin less its static
+// shared memory). NOTE: the cap is per function and process-wide; always the device maximum, so
+// a later Decoder or Prefiller with a smaller layout cannot lower it under an earlier one's
+// launches.
+template <typename... KArgs>
+cudaError_t raise_smem_cap(void (*kernel)(KArgs...), int smem_optin) {
+  cudaFuncAttributes attr{};
+  const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+  if (e != cudaSuccess) return e;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              smem_optin - static_cast<int>(attr.sharedSizeBytes));
+}
+
 // Asks that an SM running `kernel` keep the largest shared-memory carveout. Every decode kernel
 // asks it, so the SMs never change their L1 / shared-memory split between them (a split changes
 // only on an idle SM). Without it, a score_topk grid (sized to the resident capacity) launched

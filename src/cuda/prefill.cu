@@ -588,16 +588,6 @@ __global__ void __launch_bounds__(256) prefill_merge_kernel(const PrefillParams 
   }
 }
 
-template <typename Kernel>
-cudaError_t raise_smem_cap(Kernel kernel, int smem_optin) {
-  cudaFuncAttributes attr{};
-  cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
-  if (e != cudaSuccess) return e;
-  // NOTE: the cap is per function and process-wide; always the device maximum, so a later
-  // Prefiller with a smaller layout cannot lower it under an earlier one's launches.
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              smem_optin - static_cast<int>(attr.sharedSizeBytes));
-}
 
 }  // namespace
 

@@ -537,24 +537,6 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   if (err) atomicOr(p.error_flag, err);
 }
 
-// Raises the instance's dynamic shared-memory cap to all the device allows, and asks for the
-// largest carveout (prefer_max_shared). Both are per function and process-wide, so they must
-// never depend on one Decoder's layout: a later Decoder with a smaller layout would lower the
-// cap under an earlier one's launches.
-template <int NT, DType kDType>
-cudaError_t raise_smem_cap(int smem_optin) {
-  for (auto kernel : {score_topk_kernel<NT, kDType, false>, score_topk_kernel<NT, kDType, true>}) {
-    cudaFuncAttributes attr{};
-    cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
-    if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             smem_optin - static_cast<int>(attr.sharedSizeBytes));
-    if (e == cudaSuccess) e = prefer_max_shared(kernel);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
-}
-
 template <int NT, DType kDType>
 cudaError_t occupancy(int* blocks, size_t bytes, bool sparse) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -578,6 +560,22 @@ cudaError_t dispatch(int ncols_pad, DType dtype, F&& f) {
     case 8: return by_dtype(std::integral_constant<int, 8>{});
     default: return cudaErrorInvalidValue;
   }
+}
+
+// Calls f(kernel) for every score_topk instance of `dtype` (8 to 64 columns, dense and sparse
+// request offsets), up to the first error. Plan and tests both go through it.
+template <typename F>
+cudaError_t for_each_instance(DType dtype, F&& f) {
+  for (int nc = 8; nc <= 64; nc *= 2) {
+    const cudaError_t e = dispatch(nc, dtype, [&](auto nt, auto dt) {
+      constexpr int NT = decltype(nt)::value;
+      constexpr DType DT = decltype(dt)::value;
+      const cudaError_t dense = f(score_topk_kernel<NT, DT, false>);
+      return dense == cudaSuccess ? f(score_topk_kernel<NT, DT, true>) : dense;
+    });
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -607,12 +605,12 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
   // small steps paid the sparse lookups' L2 reads, +2.5-3.5 us at 1 x 8K, until steps of at
   // most max_reqs >> shift requests launched the dense instance (launch_score_topk;
   // docs/perf/README.md, v17 and v17e).
-  for (int nc = 8; nc <= 64; nc *= 2) {
-    e = dispatch(nc, dtype, [&](auto nt, auto dt) {
-      return raise_smem_cap<decltype(nt)::value, decltype(dt)::value>(smem_optin);
-    });
-    if (e != cudaSuccess) return e;
-  }
+  // Every instance's shared-memory cap at the device's limit, and the largest carveout asked.
+  e = for_each_instance(dtype, [&](auto kernel) {
+    const cudaError_t err = raise_smem_cap(kernel, smem_optin);
+    return err == cudaSuccess ? prefer_max_shared(kernel) : err;
+  });
+  if (e != cudaSuccess) return e;
   // Automatic: four or three CTAs where the registers allow it (kMinCtasPerSm), each with a ring
   // of at least 3 pages and every offset kept; else two, else one. Each instance up to the
   // bound's columns on its own (a step launches the one for its columns).
@@ -658,17 +656,7 @@ cudaError_t plan_score_topk(int max_heads_x_q, int topk, DType dtype, int max_re
 
 cudaError_t smallest_score_topk_carveout(DType dtype, int* smallest) {
   *smallest = cudaSharedmemCarveoutMaxShared;
-  for (int nc = 8; nc <= 64; nc *= 2) {
-    const cudaError_t e = dispatch(nc, dtype, [&](auto nt, auto dt) {
-      constexpr int NT = decltype(nt)::value;
-      constexpr DType DT = decltype(dt)::value;
-      const cudaError_t dense = lower_to_carveout(score_topk_kernel<NT, DT, false>, smallest);
-      return dense == cudaSuccess ? lower_to_carveout(score_topk_kernel<NT, DT, true>, smallest)
-                                  : dense;
-    });
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return for_each_instance(dtype, [&](auto kernel) { return lower_to_carveout(kernel, smallest); });
 }
 
 cudaError_t read_score_trace(long long* host, int ctas) {

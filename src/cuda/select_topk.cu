@@ -365,15 +365,21 @@ SelectKernel select_kernel(bool narrow, bool sparse) {
   return sparse ? select_topk_kernel<kWide, true> : select_topk_kernel<kWide, false>;
 }
 
+// Calls f(kernel) for each of the four instances, up to the first error.
+template <typename F>
+cudaError_t for_each_instance(F&& f) {
+  for (int i = 0; i < 4; ++i) {
+    const cudaError_t e = f(select_kernel((i & 1) != 0, (i & 2) != 0));
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace
 
 cudaError_t smallest_select_topk_carveout(int* smallest) {
   *smallest = cudaSharedmemCarveoutMaxShared;
-  for (int i = 0; i < 4; ++i) {
-    const cudaError_t e = lower_to_carveout(select_kernel((i & 1) != 0, (i & 2) != 0), smallest);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return for_each_instance([&](SelectKernel k) { return lower_to_carveout(k, smallest); });
 }
 
 cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
@@ -382,11 +388,10 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
   if (e != cudaSuccess) return e;
   e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return e;
-  for (int i = 0; i < 4; ++i) {
-    const SelectKernel kernel = select_kernel((i & 1) != 0, (i & 2) != 0);
+  e = for_each_instance([&](SelectKernel kernel) {
     cudaFuncAttributes attr{};
-    e = cudaFuncGetAttributes(&attr, kernel);
-    if (e != cudaSuccess) return e;
+    cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+    if (err != cudaSuccess) return err;
     if (kPrefixBytes + attr.sharedSizeBytes > static_cast<size_t>(smem_optin)) {
       return cudaErrorInvalidConfiguration;
     }
@@ -394,11 +399,11 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
     // NOTE: the offsets need no opt-in, but a first v17f build that left the cap at the default
     // (and had one instance for dense and sparse offsets) measured small steps 0.2-0.6 us
     // slower; with both as here, unchanged (docs/perf/README.md, v17f).
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             smem_optin - static_cast<int>(attr.sharedSizeBytes));
-    if (e == cudaSuccess) e = prefer_max_shared(kernel);
-    if (e != cudaSuccess) return e;
-  }
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               smem_optin - static_cast<int>(attr.sharedSizeBytes));
+    return err == cudaSuccess ? prefer_max_shared(kernel) : err;
+  });
+  if (e != cudaSuccess) return e;
   // Items beyond the grid loop; steps with more items than the wide grid take the narrow one.
   l->select_grid = 4 * sms;
   l->select_narrow_grid = 8 * sms;
