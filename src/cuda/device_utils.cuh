@@ -147,8 +147,11 @@ cudaError_t raise_smem_cap(void (*kernel)(KArgs...), int smem_optin) {
 // the CTAs left over waited ~500 us for the others to exit: 4 of 6 traced launches of plain
 // 64 x 256K fp8 Q = 4 had one to five, 0 of 6 with this. select_topk and the merge asking it
 // alone was not enough (2 of 4): score_topk's own preference matters. The cost: its L1
-// drops to 28 KB, which a build whose registers spill pays (the trace build, fp8 Q = 4: +8%);
-// release rows moved within +-0.5% from 256K tokens up (docs/perf/README.md, v42, v42c).
+// drops to 28 KB, which a build whose registers spill pays (the trace build paid 8-33% until
+// its sums left the registers, v42-trace); release rows moved within +-0.5% from 256K tokens
+// up (docs/perf/README.md, v42, v42c).
+// NOTE: a kernel before a decode call that does not ask it (the peer exchange's gather in the
+// 2-GPU step, NCCL's, a user's) can still leave SMs in a smaller split; not handled.
 template <typename... KArgs>
 cudaError_t prefer_max_shared(void (*kernel)(KArgs...)) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
