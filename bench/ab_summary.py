@@ -9,6 +9,10 @@
       scoring grid's milestones (PDL wait, first copy issued, first page landed, last copy issued,
       last page landed), the selection's phases counted from its own wait, and the CTAs placed
       late (entry more than 50 us after the median: v41-slow).
+  ab_summary.py --configs configs.json [NAME=trace.txt ...]
+      the same tree under several bench configs (`scripts/device_configs.sh`): one line per
+      (shape, config) with every run's median and slowest replay (us), then the traces' lines,
+      one per traced run, named by their config.
 Standard library only; runs on the GPU machine and here.
 """
 import collections
@@ -74,13 +78,30 @@ def trace_rows(path):
     return rows
 
 
-def summarise_traces(base_path, new_path):
+def summarise_configs(path):
+    runs = json.load(open(path))["runs"]
+    table = collections.OrderedDict()
+    for run in runs:
+        for row in run["results"] or []:
+            key = ("",) + tuple(row.get(k) for k in SHAPE_KEYS)
+            slowest = (f"{row['max_us']:.2f} @{row.get('max_at', '?')}" if "max_us" in row
+                       else "-")
+            table.setdefault((key, run["config"]), []).append((f"{row['us']:.2f}", slowest))
+    lines = ["| shape | config | us | max_us @replay |", "|---|---|---|---|"]
+    for (key, config), samples in sorted(table.items(), key=lambda kv: kv[0][0]):
+        lines.append(f"| {shape_name(key)} | {config or '(none)'} | "
+                     f"{', '.join(u for u, _ in samples)} | {', '.join(m for _, m in samples)} |")
+    return "\n".join(lines)
+
+
+def summarise_traces(base_path, new_path, named=None):
     head = (["shape", "build"] + list(MILESTONES) + [s.replace("select_", "sel:") for s in SELECT]
             + ["late CTAs"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    base, new = trace_rows(base_path), trace_rows(new_path)
-    for i in range(max(len(base), len(new))):  # the two builds' rows of a shape side by side
-        for build, rows in (("base", base), ("new", new)):
+    named = named or [("base", base_path), ("new", new_path)]
+    files = [(name, trace_rows(path)) for name, path in named]
+    for i in range(max(len(rows) for _, rows in files)):  # the files' rows of a shape together
+        for build, rows in files:
             if i >= len(rows):
                 continue
             label, st = rows[i]
@@ -98,6 +119,12 @@ def main(argv):
         print(summarise_ab(argv[1]))
     elif len(argv) == 4 and argv[1] == "--trace":
         print(summarise_traces(argv[2], argv[3]))
+    elif len(argv) >= 3 and argv[1] == "--configs":
+        print(summarise_configs(argv[2]))
+        named = [tuple(a.split("=", 1)) for a in argv[3:]]
+        if named:
+            print()
+            print(summarise_traces(None, None, named))
     else:
         print(__doc__, file=sys.stderr)
         return 2

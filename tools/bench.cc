@@ -30,6 +30,7 @@
 #include "cuda/kernels.h"
 #include "cuda/score_trace.cuh"
 #include "graph_timing.h"
+#include "neighbour_kernel.h"
 #endif
 
 namespace cpidx::tools {
@@ -80,6 +81,9 @@ struct Result {
   Shape shape;
   double us = 0, gbps = 0, cache_mb = 0, floor_us = 0;
   double gpu_us = 0;  // the same replays with the stream held until they are queued
+  double max_us = 0;  // the slowest replay / calls (a mode some replays take shows here)
+  int max_at = 0;     // which timed replay it was (0: the first after the warm-up ones)
+  double neighbour_us = 0;  // the neighbour kernels alone, per call (subtracted from us, max_us)
   int sets = 0, calls = 0, grid = 0, stages = 0, offset_stride = 1;
   std::string check;
 };
@@ -117,6 +121,8 @@ class Bench {
   void set_min_calls(int calls) { min_calls_ = calls; }
   // Print the fused kernel's per-CTA timeline of each shape's last timed call.
   void set_trace(bool trace) { trace_ = trace; }
+  // A kernel before every decode call in the graph (us > 0), timed alone and subtracted.
+  void set_neighbour(const Neighbour& n) { neighbour_ = n; }
 
  private:
   InputSet make_set(const Shape& sh, int T, int64_t G, std::mt19937_64& rng, int64_t& next_page);
@@ -150,6 +156,7 @@ class Bench {
   bool work_stealing_ = true;
   int min_calls_ = 0;
   bool trace_ = false;
+  Neighbour neighbour_;
   void* pool_ = nullptr;
   std::vector<uint16_t> h_pool_;
   int64_t pool_pages_ = 0, page_bytes_ = 0;
@@ -294,21 +301,43 @@ Result Bench::run(const Shape& sh, int replays) {
     res.check = check(sh, in_sets[0], G, h, 0, sh.mode == "plain" ? T : L);
   }
 
-  cudaGraph_t graph;
+  // With a neighbour, the same graph with the neighbours alone is timed first and its median
+  // subtracted: us is what the decode calls add behind them.
+  const bool neighbour = neighbour_.us > 0;
+  int sms = 0;
+  BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (neighbour) BENCH_CUDA(prepare_neighbour(neighbour_));
+  auto capture = [&](bool decode, cudaGraphExec_t* exec) {
+    cudaGraph_t graph;
+    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int c = 0; c < calls; ++c) {
+      if (neighbour) BENCH_CUDA(launch_neighbour(neighbour_, sms, stream));
+      if (decode) one_call(in_sets[c % sets]);
+    }
+    BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+    BENCH_CUDA(cudaGraphInstantiate(exec, graph, 0));
+    BENCH_CUDA(cudaGraphDestroy(graph));
+  };
+  float neighbour_ms = 0, neighbour_gpu_ms = 0;
+  if (neighbour) {
+    cudaGraphExec_t alone;
+    capture(false, &alone);
+    BENCH_CUDA(median_graph_ms(alone, stream, 3, replays, &neighbour_ms));
+    BENCH_CUDA(median_graph_ms(alone, stream, 1, replays, &neighbour_gpu_ms, true));
+    cudaGraphExecDestroy(alone);
+  }
   cudaGraphExec_t exec;
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int c = 0; c < calls; ++c) one_call(in_sets[c % sets]);
-  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  float median_ms = 0, gpu_ms = 0;
-  BENCH_CUDA(median_graph_ms(exec, stream, 3, replays, &median_ms));
+  capture(true, &exec);
+  float median_ms = 0, gpu_ms = 0, max_ms = 0;
+  BENCH_CUDA(median_graph_ms(exec, stream, 3, replays, &median_ms, false, &max_ms, &res.max_at));
   BENCH_CUDA(median_graph_ms(exec, stream, 1, replays, &gpu_ms, /*hold_stream=*/true));
   if (trace_) print_trace(res.grid, sh.reqs * T * sh.qlen, static_cast<double>(page_bytes_));
-  res.us = median_ms * 1e3 / calls;
-  res.gpu_us = gpu_ms * 1e3 / calls;
+  res.neighbour_us = neighbour_ms * 1e3 / calls;
+  res.us = (median_ms - neighbour_ms) * 1e3 / calls;
+  res.max_us = (max_ms - neighbour_ms) * 1e3 / calls;
+  res.gpu_us = (gpu_ms - neighbour_gpu_ms) * 1e3 / calls;
   res.gbps = shard_bytes / (res.us * 1e-6) / 1e9;
   cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
   cudaFree(ids);
   cudaFree(gathered);
@@ -529,6 +558,8 @@ int run_bench(int argc, char** argv) {
   int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit, ctas_per_sm = 0,
           min_calls = 0, max_tokens = 0, max_query_len = 0;
   bool pdl = true, trace = false, steal = true;
+  Neighbour neighbour;
+  int64_t neighbour_smem_kb = neighbour.smem_kb, neighbour_ctas = neighbour.ctas_per_sm;
   Flags flags("cpidx bench [flags]",
               "GPU decode benchmark (TARGETS.md grid). Modes: plainH = plain decode of H heads;\n"
               "cpP = context-parallel rank work at P ranks (all 4 heads on a 1/P shard + merge);\n"
@@ -574,8 +605,23 @@ int run_bench(int argc, char** argv) {
       .add("trace", &trace,
            "print the fused kernel's per-CTA timeline and the rate its pages landed at (a "
            "library built with -DCPIDX_TRACE)")
+      .add("neighbour-us", &neighbour.us,
+           "before every decode call, a kernel standing for the engine's previous one, each CTA "
+           "spinning this long (0: none); timed alone and subtracted (us, max_us, gpu_us)")
+      .add("neighbour-smem-kb", &neighbour_smem_kb,
+           "KiB of shared memory a neighbour CTA holds (its carveout is the driver's choice, "
+           "where the decode kernels ask for the largest)", 1, 227)
+      .add("neighbour-ctas-per-sm", &neighbour_ctas, "neighbour CTAs launched per SM", 1, 32)
+      .add("neighbour-early", &neighbour.early_launch,
+           "the neighbour lets the decode call launch at its start (PDL's trigger)")
       .add("json", &json, "write the results as JSON to this file");
   if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
+  neighbour.smem_kb = static_cast<int>(neighbour_smem_kb);
+  neighbour.ctas_per_sm = static_cast<int>(neighbour_ctas);
+  if (neighbour.us < 0) {
+    std::fprintf(stderr, "cpidx bench: --neighbour-us must be >= 0\n");
+    return kExitUsage;
+  }
   // Each mode is a kind and a number: plainH (heads 1..8), cpP / stepP (ranks 2..8).
   struct Mode {
     std::string name, kind;
@@ -637,21 +683,24 @@ int run_bench(int argc, char** argv) {
     std::fprintf(f,
                  "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, "
                  "\"ctas_per_sm\": %lld, \"work_stealing\": %s, \"max_tokens\": %lld, "
-                 "\"max_query_len\": %lld, \"results\": [\n",
+                 "\"max_query_len\": %lld, \"neighbour\": {\"us\": %.3f, \"smem_kb\": %d, "
+                 "\"ctas_per_sm\": %d, \"early_launch\": %s}, \"results\": [\n",
                  prop.name, dtype.c_str(), static_cast<long long>(split_pages),
                  static_cast<long long>(ctas_per_sm), steal ? "true" : "false",
-                 static_cast<long long>(max_tokens), static_cast<long long>(max_query_len));
+                 static_cast<long long>(max_tokens), static_cast<long long>(max_query_len),
+                 neighbour.us, neighbour.smem_kb, neighbour.ctas_per_sm,
+                 neighbour.early_launch ? "true" : "false");
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       std::fprintf(f,
                    "  {\"mode\": \"%s\", \"heads\": %d, \"world\": %d, \"reqs\": %d, \"context\": %lld, "
                    "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, \"us\": %.3f, "
-                   "\"gbps\": %.1f, \"gpu_us\": %.3f, "
+                   "\"gbps\": %.1f, \"gpu_us\": %.3f, \"max_us\": %.3f, \"max_at\": %d, \"neighbour_us\": %.3f, "
                    "\"floor_us\": %.3f, \"grid\": %d, \"stages\": %d, \"offset_stride\": %d, "
                    "\"check\": \"%s\"}%s\n",
                    r.shape.mode.c_str(), r.shape.heads, r.shape.world, r.shape.reqs,
                    static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.calls, r.cache_mb,
-                   r.us, r.gbps, r.gpu_us, r.floor_us, r.grid, r.stages, r.offset_stride,
+                   r.us, r.gbps, r.gpu_us, r.max_us, r.max_at, r.neighbour_us, r.floor_us, r.grid, r.stages, r.offset_stride,
                    r.check.c_str(), i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "], \"step_results\": [\n");
@@ -732,9 +781,19 @@ int run_bench(int argc, char** argv) {
             bench->set_work_stealing(steal);
             bench->set_min_calls(static_cast<int>(min_calls));
             bench->set_trace(trace);
-            std::printf("%-7s %5s %4s %8s %3s %9s %10s %9s %9s %9s %9s %9s  %s\n", "mode", "heads",
-                        "reqs", "context", "Q", "sets/calls", "cache_MB", "us", "GB/s", "gpu_us",
-                        "floor_us", "grid/stg", "check");
+            bench->set_neighbour(neighbour);
+            if (neighbour.us > 0) {
+              std::printf("# before every call a neighbour kernel: %d CTA(s) an SM of %d KiB shared "
+                          "memory (the driver's carveout), %.1f us each, %s; us, max_us and "
+                          "gpu_us less the neighbours alone (nb_us)\n",
+                          neighbour.ctas_per_sm, neighbour.smem_kb, neighbour.us,
+                          neighbour.early_launch ? "the call launched at its start (PDL)"
+                                                 : "no early launch");
+            }
+            std::printf("%-7s %5s %4s %8s %3s %9s %10s %9s %9s %9s %9s %9s %9s%s  %s\n", "mode",
+                        "heads", "reqs", "context", "Q", "sets/calls", "cache_MB", "us", "max_us",
+                        "GB/s", "gpu_us", "floor_us", "grid/stg",
+                        neighbour.us > 0 ? "     nb_us" : "", "check");
           }
           Shape sh;
           sh.mode = md.kind;
@@ -747,10 +806,12 @@ int run_bench(int argc, char** argv) {
           // stg: pages in flight, then "s<N>" when the kernel keeps every N-th request offset.
           std::string stg = std::to_string(r.stages);
           if (r.offset_stride > 1) stg += "s" + std::to_string(r.offset_stride);
-          std::printf("%-7s %5d %4d %8lld %3d %5d/%-4d %10.1f %9.1f %9.0f %9.1f %9.1f %5d/%-3s  %s\n",
+          char nb[16] = "";
+          if (neighbour.us > 0) std::snprintf(nb, sizeof nb, " %9.1f", r.neighbour_us);
+          std::printf("%-7s %5d %4d %8lld %3d %5d/%-4d %10.1f %9.1f %9.1f %9.0f %9.1f %9.1f %5d/%-3s%s  %s\n",
                       m.c_str(), sh.heads, sh.reqs, static_cast<long long>(sh.context), sh.qlen,
-                      r.sets, r.calls, r.cache_mb, r.us, r.gbps, r.gpu_us, r.floor_us, r.grid,
-                      stg.c_str(), r.check.c_str());
+                      r.sets, r.calls, r.cache_mb, r.us, r.max_us, r.gbps, r.gpu_us, r.floor_us,
+                      r.grid, stg.c_str(), nb, r.check.c_str());
           std::fflush(stdout);
           results.push_back(r);
           write_json();

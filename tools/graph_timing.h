@@ -1,5 +1,6 @@
 // tools/graph_timing.h: how the benchmarks time a captured CUDA graph: `warmup` untimed
-// launches, then `replays` launches each between two events on the stream; the median.
+// launches, then `replays` launches each between two events on the stream; the median (and,
+// if asked, the slowest and its index among the timed replays).
 //
 // Two clocks: the plain one (the peer's method, PEER_H200.md) starts when the GPU reaches the
 // first event, so it also counts the host's cudaGraphLaunch latency before the graph's first
@@ -25,7 +26,8 @@ inline void CUDART_CB spin_until_released(void* flag) {
 }  // namespace detail
 
 inline cudaError_t median_graph_ms(cudaGraphExec_t exec, cudaStream_t stream, int warmup,
-                                   int replays, float* median_ms, bool hold_stream = false) {
+                                   int replays, float* median_ms, bool hold_stream = false,
+                                   float* max_ms = nullptr, int* max_at = nullptr) {
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   cudaError_t e = cudaEventCreate(&e0);
   if (e == cudaSuccess) e = cudaEventCreate(&e1);
@@ -47,6 +49,9 @@ inline cudaError_t median_graph_ms(cudaGraphExec_t exec, cudaStream_t stream, in
   if (e0) cudaEventDestroy(e0);
   if (e1) cudaEventDestroy(e1);
   if (e != cudaSuccess) return e;
+  const auto slowest = std::max_element(times.begin(), times.end());
+  if (max_ms) *max_ms = times.empty() ? 0.f : *slowest;
+  if (max_at) *max_at = static_cast<int>(slowest - times.begin());
   std::sort(times.begin(), times.end());
   *median_ms = times.empty() ? 0.f : times[times.size() / 2];
   return cudaSuccess;

@@ -95,6 +95,29 @@ def test_trace_summary_puts_both_builds_of_a_shape_together(tmp_path):
     assert "-" in cells  # milestones the trace did not print
 
 
+def test_configs_summary_lists_each_configs_runs_and_slowest_replays(tmp_path, capsys):
+    runs = []
+    for rep in (1, 2):
+        runs.append({"build": "base", "rep": rep, "config": "",
+                     "results": [dict(_row(512.0 + rep), max_us=540.0 + rep, max_at=7 * rep)]})
+        runs.append({"build": "base", "rep": rep, "config": "--neighbour-us 20",
+                     "results": [dict(_row(508.0 + rep), max_us=510.0 + rep, max_at=rep)]})
+    runs.append({"build": "base", "rep": 3, "config": "", "results": [_row(511.5)]})  # older
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"runs": runs}))
+    lines = ab_summary.summarise_configs(str(path)).splitlines()
+    assert len(lines) == 4  # header, rule, one shape under two configs
+    assert lines[2] == ("| plain h4 8 x 256K Q=1 | (none) | 513.00, 514.00, 511.50 | "
+                        "541.00 @7, 542.00 @14, - |")
+    assert lines[3] == ("| plain h4 8 x 256K Q=1 | --neighbour-us 20 | 509.00, 510.00 | "
+                        "511.00 @1, 512.00 @2 |")
+    trace = tmp_path / "c0.txt"
+    trace.write_text(_TRACE.format(wait=4.54, exit=135.94, late=" none"))
+    assert ab_summary.main(["ab_summary.py", "--configs", str(path), f"c0={trace}"]) == 0
+    out = capsys.readouterr().out
+    assert "| plain4 8 x 262144 Q=1 (137.4 us) | c0 |" in out
+
+
 def test_ab_summary_usage_on_bad_arguments(capsys):
     assert ab_summary.main(["ab_summary.py"]) == 2
     assert "device_ab.sh" in capsys.readouterr().err

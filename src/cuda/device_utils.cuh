@@ -150,8 +150,12 @@ cudaError_t raise_smem_cap(void (*kernel)(KArgs...), int smem_optin) {
 // drops to 28 KB, which a build whose registers spill pays (the trace build paid 8-33% until
 // its sums left the registers, v42-trace); release rows moved within +-0.5% from 256K tokens
 // up (docs/perf/README.md, v42, v42c).
-// NOTE: a kernel before a decode call that does not ask it (the peer exchange's gather in the
-// 2-GPU step, NCCL's, a user's) can still leave SMs in a smaller split; not handled.
+// NOTE: a kernel before a call that keeps the driver's carveout did not bring the late CTAs
+// back: `cpidx bench --neighbour-us` put one holding 20-150 KiB a CTA (one to four an SM, with
+// and without PDL's early trigger) before every call: of 700 replays of plain 64 x 256K fp8
+// Q = 4, none ran more than 11 us a call over its run's median, and none of 10 traced launches
+// had a late CTA. Back to back, behind the previous call's selection, 3 of 260 replays still ran
+// 32-37 us a call over it (docs/perf/README.md, v43-neighbour).
 template <typename... KArgs>
 cudaError_t prefer_max_shared(void (*kernel)(KArgs...)) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
