@@ -13,10 +13,14 @@
       the same tree under several bench configs (`scripts/device_configs.sh`): one line per
       (shape, config) with every run's median and slowest replay (us), then the traces' lines,
       one per traced run, named by their config.
+  ab_summary.py --collect out.json BUILD|REP|CONFIG|bench.json ...
+      gathers the scripts' bench JSONs into the runs file the summaries read (a missing file is
+      a run without results).
 Standard library only; runs on the GPU machine and here.
 """
 import collections
 import json
+import os
 import re
 import sys
 
@@ -114,11 +118,22 @@ def summarise_traces(base_path, new_path, named=None):
     return "\n".join(lines)
 
 
+def collect(out_path, specs):
+    runs = []
+    for spec in specs:
+        build, rep, config, path = spec.split("|", 3)
+        results = json.load(open(path))["results"] if os.path.exists(path) else None
+        runs.append({"build": build, "rep": int(rep), "config": config, "results": results})
+    json.dump({"runs": runs}, open(out_path, "w"), indent=1)
+
+
 def main(argv):
     if len(argv) == 2 and not argv[1].startswith("-"):
         print(summarise_ab(argv[1]))
     elif len(argv) == 4 and argv[1] == "--trace":
         print(summarise_traces(argv[2], argv[3]))
+    elif len(argv) >= 3 and argv[1] == "--collect":
+        collect(argv[2], argv[3:])
     elif len(argv) >= 3 and argv[1] == "--configs":
         print(summarise_configs(argv[2]))
         named = [tuple(a.split("=", 1)) for a in argv[3:]]

@@ -104,15 +104,7 @@ for ((rep = 1; rep <= reps; ++rep)); do
   done
 done
 echo "# benches done at $(elapsed) s" | tee -a "$log"
-python3 - "$OUT/ab.json" "${jsons[@]}" <<'EOF'
-import json, os, sys
-runs = []
-for spec in sys.argv[2:]:
-    build, rep, config, path = spec.split("|", 3)
-    results = json.load(open(path))["results"] if os.path.exists(path) else None
-    runs.append({"build": build, "rep": int(rep), "config": config, "results": results})
-json.dump({"runs": runs}, open(sys.argv[1], "w"), indent=1)
-EOF
+python3 bench/ab_summary.py --collect "$OUT/ab.json" "${jsons[@]}"
 python3 bench/ab_summary.py "$OUT/ab.json" | tee -a "$log"
 
 if [ -n "$trace" ]; then

@@ -118,6 +118,19 @@ def test_configs_summary_lists_each_configs_runs_and_slowest_replays(tmp_path, c
     assert "| plain4 8 x 262144 Q=1 (137.4 us) | c0 |" in out
 
 
+def test_collect_gathers_bench_jsons_into_runs(tmp_path):
+    bench = tmp_path / "run_0.json"
+    bench.write_text(json.dumps({"device": "H200", "results": [_row(77.0)]}))
+    out = tmp_path / "runs.json"
+    assert ab_summary.main(["ab_summary.py", "--collect", str(out),
+                            f"base|1|--neighbour-us 20|{bench}",
+                            f"new|2||{tmp_path / 'cut_by_its_time_limit.json'}"]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert runs == [{"build": "base", "rep": 1, "config": "--neighbour-us 20",
+                     "results": [_row(77.0)]},
+                    {"build": "new", "rep": 2, "config": "", "results": None}]
+
+
 def test_ab_summary_usage_on_bad_arguments(capsys):
     assert ab_summary.main(["ab_summary.py"]) == 2
     assert "device_ab.sh" in capsys.readouterr().err
