@@ -56,13 +56,10 @@ if [ -z "$patch" ] || [ ! -f "$patch" ]; then
 fi
 patch_file=$(realpath "$patch")
 [ ${#configs[@]} -eq 0 ] && configs=("")
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
-export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
-t0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - t0 )); }
-log=$OUT/ab.txt
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$log"
+# shellcheck source=scripts/device_common.sh
+. "$(dirname "$0")/device_common.sh"
+log=${OUT:-$PWD/device-out}/ab.txt
+device_log_start "$log"
 
 # The patched copy: the tree without build outputs, then the patch (git apply in a repository of
 # its own: inside this one it would skip the paths outside the copy).

@@ -35,13 +35,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#configs[@]} -eq 0 ] && configs=("")
-OUT=${OUT:-$PWD/device-out}
-mkdir -p "$OUT"
-export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
-t0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - t0 )); }
-log=$OUT/configs.txt
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$log"
+# shellcheck source=scripts/device_common.sh
+. "$(dirname "$0")/device_common.sh"
+log=${OUT:-$PWD/device-out}/configs.txt
+device_log_start "$log"
 
 (TARGETS=cpidx_tool OUT=$OUT scripts/device.sh build) & release_pid=$!
 trace_pid=
