@@ -606,8 +606,9 @@ int run_bench(int argc, char** argv) {
            "print the fused kernel's per-CTA timeline and the rate its pages landed at (a "
            "library built with -DCPIDX_TRACE)")
       .add("neighbour-us", &neighbour.us,
-           "before every decode call, a kernel standing for the engine's previous one, each CTA "
-           "spinning this long (0: none); timed alone and subtracted (us, max_us, gpu_us)")
+           "before every decode call (plainH / cpP modes), a kernel standing for the engine's "
+           "previous one, each CTA spinning this long (0: none); timed alone and subtracted (us, "
+           "max_us, gpu_us)")
       .add("neighbour-smem-kb", &neighbour_smem_kb,
            "KiB of shared memory a neighbour CTA holds (its carveout is the driver's choice, "
            "where the decode kernels ask for the largest)", 1, 227)
