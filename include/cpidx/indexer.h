@@ -39,7 +39,9 @@ struct DecodeConfig {
   // The scoring grid is the GPU's resident capacity; launched behind a kernel whose CTAs still
   // run, some of its CTAs were placed only when the others exited (plain 64 x 256K fp8 Q = 4:
   // 5 of 11 traced launches, 70-90 us longer each) until every decode kernel asked for the
-  // largest shared-memory carveout (0 of 6; docs/perf/README.md, v41-slow and v42).
+  // largest shared-memory carveout (0 of 6; docs/perf/README.md, v41-slow and v42). Behind a
+  // kernel of the caller's that triggers its dependents early, most steps cost 2-4 us less than
+  // back to back, whatever that kernel's carveout (v43-neighbour).
   bool programmatic_launch = true;
   // Steps up to a size take the split path: the scoring kernel writes one key per (column,
   // page) to an L2-resident buffer and a second kernel selects each row's top K (cheaper than
