@@ -2,16 +2,18 @@
 // (neighbour_kernel.h).
 #include "neighbour_kernel.h"
 
+#include "cuda/device_utils.cuh"
+
 namespace cpidx::tools {
 namespace {
 
 __global__ void neighbour_kernel(long long ns, int early_launch) {
   extern __shared__ unsigned char held[];
-  if (early_launch) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  long long start, now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  if (early_launch) cuda::pdl_launch_dependents();
+  const long long start = cuda::globaltimer_ns();
+  long long now;
   do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    now = cuda::globaltimer_ns();
   } while (now - start < ns);
   if (threadIdx.x == 0) held[0] = static_cast<unsigned char>(now);  // the memory is used
 }

@@ -588,7 +588,6 @@ __global__ void __launch_bounds__(256) prefill_merge_kernel(const PrefillParams 
   }
 }
 
-
 }  // namespace
 
 cudaError_t prefill_wgmma_available(int device, bool* available) {

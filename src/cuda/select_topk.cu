@@ -399,8 +399,7 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
     // NOTE: the offsets need no opt-in, but a first v17f build that left the cap at the default
     // (and had one instance for dense and sparse offsets) measured small steps 0.2-0.6 us
     // slower; with both as here, unchanged (docs/perf/README.md, v17f).
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_optin - static_cast<int>(attr.sharedSizeBytes));
+    err = raise_smem_cap(kernel, smem_optin);
     return err == cudaSuccess ? prefer_max_shared(kernel) : err;
   });
   if (e != cudaSuccess) return e;
