@@ -98,11 +98,11 @@ def summarise_configs(path):
     return "\n".join(lines)
 
 
-def summarise_traces(base_path, new_path, named=None):
+def summarise_traces(named):
+    """`named`: (build or config name, trace file) pairs, their rows of a shape together."""
     head = (["shape", "build"] + list(MILESTONES) + [s.replace("select_", "sel:") for s in SELECT]
             + ["late CTAs"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    named = named or [("base", base_path), ("new", new_path)]
     files = [(name, trace_rows(path)) for name, path in named]
     for i in range(max(len(rows) for _, rows in files)):  # the files' rows of a shape together
         for build, rows in files:
@@ -131,7 +131,7 @@ def main(argv):
     if len(argv) == 2 and not argv[1].startswith("-"):
         print(summarise_ab(argv[1]))
     elif len(argv) == 4 and argv[1] == "--trace":
-        print(summarise_traces(argv[2], argv[3]))
+        print(summarise_traces([("base", argv[2]), ("new", argv[3])]))
     elif len(argv) >= 3 and argv[1] == "--collect":
         collect(argv[2], argv[3:])
     elif len(argv) >= 3 and argv[1] == "--configs":
@@ -139,7 +139,7 @@ def main(argv):
         named = [tuple(a.split("=", 1)) for a in argv[3:]]
         if named:
             print()
-            print(summarise_traces(None, None, named))
+            print(summarise_traces(named))
     else:
         print(__doc__, file=sys.stderr)
         return 2

@@ -58,8 +58,7 @@ patch_file=$(realpath "$patch")
 [ ${#configs[@]} -eq 0 ] && configs=("")
 # shellcheck source=scripts/device_common.sh
 . "$(dirname "$0")/device_common.sh"
-log=${OUT:-$PWD/device-out}/ab.txt
-device_log_start "$log"
+device_log_start ab.txt
 
 # The patched copy: the tree without build outputs, then the patch (git apply in a repository of
 # its own: inside this one it would skip the paths outside the copy).

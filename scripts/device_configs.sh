@@ -37,13 +37,15 @@ done
 [ ${#configs[@]} -eq 0 ] && configs=("")
 # shellcheck source=scripts/device_common.sh
 . "$(dirname "$0")/device_common.sh"
-log=${OUT:-$PWD/device-out}/configs.txt
-device_log_start "$log"
+device_log_start configs.txt
 
+# Both builds at once, and both done before the first bench (a compile beside it would take
+# the host's cores from the graph launches it times).
 (TARGETS=cpidx_tool OUT=$OUT scripts/device.sh build) & release_pid=$!
-trace_pid=
+trace_built=0
 if [ -n "$trace" ]; then
   (OUT=$OUT scripts/device_trace.sh --build-only) & trace_pid=$!
+  wait $trace_pid && trace_built=1
 fi
 wait $release_pid || { echo "device_configs.sh: the release build failed" | tee -a "$log"; exit 1; }
 echo "# built in $(elapsed) s" | tee -a "$log"
@@ -64,7 +66,7 @@ python3 bench/ab_summary.py --collect "$OUT/configs.json" "${jsons[@]}"
 
 named=()
 if [ -n "$trace" ]; then
-  if wait "$trace_pid"; then
+  if [ $trace_built = 1 ]; then
     : >"$OUT/trace.txt"
     for i in "${!configs[@]}"; do : >"$scratch/trace_$i.txt"; done
     for ((rep = 1; rep <= trace_reps; ++rep)); do

@@ -84,7 +84,7 @@ def test_trace_summary_puts_both_builds_of_a_shape_together(tmp_path):
     base.write_text(_TRACE.format(wait=4.54, exit=135.94, late=" none")
                     + _TRACE.format(wait=3.0, exit=100.0, late=" 17:40:515.2:64 301:7:516.0:70"))
     new.write_text(_TRACE.format(wait=4.00, exit=134.94, late=" none"))
-    lines = ab_summary.summarise_traces(str(base), str(new)).splitlines()
+    lines = ab_summary.summarise_traces([("base", str(base)), ("new", str(new))]).splitlines()
     assert [l.split("|")[2].strip() for l in lines[2:]] == ["base", "new", "base"]
     cells = [c.strip() for c in lines[3].split("|")]
     assert cells[1] == "plain4 8 x 262144 Q=1 (137.4 us)"
