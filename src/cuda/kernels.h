@@ -102,6 +102,7 @@ struct ScoreTopkLaunch {
   int topk = 0;           // K the layout was sized for
   int select_grid = 0;    // CTAs of select_topk (256 threads each), fixed at construction
   int select_narrow_grid = 0;  // its CTAs of 128 threads, for steps with more items than that
+  int select_deep_grid = 0;    // its CTAs of 512 threads, for steps of long lists (one an SM)
   // The instance a step of `ncols_pad` padded columns (<= this->ncols_pad) launches.
   const ScoreTopkInstance& instance(int ncols) const {
     int i = 0;
@@ -160,8 +161,9 @@ cudaError_t read_select_trace(long long* host, int ctas);
 
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream);
-// Sets l->select_grid, l->select_narrow_grid and the selection kernels' shared-memory cap (the
-// request offsets are sized per launch, from the step's requests) and carveout (the largest).
+// Sets l->select_grid, l->select_narrow_grid, l->select_deep_grid and the selection kernels'
+// shared-memory cap (the request offsets are sized per launch, from the step's requests) and
+// carveout (the largest).
 cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l);
 // The selection after every score_topk: the split path's top K, or the fused path's merge of the
 // requests that spanned CTAs.

@@ -9,8 +9,9 @@
 // at most 128 keys pass it, those are ranked; otherwise the K-th largest key by an MSD radix
 // select on the 64-bit keys (8 bits a pass, usually 3-4 passes on real scores), then the <= K
 // winners ranked. Keys are kept in registers up to 2048 per list (1024 in the narrow grid for
-// steps of many items, kNarrow); longer lists (the split path at 1 x 1M, merges of many CTAs'
-// lists) are re-read from L2 every pass, 8 independent loads in flight per thread.
+// steps of many items, kNarrow; 8192 in the deep grid for steps of few, long lists, kDeep);
+// longer lists (a rank's request past 1M tokens on the split path, merges of many CTAs' lists)
+// are re-read from L2 every pass, 8 independent loads in flight per thread.
 // NOTE: merging the fused path's lists as ordered lists (each key that can still win counts
 // the larger keys of the other lists by binary search in shared memory) was measured 27-36 us
 // slower at 8 x 1M and equal at 8 x 256K (docs/perf/README.md, v8); not used.
@@ -49,8 +50,17 @@ namespace {
 // NOTE: 1024 items (64 requests x 16 columns) on 528 wide CTAs took ~4 us longer after the
 // scoring grid than 256 items did; the narrow grid measured 2.4-4.1 us faster there
 // (docs/perf/README.md, v14).
-constexpr int kWide = 256, kNarrow = 128;
-constexpr int kPerThread = 8;   // keys kept in registers; longer lists are re-read from L2
+// Steps of at most one item per SM whose lists can pass what the wide grid holds in registers
+// (kWide x kPerThread keys: a request of more than 2048 owned pages, 256K tokens on the rank)
+// take the deep grid instead: 512 threads of 16 keys each, one CTA per SM, so lists of up to
+// 8192 keys (1M tokens on the rank) are read once and kept in registers instead of re-read from
+// L2 on every pass (the group maxima's, then the gather's).
+// NOTE: measured (docs/perf/README.md, v45) -1.4 to -4.5 us at plain 1 x 1M (bf16 and fp8),
+// -0.4 to -1.8 at CP P=2 1 x 1M, -0.5 to -3.6 at plain 8 x 1M and within noise at CP 8 x 1M; its
+// 128-register CTAs hold a whole SM, yet the next call's scoring CTAs lose nothing measurable.
+constexpr int kWide = 256, kNarrow = 128, kDeep = 512;
+constexpr int kPerThread = 8;   // keys kept in registers (kDeepPerThread in the deep grid);
+constexpr int kDeepPerThread = 16;  // longer lists are re-read from L2
 constexpr int kUnroll = 8;      // L2 loads in flight per thread when re-reading
 constexpr int kBins = 256;
 // Lists up to this long are ranked directly. NOTE: rank counting reads every key once per key
@@ -116,13 +126,13 @@ __device__ void pick_bin(SelectSmem& s, int shift) {
 
 // Calls f(key) for this thread's keys of keys[0..n): registers when they fit, else L2
 // loads kUnroll at a time.
-template <int kThreads, typename F>
+template <int kThreads, int kPer, typename F>
 __device__ __forceinline__ void for_each_key(const Key* keys, int64_t n, bool in_regs,
-                                             const Key (&mine)[kPerThread], F&& f) {
+                                             const Key (&mine)[kPer], F&& f) {
   const int tid = threadIdx.x;
   if (in_regs) {
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) f(mine[j]);
+    for (int j = 0; j < kPer; ++j) f(mine[j]);
     return;
   }
   const auto* src = reinterpret_cast<const unsigned long long*>(keys);
@@ -231,18 +241,18 @@ __device__ __forceinline__ void gather_winners(Key lower, SelectSmem& s, Each&& 
 }
 
 // Selects and orders the top K of keys[0..n) (read from L2) into s.sorted.
-template <int kThreads>
+template <int kThreads, int kPer>
 __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   const int tid = threadIdx.x;
-  Key mine[kPerThread];
-  const bool in_regs = n <= static_cast<int64_t>(kThreads) * kPerThread;
+  Key mine[kPer];
+  const bool in_regs = n <= static_cast<int64_t>(kThreads) * kPer;
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) {
+  for (int j = 0; j < kPer; ++j) {
     const int64_t i = tid + static_cast<int64_t>(j) * kThreads;
     mine[j] = in_regs && i < n ? __ldcg(reinterpret_cast<const unsigned long long*>(keys) + i)
                                : kPadKey;
   }
-  auto each = [&](auto&& f) { for_each_key<kThreads>(keys, n, in_regs, mine, f); };
+  auto each = [&](auto&& f) { for_each_key<kThreads, kPer>(keys, n, in_regs, mine, f); };
   // Keys >= lower win: every real key of a short list; else the K largest, gathered above the
   // group bound when at most kCand keys pass it, above the exact K-th key (radix) otherwise.
   Key lower = 1;
@@ -277,8 +287,9 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
 // kSparse: the request offsets of a step of more than kPrefixBytes / 8 - 1 requests, every
 // 2^prefix_shift-th kept; the dense instance carries none of it.
 template <int kThreads, bool kSparse>
-__global__ void __launch_bounds__(kThreads, 1024 / kThreads)
+__global__ void __launch_bounds__(kThreads, kThreads == kDeep ? 1 : 1024 / kThreads)
     select_topk_kernel(const ScoreTopkParams p, int prefix_shift) {
+  constexpr int kPer = kThreads == kDeep ? kDeepPerThread : kPerThread;
   __shared__ SelectSmem s;
   extern __shared__ int64_t prefix_smem[];
   const int Q = p.query_len, K = p.topk, ncols = p.num_heads * Q, B = p.num_reqs;
@@ -317,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
     const RequestOffsets<kSparse> offs{s.prefix, shift, B};  // sparse: L2 reads too
     const int64_t first = offs.first(p, r), n = offs.pages(p, r);
     if (split) {
-      select_item<kThreads>(p.split_keys + col * p.split_max_pages + first, n, K, s);
+      select_item<kThreads, kPer>(p.split_keys + col * p.split_max_pages + first, n, K, s);
     } else {
       // Requests without pages or scored by one CTA alone were finished by score_topk (the
       // conditions are uniform across the CTA): with a channel, their keys are sent from here.
@@ -330,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
         }
         continue;
       }
-      select_item<kThreads>(p.partial + partial_index(col, c0 + r, p.num_slots, K),
+      select_item<kThreads, kPer>(p.partial + partial_index(col, c0 + r, p.num_slots, K),
                             (c1 - c0 + 1) * K, K, s);
     }
     for (int i = threadIdx.x; i < K; i += kThreads) {
@@ -357,20 +368,29 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads)
   CPIDX_SELECT_CLOCK(threadIdx.x == 0, kSExitClock);
 }
 
-// The instance for a launch: the narrow grid's (128 threads) or the wide one's, with sparse
-// request offsets or every one kept. Plan and launch both go through it.
+// The instance for a launch: the narrow grid's (128 threads), the wide one's or the deep one's,
+// with sparse request offsets or every one kept. Plan and launch both go through it.
+enum class SelectGrid { kWide, kNarrow, kDeep };
 using SelectKernel = void (*)(ScoreTopkParams, int);
-SelectKernel select_kernel(bool narrow, bool sparse) {
-  if (narrow) return sparse ? select_topk_kernel<kNarrow, true> : select_topk_kernel<kNarrow, false>;
-  return sparse ? select_topk_kernel<kWide, true> : select_topk_kernel<kWide, false>;
+SelectKernel select_kernel(SelectGrid grid, bool sparse) {
+  switch (grid) {
+    case SelectGrid::kNarrow:
+      return sparse ? select_topk_kernel<kNarrow, true> : select_topk_kernel<kNarrow, false>;
+    case SelectGrid::kDeep:
+      return sparse ? select_topk_kernel<kDeep, true> : select_topk_kernel<kDeep, false>;
+    default:
+      return sparse ? select_topk_kernel<kWide, true> : select_topk_kernel<kWide, false>;
+  }
 }
 
-// Calls f(kernel) for each of the four instances, up to the first error.
+// Calls f(kernel) for each of the six instances, up to the first error.
 template <typename F>
 cudaError_t for_each_instance(F&& f) {
-  for (int i = 0; i < 4; ++i) {
-    const cudaError_t e = f(select_kernel((i & 1) != 0, (i & 2) != 0));
-    if (e != cudaSuccess) return e;
+  for (SelectGrid g : {SelectGrid::kWide, SelectGrid::kNarrow, SelectGrid::kDeep}) {
+    for (bool sparse : {false, true}) {
+      const cudaError_t e = f(select_kernel(g, sparse));
+      if (e != cudaSuccess) return e;
+    }
   }
   return cudaSuccess;
 }
@@ -406,6 +426,7 @@ cudaError_t plan_select_topk(int device, ScoreTopkLaunch* l) {
   // Items beyond the grid loop; steps with more items than the wide grid take the narrow one.
   l->select_grid = 4 * sms;
   l->select_narrow_grid = 8 * sms;
+  l->select_deep_grid = sms;
   return cudaSuccess;
 }
 
@@ -426,10 +447,23 @@ cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& 
   const size_t smem = ((static_cast<size_t>(p.num_reqs) >> shift) + 1) * sizeof(int64_t);
   // Items per step are host values (requests x heads x Q), so a captured graph keeps its choice.
   const int64_t items = static_cast<int64_t>(p.num_reqs) * p.num_heads * p.query_len;
-  const bool narrow = items > l.select_grid;
-  const int grid = narrow ? l.select_narrow_grid : l.select_grid;
-  const int threads = narrow ? kNarrow : kWide;
-  return launch_with_pdl(p.pdl, select_kernel(narrow, shift > 0), grid, threads, smem, stream, p,
+  // The deep grid where a request may own more of the rank's pages than the wide grid holds keys
+  // in registers (the split path's list has a key per page; max_seq_len is a host value, so a
+  // captured graph keeps its choice). Every grid is exact on lists of any length: past its
+  // registers it re-reads them from L2.
+  const int64_t rank_pages = cdiv(cdiv(static_cast<int64_t>(p.max_seq_len), kBlockSize), p.world);
+  SelectGrid kind = SelectGrid::kWide;
+  int grid = l.select_grid, threads = kWide;
+  if (items > l.select_grid) {
+    kind = SelectGrid::kNarrow;
+    grid = l.select_narrow_grid;
+    threads = kNarrow;
+  } else if (items <= l.select_deep_grid && rank_pages > int64_t{kWide} * kPerThread) {
+    kind = SelectGrid::kDeep;
+    grid = l.select_deep_grid;
+    threads = kDeep;
+  }
+  return launch_with_pdl(p.pdl, select_kernel(kind, shift > 0), grid, threads, smem, stream, p,
                          shift);
 }
 

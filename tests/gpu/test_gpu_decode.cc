@@ -2,8 +2,8 @@
 // padding rows, shuffled block tables, bf16 and fp8), the golden cases (exact, plain and
 // context-parallel), simulated context-parallel ranks == plain decode bitwise, tie-heavy inputs,
 // block scores rising through long requests (candidate buffers refilled), the fused sparse
-// table, CUDA-graph replay with changing lengths, objects torn down during a capture, and bad
-// device values.
+// table, CUDA-graph replay with changing lengths, objects torn down during a capture, bad
+// device values, and the selection's three grids (many items, few long lists).
 // Every test skips cleanly without a GPU.
 #include <gtest/gtest.h>
 
@@ -489,6 +489,42 @@ TEST(GpuDecode, StepsWithMoreItemsThanTheWideSelectionGrid) {
           d, sel_of(16),
           "items=" + std::to_string(reqs * cols) + " max_len=" + std::to_string(max_len));
     }
+  }
+}
+
+// Requests owning more of a rank's pages than the wide selection grid holds keys in registers
+// (2048) take the deep grid (512 threads, 16 keys each, one CTA an SM) when the step has at most
+// one item per SM: lists of 2049 to 8192 keys in its registers, longer ones re-read from L2.
+// Both paths against the reference at K = 16 and 64, tie-heavy keys in contract order, and
+// simulated context-parallel ranks (P = 2 and 4: a rank's share of a request's pages on either
+// side of 2048) bit for bit equal to the plain decode.
+TEST(GpuDecode, LongListsTakeTheDeepSelectionGrid) {
+  SKIP_WITHOUT_GPU();
+  // 2049 pages, a padding request, and 8193 (one past the deep grid's registers) less 5 tokens.
+  const int32_t max_len = 8193 * kBS;
+  const std::vector<int32_t> s = {2049 * kBS, 0, 8193 * kBS - 5};
+  for (int Q : {1, 4}) {
+    DecodeData d = random_decode(6700 + Q, 4, Q, s, max_len);
+    for (int K : {16, 64}) {
+      expect_matches_reference(d, sel_of(K), "Q=" + std::to_string(Q) + " K=" + std::to_string(K));
+    }
+    const Selection sel = sel_of(16);
+    const std::vector<int32_t> plain = gpu_decode(d, sel);
+    for (int P : {2, 4}) {
+      for (Path path : kBothPaths) {
+        UsePath use(path);
+        EXPECT_EQ(gpu_cp_simulated(d, sel, P), plain)
+            << "P=" << P << " Q=" << Q << " " << path_name(path);
+      }
+    }
+  }
+  DecodeData t = random_decode(6710, 2, 1, {3000 * kBS, 1000 * kBS}, 3000 * kBS, DType::kBF16,
+                               Values::kTies, 1.0f);
+  const Selection sel = sel_of(16, 1, 2);
+  const std::vector<int32_t> want = cpu_decode(t, sel);
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    EXPECT_EQ(gpu_decode(t, sel), want) << "ties must match exactly, " << path_name(path);
   }
 }
 
