@@ -7,6 +7,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#if defined(CPIDX_TRACE) && defined(__CUDACC__)
+#include "device_utils.cuh"  // the device side only: host code (bench.cc) reads the constants
+#endif
+
 namespace cpidx {
 namespace cuda {
 
@@ -51,11 +55,7 @@ constexpr int kTracePages = 512;
 
 #if defined(CPIDX_TRACE) && defined(__CUDACC__)
 static __device__ long long g_score_trace[kTraceCtas * kTraceSlots];
-__device__ __forceinline__ long long trace_now() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+__device__ __forceinline__ long long trace_now() { return globaltimer_ns(); }
 __device__ __forceinline__ long long trace_smid() {
   int smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
