@@ -56,8 +56,9 @@ namespace {
 // 8192 keys (1M tokens on the rank) are read once and kept in registers instead of re-read from
 // L2 on every pass (the group maxima's, then the gather's).
 // NOTE: measured (docs/perf/README.md, v45) -1.4 to -4.5 us at plain 1 x 1M (bf16 and fp8),
-// -0.4 to -1.8 at CP P=2 1 x 1M, -0.5 to -3.6 at plain 8 x 1M and within noise at CP 8 x 1M; its
-// 128-register CTAs hold a whole SM, yet the next call's scoring CTAs lose nothing measurable.
+// -0.3 to -1.8 at CP P=2 1 x 1M, 0 to -3.6 at plain 8 x 1M and within noise at CP 8 x 1M; its
+// 128-register CTAs hold a whole SM, yet the next call's scoring CTAs lose nothing measurable
+// (8 x 1M at Q = 4: 128 items, the deep grid on 128 SMs).
 constexpr int kWide = 256, kNarrow = 128, kDeep = 512;
 constexpr int kPerThread = 8;   // keys kept in registers (kDeepPerThread in the deep grid);
 constexpr int kDeepPerThread = 16;  // longer lists are re-read from L2
