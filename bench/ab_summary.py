@@ -2,8 +2,9 @@
 """Summarise a `scripts/device_ab.sh` run: the tree ("base") against the patched tree ("new").
 
   ab_summary.py ab.json
-      one line per (config, shape): every run's microseconds of each build, the change of the
-      means, and `*` where the two builds' runs do not overlap (a move beyond the runs' spread).
+      one line per (config, shape): every run's microseconds of each build, each build's slowest
+      replay over its runs (`max_us`, where the rows have it), the change of the means, and `*`
+      where the two builds' runs do not overlap (a move beyond the runs' spread).
   ab_summary.py --trace trace_base.txt trace_new.txt
       one line per shape and build from `cpidx bench --trace`: the medians over the CTAs of the
       scoring grid's milestones (PDL wait, first copy issued, first page landed, last copy issued,
@@ -40,17 +41,23 @@ def summarise_ab(path):
     for run in runs:
         for row in run["results"] or []:
             key = (run["config"],) + tuple(row.get(k) for k in SHAPE_KEYS)
-            table.setdefault(key, {"base": [], "new": []})[run["build"]].append(row["us"])
-    lines = ["| shape | base us | new us | change (means) | |", "|---|---|---|---|---|"]
+            by = table.setdefault(key, {"base": [], "new": [], "base_max": [], "new_max": []})
+            by[run["build"]].append(row["us"])
+            if "max_us" in row:
+                by[run["build"] + "_max"].append(row["max_us"])
+    lines = ["| shape | base us | new us | slowest base / new | change (means) | |",
+             "|---|---|---|---|---|---|"]
     for key, by in table.items():
         base, new = by["base"], by["new"]
         if not base or not new:
-            lines.append(f"| {shape_name(key)} | {base} | {new} | - | missing runs |")
+            lines.append(f"| {shape_name(key)} | {base} | {new} | - | - | missing runs |")
             continue
         change = sum(new) / len(new) - sum(base) / len(base)
         apart = max(new) < min(base) or min(new) > max(base)
         fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
-        lines.append(f"| {shape_name(key)} | {fmt(base)} | {fmt(new)} | {change:+.2f} "
+        slow = lambda xs: f"{max(xs):.2f}" if xs else "-"
+        lines.append(f"| {shape_name(key)} | {fmt(base)} | {fmt(new)} | "
+                     f"{slow(by['base_max'])} / {slow(by['new_max'])} | {change:+.2f} "
                      f"({100 * change / (sum(base) / len(base)):+.1f}%) | {'*' if apart else ''} |")
     return "\n".join(lines)
 

@@ -12,9 +12,12 @@ ab_summary = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ab_summary)
 
 
-def _row(us, reqs=8, context=262144, mode="plain", world=1):
-    return {"mode": mode, "heads": 4, "world": world, "reqs": reqs, "context": context,
-            "qlen": 1, "us": us, "check": "ok"}
+def _row(us, reqs=8, context=262144, mode="plain", world=1, max_us=None):
+    row = {"mode": mode, "heads": 4, "world": world, "reqs": reqs, "context": context,
+           "qlen": 1, "us": us, "check": "ok"}
+    if max_us is not None:
+        row["max_us"] = max_us
+    return row
 
 
 def test_ab_summary_groups_runs_and_marks_moves_beyond_the_spread(tmp_path):
@@ -22,9 +25,11 @@ def test_ab_summary_groups_runs_and_marks_moves_beyond_the_spread(tmp_path):
     times = [(130.0, 128.0, 20.0, 20.5), (131.0, 128.5, 21.0, 19.9)]  # (base, new) x 2 shapes
     for rep, (b1, n1, b2, n2) in enumerate(times):
         runs.append({"build": "base", "rep": rep + 1, "config": "",
-                     "results": [_row(b1), _row(b2, reqs=1, context=8192, mode="cp", world=2)]})
+                     "results": [_row(b1, max_us=b1 + 30 * rep),
+                                 _row(b2, reqs=1, context=8192, mode="cp", world=2)]})
         runs.append({"build": "new", "rep": rep + 1, "config": "",
-                     "results": [_row(n1), _row(n2, reqs=1, context=8192, mode="cp", world=2)]})
+                     "results": [_row(n1, max_us=n1 + 1),
+                                 _row(n2, reqs=1, context=8192, mode="cp", world=2)]})
     path = tmp_path / "ab.json"
     path.write_text(json.dumps({"runs": runs}))
     lines = ab_summary.summarise_ab(str(path)).splitlines()
@@ -32,8 +37,10 @@ def test_ab_summary_groups_runs_and_marks_moves_beyond_the_spread(tmp_path):
     plain = next(l for l in lines if l.startswith("| plain h4 8 x 256K Q=1 "))
     assert "130.00, 131.00" in plain and "128.00, 128.50" in plain
     assert "-2.25 (-1.7%)" in plain and plain.rstrip().endswith("| * |")  # the runs do not overlap
+    assert "| 161.00 / 129.50 |" in plain  # each build's slowest replay over its runs
     cp = next(l for l in lines if l.startswith("| cp h4 P=2 1 x 8K Q=1 "))
     assert "-0.30" in cp and cp.rstrip().endswith("|  |")  # 19.9-20.5 overlaps 20.0-21.0
+    assert "| - / - |" in cp  # rows without max_us
 
 
 def test_ab_summary_reports_a_build_without_runs(tmp_path):
