@@ -60,8 +60,8 @@ namespace {
 // 128-register CTAs hold a whole SM, yet the next call's scoring CTAs lose nothing measurable
 // (8 x 1M at Q = 4: 128 items, the deep grid on 128 SMs).
 constexpr int kWide = 256, kNarrow = 128, kDeep = 512;
-constexpr int kPerThread = 8;   // keys kept in registers (kDeepPerThread in the deep grid);
-constexpr int kDeepPerThread = 16;  // longer lists are re-read from L2
+constexpr int kPerThread = 8;       // keys kept in registers by the wide and narrow grids,
+constexpr int kDeepPerThread = 16;  // by the deep grid; longer lists are re-read from L2
 constexpr int kUnroll = 8;      // L2 loads in flight per thread when re-reading
 constexpr int kBins = 256;
 // Lists up to this long are ranked directly. NOTE: rank counting reads every key once per key
@@ -287,6 +287,7 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
 
 // kSparse: the request offsets of a step of more than kPrefixBytes / 8 - 1 requests, every
 // 2^prefix_shift-th kept; the dense instance carries none of it.
+// The deep grid's bound is one CTA an SM: 128 registers a thread hold its 16 keys unspilled.
 template <int kThreads, bool kSparse>
 __global__ void __launch_bounds__(kThreads, kThreads == kDeep ? 1 : 1024 / kThreads)
     select_topk_kernel(const ScoreTopkParams p, int prefix_shift) {
@@ -452,7 +453,7 @@ cudaError_t launch_select_topk(const ScoreTopkParams& p, const ScoreTopkLaunch& 
   // in registers (the split path's list has a key per page; max_seq_len is a host value, so a
   // captured graph keeps its choice). Every grid is exact on lists of any length: past its
   // registers it re-reads them from L2.
-  const int64_t rank_pages = cdiv(cdiv(static_cast<int64_t>(p.max_seq_len), kBlockSize), p.world);
+  const int64_t rank_pages = owned_blocks(p.max_blocks, p.world, 0);  // rank 0 owns the most
   SelectGrid kind = SelectGrid::kWide;
   int grid = l.select_grid, threads = kWide;
   if (items > l.select_grid) {
