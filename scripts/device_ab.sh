@@ -33,19 +33,17 @@
 #   scripts/device_ab.sh --config "" --config "--max-tokens 8192" \
 #     --tests 'GpuDecode.*:GpuWorkStealing.*' docs/perf/raw/v17e_dense_offsets_when_the_batch_fits.patch
 set -uo pipefail
-configs=() shapes="--modes plain4,cp2 --reqs 1,8 --contexts 8192,262144 --qlens 1,4" reps=2
-tests="" sanitize="" trace="" trace_reps=1 patch="" budget=580
+# shellcheck source=scripts/device_common.sh
+. "$(dirname "$0")/device_common.sh"
+tests="" sanitize="" patch="" budget=580
 while [ $# -gt 0 ]; do
+  bench_option "$@"
+  [ "$taken" -gt 0 ] && { shift "$taken"; continue; }
   case "$1" in
-    --config) configs+=("$2"); shift 2 ;;
-    --shapes) shapes=$2; shift 2 ;;
-    --reps) reps=$2; shift 2 ;;
     --tests) tests=$2; shift 2 ;;
-    --trace) trace=$2; shift 2 ;;
-    --trace-reps) trace_reps=$2; shift 2 ;;
     --sanitize) sanitize=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
     -*) echo "device_ab.sh: unknown option $1" >&2; exit 2 ;;
     *) [ -z "$patch" ] || { echo "device_ab.sh: one PATCH only" >&2; exit 2; }; patch=$1; shift ;;
   esac
@@ -56,8 +54,6 @@ if [ -z "$patch" ] || [ ! -f "$patch" ]; then
 fi
 patch_file=$(realpath "$patch")
 [ ${#configs[@]} -eq 0 ] && configs=("")
-# shellcheck source=scripts/device_common.sh
-. "$(dirname "$0")/device_common.sh"
 device_log_start ab.txt
 
 # The patched copy: the tree without build outputs, then the patch (git apply in a repository of

@@ -21,22 +21,18 @@
 #   scripts/device_configs.sh --shapes "--dtype fp8 --modes plain4 --reqs 64 --contexts 262144 \
 #     --qlens 4 --replays 30" --config "" --config "--neighbour-us 20 --neighbour-smem-kb 110"
 set -uo pipefail
-configs=() shapes="--modes plain4,cp2 --reqs 1,8 --contexts 8192,262144 --qlens 1,4" reps=2
-trace="" trace_reps=2
+# shellcheck source=scripts/device_common.sh
+. "$(dirname "$0")/device_common.sh"
+trace_reps=2
 while [ $# -gt 0 ]; do
+  bench_option "$@"
+  [ "$taken" -gt 0 ] && { shift "$taken"; continue; }
   case "$1" in
-    --config) configs+=("$2"); shift 2 ;;
-    --shapes) shapes=$2; shift 2 ;;
-    --reps) reps=$2; shift 2 ;;
-    --trace) trace=$2; shift 2 ;;
-    --trace-reps) trace_reps=$2; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
     *) echo "device_configs.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 [ ${#configs[@]} -eq 0 ] && configs=("")
-# shellcheck source=scripts/device_common.sh
-. "$(dirname "$0")/device_common.sh"
 device_log_start configs.txt
 
 # Both builds at once, and both done before the first bench (a compile beside it would take
