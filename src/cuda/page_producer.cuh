@@ -305,7 +305,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
     }
     // Pages from the backs of the 8 CTAs on each side and 16 spread over the grid: each lane
     // looks at one of them (steal_victim), the lane that sees the most left takes up to
-    // kStealPages by compare-and-swap on the value it read.
+    // kStealPages: by compare-and-swap on the value it read if that starts the range, else by
+    // subtracting them from the back (work_steal.h).
     const int64_t victim = steal_victim(blockIdx.x, lane, w.ctas);
     const bool can = in_grid(victim, w.ctas);
     for (;;) {
@@ -321,14 +322,22 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
       if (best == 0) break;
       const int taker = __ffs(__ballot_sync(0xffffffffu, avail == best)) - 1;
       const int64_t take = best < kStealPages ? best : kStealPages;
-      bool won = false;
+      int64_t lo = 0, hi = 0;
       if (lane == taker) {
-        won = atomicCAS(words + victim, seen, pack_range(vf, vb - take)) == seen;
+        if (seen == kUnstarted) {
+          if (atomicCAS(words + victim, seen, pack_range(vf, vb - take)) == seen) {
+            lo = vb - take;
+            hi = vb;
+          }
+        } else {
+          stolen_range(atomicAdd(words + victim, steal_delta(take)), take, &lo, &hi);
+        }
       }
-      if (!__shfl_sync(0xffffffffu, won, taker)) continue;  // the word moved: look again
-      const int64_t to = __shfl_sync(0xffffffffu, vb, taker);
-      CPIDX_TRACE_ADD(lane == 0, kTStolen, take);
-      issue(to - take, to);
+      lo = __shfl_sync(0xffffffffu, lo, taker);
+      hi = __shfl_sync(0xffffffffu, hi, taker);
+      if (hi <= lo) continue;  // another CTA started the range, or it ran dry: look again
+      CPIDX_TRACE_ADD(lane == 0, kTStolen, hi - lo);
+      issue(lo, hi);
     }
     // Done with the words; the last producer of the grid resets them for the next call.
     bool reset = false;

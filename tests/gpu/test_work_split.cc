@@ -83,7 +83,7 @@ struct StealSim {
   std::vector<int64_t> prefix;         // requests' page offsets
   std::vector<unsigned long long> words;  // [ctas + 1], as in the workspace
   std::vector<int> claims;             // per page, this call
-  int64_t taken = 0, taken_across = 0, started_by_others = 0, lost_races = 0;
+  int64_t taken = 0, taken_across = 0, started_by_others = 0, lost_races = 0, dry_takes = 0;
 
   int request_of(int64_t x) const {
     return static_cast<int>(std::upper_bound(prefix.begin(), prefix.end(), x) - prefix.begin()) - 1;
@@ -152,15 +152,30 @@ struct StealCta {
         phase = kTake;
         break;
       }
-      case kTake: {  // compare-and-swap on the value read
+      case kTake: {  // compare-and-swap on the value read to start it, else subtract
         unsigned long long& w = sim.words[static_cast<size_t>(victim)];
-        if (w == seen) {
-          w = ws::pack_range(vf, vb - take);
-          if (seen == ws::kUnstarted) ++sim.started_by_others;
-          sim.taken += take;
-          claim(sim, vb - take, vb, true);
+        if (seen == ws::kUnstarted) {
+          if (w == seen) {
+            w = ws::pack_range(vf, vb - take);
+            ++sim.started_by_others;
+            sim.taken += take;
+            claim(sim, vb - take, vb, true);
+          } else {
+            ++sim.lost_races;
+          }
         } else {
-          ++sim.lost_races;
+          const unsigned long long old = w;
+          w += ws::steal_delta(take);  // atomicAdd
+          int64_t lo = 0, hi = 0;
+          if (ws::stolen_range(old, take, &lo, &hi)) {
+            if (w != old + ws::steal_delta(take) || ws::range_front(w) != ws::range_front(old)) {
+              ADD_FAILURE() << "the subtraction moved the front";
+            }
+            sim.taken += hi - lo;
+            claim(sim, lo, hi, true);
+          } else {
+            ++sim.dry_takes;
+          }
         }
         phase = kLook;
         break;
@@ -231,13 +246,16 @@ TEST(SplitWorkStealing, EveryPageClaimedOnceWhateverTheInterleaving) {
     totals.taken_across += sim.taken_across;
     totals.started_by_others += sim.started_by_others;
     totals.lost_races += sim.lost_races;
+    totals.dry_takes += sim.dry_takes;
   }
   // The interleavings did exercise each branch: pages taken (of other requests too), ranges
-  // started by a taker (late owners), compare-and-swaps lost to a concurrent claim.
+  // started by a taker (late owners), starts lost to a concurrent claim, and subtractions that
+  // found the range dry (takers together past its front).
   EXPECT_GT(totals.taken, 1000);
   EXPECT_GT(totals.taken_across, 100);
   EXPECT_GT(totals.started_by_others, 100);
-  EXPECT_GT(totals.lost_races, 100);
+  EXPECT_GT(totals.lost_races, 10);
+  EXPECT_GT(totals.dry_takes, 10);
 }
 
 }  // namespace
