@@ -69,23 +69,33 @@ SELECT = ("select_loaded", "select_maxima", "select_bound", "select_gathered", "
 ROW = re.compile(r"^(plain\d*|cp\d+|step\d+)\s")
 STAT = re.compile(r"^#\s+(\w+)\s+([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)")
 LATE = re.compile(r"^#\s+late CTAs \([^)]*\):(.*)$")
+SLOWEST = re.compile(r"^# slowest replay: (\d+) of \d+, ([-\d.]+) us a call")
 
 
 def trace_rows(path):
-    """(row label, {stat: median}) for each bench row of a `cpidx bench --trace` output."""
-    rows, stats = [], {}
+    """(row label, {stat: median}) for each bench row of a `cpidx bench --trace` output, and
+    for the slowest replay's trace where the row has one (its label says which replay)."""
+    rows, stats, last, slowest = [], {}, None, None
     for line in open(path):
         m = STAT.match(line)
         late = LATE.match(line)
-        if m:
+        slow = SLOWEST.match(line)
+        if slow:  # the row's last call's trace is done; the slowest replay's follows
+            last, stats = stats, {}
+            slowest = f"slowest #{slow.group(1)}, {float(slow.group(2)):.2f} us"
+        elif m:
             stats[m.group(1)] = float(m.group(3))  # min / median / p90 / max: the median
         elif late:
             entries = late.group(1).split()
             stats["late"] = 0 if entries == ["none"] else len(entries)
         elif ROW.match(line):
             f = line.split()
-            rows.append((f"{f[0]} {f[2]} x {f[3]} Q={f[4]} ({f[7]} us)", stats))
-            stats = {}
+            label = f"{f[0]} {f[2]} x {f[3]} Q={f[4]} ({f[7]} us)"
+            if slowest is None:
+                rows.append((label, stats))
+            else:
+                rows += [(label, last), (f"{label} {slowest}", stats)]
+            stats, last, slowest = {}, None, None
     return rows
 
 

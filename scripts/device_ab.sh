@@ -19,9 +19,10 @@
 #   --reps N           alternations per config (default 2)
 #   --trace "FLAGS"    then build both trees with the timeline (scripts/device_trace.sh, at
 #                      once) and run `cpidx bench --trace FLAGS` on each, one after the other
-#   --trace-reps N     that many traced runs a build, alternated (default 1): a trace is of one
-#                      launch, so an event in some launches only (a CTA placed late, v41-slow)
-#                      needs several; each run is a row of the trace summary
+#   --trace-reps N     that many traced runs a build, alternated (default 1): a run traces its
+#                      last call and its slowest replay's last call (two rows of the trace
+#                      summary), so an event in a few replays only (a CTA placed late, v41-slow)
+#                      shows in the second row; several runs catch rarer ones
 #   --tests FILTER     then run the new build's cpidx_gpu_tests with this gtest filter
 #   --sanitize TOOL    then scripts/gpu_sanitize.sh TOOL in the new tree (memcheck|racecheck|
 #                      synccheck|all)

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -88,7 +89,15 @@ struct Result {
   std::string check;
 };
 
-void print_trace(int grid, int select_items, double page_bytes);
+// What the trace build's buffers (score_trace.cuh) held after one launch: the scoring kernel's
+// per-CTA slots and page landings, the selection's stamps.
+struct TraceSnapshot {
+  std::vector<long long> score, pages, select;
+  bool has_pages = false, has_select = false;
+  // Reads them (cudaErrorNotSupported: the library was built without -DCPIDX_TRACE).
+  cudaError_t read(int grid, int select_items);
+};
+void print_trace(const TraceSnapshot& snap, int grid, int select_items, double page_bytes);
 
 class Bench {
  public:
@@ -119,7 +128,8 @@ class Bench {
   void set_work_stealing(bool on) { work_stealing_ = on; }
   // Calls per graph replay at least this (the sets repeated in turn); 0: the peer's method.
   void set_min_calls(int calls) { min_calls_ = calls; }
-  // Print the fused kernel's per-CTA timeline of each shape's last timed call.
+  // Print the fused kernel's per-CTA timeline of each shape's last timed call, then that of
+  // the slowest timed replay's last call.
   void set_trace(bool trace) { trace_ = trace; }
   // A kernel before every decode call in the graph (us > 0), timed alone and subtracted.
   void set_neighbour(const Neighbour& n) { neighbour_ = n; }
@@ -329,9 +339,41 @@ Result Bench::run(const Shape& sh, int replays) {
   cudaGraphExec_t exec;
   capture(true, &exec);
   float median_ms = 0, gpu_ms = 0, max_ms = 0;
-  BENCH_CUDA(median_graph_ms(exec, stream, 3, replays, &median_ms, false, &max_ms, &res.max_at));
+  // With the trace, the buffers are read after each replay slower than those before it (a
+  // copy between replays, which the timing already separates): the slowest one's stays.
+  const int select_items = static_cast<int>(sh.reqs) * T * static_cast<int>(sh.qlen);
+  TraceSnapshot slowest;
+  float slowest_ms = -1;
+  int slowest_at = -1;
+  std::function<cudaError_t(int, float)> keep_slowest;
+  if (trace_) {
+    keep_slowest = [&](int i, float ms) {
+      if (ms <= slowest_ms) return cudaSuccess;
+      slowest_ms = ms;
+      slowest_at = i;
+      const cudaError_t e = slowest.read(res.grid, select_items);
+      if (e == cudaErrorNotSupported) cudaGetLastError();  // no trace build: printed below
+      return e == cudaErrorNotSupported ? cudaSuccess : e;
+    };
+  }
+  BENCH_CUDA(median_graph_ms(exec, stream, 3, replays, &median_ms, false, &max_ms, &res.max_at,
+                             keep_slowest));
   BENCH_CUDA(median_graph_ms(exec, stream, 1, replays, &gpu_ms, /*hold_stream=*/true));
-  if (trace_) print_trace(res.grid, sh.reqs * T * sh.qlen, static_cast<double>(page_bytes_));
+  if (trace_) {
+    TraceSnapshot last;
+    const cudaError_t e = last.read(res.grid, select_items);
+    if (e == cudaErrorNotSupported) {
+      cudaGetLastError();
+      std::printf("# trace: the library was built without -DCPIDX_TRACE\n");
+    } else {
+      BENCH_CUDA(e);
+      const double pb = static_cast<double>(page_bytes_);
+      print_trace(last, res.grid, select_items, pb);
+      std::printf("# slowest replay: %d of %d, %.2f us a call (median %.2f); its last call:\n",
+                  slowest_at, replays, slowest_ms * 1e3 / calls, median_ms * 1e3 / calls);
+      print_trace(slowest, res.grid, select_items, pb);
+    }
+  }
   res.neighbour_us = neighbour_ms * 1e3 / calls;
   res.us = (median_ms - neighbour_ms) * 1e3 / calls;
   res.max_us = (max_ms - neighbour_ms) * 1e3 / calls;
@@ -405,16 +447,23 @@ void print_late_ctas(const std::vector<long long>& t, const std::vector<int>& ct
               late.empty() ? " none" : late.c_str());
 }
 
-// The timeline of the fused kernel's last launch (score_trace.cuh), over the CTAs that scored
-// pages: stamps in us after the earliest entry, cycle sums in us at the SM's rated clock.
-void print_trace(int grid, int select_items, double page_bytes) {
+cudaError_t TraceSnapshot::read(int grid, int select_items) {
   using namespace cpidx::cuda;
-  std::vector<long long> t(static_cast<size_t>(grid) * kTraceSlots);
-  if (read_score_trace(t.data(), grid) != cudaSuccess) {
-    cudaGetLastError();
-    std::printf("# trace: the library was built without -DCPIDX_TRACE\n");
-    return;
-  }
+  score.resize(static_cast<size_t>(grid) * kTraceSlots);
+  if (cudaError_t e = read_score_trace(score.data(), grid); e != cudaSuccess) return e;
+  pages.resize(static_cast<size_t>(grid) * kTracePages);
+  has_pages = read_page_trace(pages.data(), grid) == cudaSuccess;
+  const int sel_ctas = std::min(select_items, kTraceCtas);
+  select.resize(static_cast<size_t>(sel_ctas) * kSelectSlots);
+  has_select = sel_ctas > 0 && read_select_trace(select.data(), sel_ctas) == cudaSuccess;
+  return cudaSuccess;
+}
+
+// The timeline of one launch of the fused kernel (score_trace.cuh), over the CTAs that scored
+// pages: stamps in us after the earliest entry, cycle sums in us at the SM's rated clock.
+void print_trace(const TraceSnapshot& snap, int grid, int select_items, double page_bytes) {
+  using namespace cpidx::cuda;
+  const std::vector<long long>& t = snap.score;
   int khz = 0;
   cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
   long long t0 = -1;
@@ -477,8 +526,8 @@ void print_trace(int grid, int select_items, double page_bytes) {
   print_clock("sm_clock_mhz", t, kTraceSlots, ctas, kTEntry, kTExit, kTEntryClock, kTExitClock);
   print_late_ctas(t, ctas, t0);
   // The rate at which pages landed (every CTA's first kTracePages, as full pages), per 2 us.
-  std::vector<long long> pt(static_cast<size_t>(grid) * kTracePages);
-  if (read_page_trace(pt.data(), grid) == cudaSuccess) {
+  const std::vector<long long>& pt = snap.pages;
+  if (snap.has_pages) {
     std::vector<double> at;
     long long stale = 0;  // stamps older than this launch (none since v41-slow's fix): a guard
     for (int c : ctas) {
@@ -514,8 +563,8 @@ void print_trace(int grid, int select_items, double page_bytes) {
   }
   // select_topk after the grid (its CTAs with an item), on the same clock.
   const int sel_ctas = std::min(select_items, kTraceCtas);
-  std::vector<long long> st(static_cast<size_t>(sel_ctas) * kSelectSlots);
-  if (sel_ctas > 0 && read_select_trace(st.data(), sel_ctas) == cudaSuccess) {
+  const std::vector<long long>& st = snap.select;
+  if (snap.has_select) {
     for (int slot : {kSEntry, kSWaited, kSLoaded, kSMaxima, kSBound, kSGathered, kSRanked, kSExit}) {
       std::vector<double> v;
       for (int c = 0; c < sel_ctas; ++c) {
@@ -603,8 +652,9 @@ int run_bench(int argc, char** argv) {
       .add("min-calls", &min_calls,
            "decode calls per graph replay at least this (0: one per input set, as the peer)")
       .add("trace", &trace,
-           "print the fused kernel's per-CTA timeline and the rate its pages landed at (a "
-           "library built with -DCPIDX_TRACE)")
+           "print the fused kernel's per-CTA timeline and the rate its pages landed at, for the "
+           "last call and for the slowest timed replay's last call (a library built with "
+           "-DCPIDX_TRACE)")
       .add("neighbour-us", &neighbour.us,
            "before every decode call (plainH / cpP modes), a kernel standing for the engine's "
            "previous one, each CTA spinning this long (0: none); timed alone and subtracted (us, "

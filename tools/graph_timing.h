@@ -1,6 +1,9 @@
 // tools/graph_timing.h: how the benchmarks time a captured CUDA graph: `warmup` untimed
 // launches, then `replays` launches each between two events on the stream; the median (and,
-// if asked, the slowest and its index among the timed replays).
+// if asked, the slowest and its index among the timed replays). `after_replay`, if given, is
+// called on the host after each timed replay has finished, before the next is launched, with
+// its index and time (ms): what the GPU left of that replay (a trace) can be read there; an
+// error it returns ends the timing.
 //
 // Two clocks: the plain one (the peer's method, PEER_H200.md) starts when the GPU reaches the
 // first event, so it also counts the host's cudaGraphLaunch latency before the graph's first
@@ -13,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <vector>
 
 namespace cpidx::tools {
@@ -27,7 +31,8 @@ inline void CUDART_CB spin_until_released(void* flag) {
 
 inline cudaError_t median_graph_ms(cudaGraphExec_t exec, cudaStream_t stream, int warmup,
                                    int replays, float* median_ms, bool hold_stream = false,
-                                   float* max_ms = nullptr, int* max_at = nullptr) {
+                                   float* max_ms = nullptr, int* max_at = nullptr,
+                                   const std::function<cudaError_t(int, float)>& after_replay = {}) {
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   cudaError_t e = cudaEventCreate(&e0);
   if (e == cudaSuccess) e = cudaEventCreate(&e1);
@@ -43,7 +48,10 @@ inline cudaError_t median_graph_ms(cudaGraphExec_t exec, cudaStream_t stream, in
     if (e == cudaSuccess) e = cudaEventSynchronize(e1);
     float ms = 0;
     if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, e0, e1);
-    if (e == cudaSuccess && i >= warmup) times.push_back(ms);
+    if (e == cudaSuccess && i >= warmup) {
+      times.push_back(ms);
+      if (after_replay) e = after_replay(i - warmup, ms);
+    }
   }
   if (e != cudaSuccess) cudaStreamSynchronize(stream);  // the host function has returned
   if (e0) cudaEventDestroy(e0);

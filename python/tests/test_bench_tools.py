@@ -102,6 +102,23 @@ def test_trace_summary_puts_both_builds_of_a_shape_together(tmp_path):
     assert "-" in cells  # milestones the trace did not print
 
 
+def test_trace_summary_gives_the_slowest_replay_its_own_row(tmp_path):
+    # The bench prints the last call's trace, then the slowest replay's, then the row.
+    last, slow = _TRACE.split("plain4")[0], _TRACE.format(wait=9.5, exit=170.0, late=" none")
+    path = tmp_path / "trace.txt"
+    path.write_text(last.format(wait=4.54, exit=135.94, late=" none")
+                    + "# slowest replay: 42 of 100, 171.25 us a call (median 137.40); its last call:\n"
+                    + slow + _TRACE.format(wait=4.0, exit=134.0, late=" none"))
+    rows = ab_summary.trace_rows(str(path))
+    assert [label for label, _ in rows] == [
+        "plain4 8 x 262144 Q=1 (137.4 us)",
+        "plain4 8 x 262144 Q=1 (137.4 us) slowest #42, 171.25 us",
+        "plain4 8 x 262144 Q=1 (137.4 us)"]  # a row without a slowest block, as before
+    assert rows[0][1]["pdl_waited"] == 4.54 and rows[0][1]["select_exit"] == 135.94
+    assert rows[1][1]["pdl_waited"] == 9.5 and rows[1][1]["select_exit"] == 170.0
+    assert rows[2][1]["pdl_waited"] == 4.0
+
+
 def test_configs_summary_lists_each_configs_runs_and_slowest_replays(tmp_path, capsys):
     runs = []
     for rep in (1, 2):
