@@ -21,23 +21,26 @@ elapsed() { echo $(( $(date +%s) - device_t0 )); }
 #   --trace-reps N.
 # `bench_option "$@"` takes one of them from the front of the arguments into its variable and
 # sets `taken` to the words it used: 0 when the first argument is not one of them (the caller
-# parses it), 2 otherwise. An option without its value is an error (exit 2).
+# parses it), 2 otherwise. Every option of those scripts but --help takes a value, so one given
+# last without it is an error here (exit 2), whoever parses it.
 # shellcheck disable=SC2034  # set here, read by the sourcing script
 configs=() shapes="--modes plain4,cp2 --reqs 1,8 --contexts 8192,262144 --qlens 1,4" reps=2
 trace="" trace_reps=1
 # shellcheck disable=SC2034  # the variables it sets are the sourcing script's
 bench_option() {
-  case "$1" in
-    --config|--shapes|--reps|--trace|--trace-reps) ;;
-    *) taken=0; return 0 ;;
-  esac
-  [ $# -ge 2 ] || { echo "$(basename "$0"): $1 needs a value" >&2; exit 2; }
+  taken=0
+  case "$1" in -h|--help|[!-]*) return 0 ;; esac  # --help, or an operand (the PATCH)
+  if [ $# -lt 2 ]; then
+    echo "$(basename "$0"): $1 needs a value (or is no option: see --help)" >&2
+    exit 2
+  fi
+  taken=2
   case "$1" in
     --config) configs+=("$2") ;;
     --shapes) shapes=$2 ;;
     --reps) reps=$2 ;;
     --trace) trace=$2 ;;
     --trace-reps) trace_reps=$2 ;;
+    *) taken=0 ;;
   esac
-  taken=2
 }

@@ -92,12 +92,13 @@ struct Result {
 // What the trace build's buffers (score_trace.cuh) held after one launch: the scoring kernel's
 // per-CTA slots and page landings, the selection's stamps.
 struct TraceSnapshot {
+  int grid = 0, select_ctas = 0;  // the scoring CTAs, the selection's CTAs with an item
   std::vector<long long> score, pages, select;
   bool has_pages = false, has_select = false;
   // Reads them (cudaErrorNotSupported: the library was built without -DCPIDX_TRACE).
-  cudaError_t read(int grid, int select_items);
+  cudaError_t read(int scoring_grid, int select_items);
 };
-void print_trace(const TraceSnapshot& snap, int grid, int select_items, double page_bytes);
+void print_trace(const TraceSnapshot& snap, double page_bytes);
 
 class Bench {
  public:
@@ -352,8 +353,7 @@ Result Bench::run(const Shape& sh, int replays) {
       slowest_ms = ms;
       slowest_at = i;
       const cudaError_t e = slowest.read(res.grid, select_items);
-      if (e == cudaErrorNotSupported) cudaGetLastError();  // no trace build: printed below
-      return e == cudaErrorNotSupported ? cudaSuccess : e;
+      return e == cudaErrorNotSupported ? cudaSuccess : e;  // no trace build: said below
     };
   }
   BENCH_CUDA(median_graph_ms(exec, stream, 3, replays, &median_ms, false, &max_ms, &res.max_at,
@@ -363,15 +363,13 @@ Result Bench::run(const Shape& sh, int replays) {
     TraceSnapshot last;
     const cudaError_t e = last.read(res.grid, select_items);
     if (e == cudaErrorNotSupported) {
-      cudaGetLastError();
       std::printf("# trace: the library was built without -DCPIDX_TRACE\n");
     } else {
       BENCH_CUDA(e);
-      const double pb = static_cast<double>(page_bytes_);
-      print_trace(last, res.grid, select_items, pb);
+      print_trace(last, static_cast<double>(page_bytes_));
       std::printf("# slowest replay: %d of %d, %.2f us a call (median %.2f); its last call:\n",
                   slowest_at, replays, slowest_ms * 1e3 / calls, median_ms * 1e3 / calls);
-      print_trace(slowest, res.grid, select_items, pb);
+      print_trace(slowest, static_cast<double>(page_bytes_));
     }
   }
   res.neighbour_us = neighbour_ms * 1e3 / calls;
@@ -447,23 +445,25 @@ void print_late_ctas(const std::vector<long long>& t, const std::vector<int>& ct
               late.empty() ? " none" : late.c_str());
 }
 
-cudaError_t TraceSnapshot::read(int grid, int select_items) {
+cudaError_t TraceSnapshot::read(int scoring_grid, int select_items) {
   using namespace cpidx::cuda;
+  grid = scoring_grid;
+  select_ctas = std::min(select_items, kTraceCtas);
   score.resize(static_cast<size_t>(grid) * kTraceSlots);
   if (cudaError_t e = read_score_trace(score.data(), grid); e != cudaSuccess) return e;
   pages.resize(static_cast<size_t>(grid) * kTracePages);
   has_pages = read_page_trace(pages.data(), grid) == cudaSuccess;
-  const int sel_ctas = std::min(select_items, kTraceCtas);
-  select.resize(static_cast<size_t>(sel_ctas) * kSelectSlots);
-  has_select = sel_ctas > 0 && read_select_trace(select.data(), sel_ctas) == cudaSuccess;
+  select.resize(static_cast<size_t>(select_ctas) * kSelectSlots);
+  has_select = select_ctas > 0 && read_select_trace(select.data(), select_ctas) == cudaSuccess;
   return cudaSuccess;
 }
 
 // The timeline of one launch of the fused kernel (score_trace.cuh), over the CTAs that scored
 // pages: stamps in us after the earliest entry, cycle sums in us at the SM's rated clock.
-void print_trace(const TraceSnapshot& snap, int grid, int select_items, double page_bytes) {
+void print_trace(const TraceSnapshot& snap, double page_bytes) {
   using namespace cpidx::cuda;
   const std::vector<long long>& t = snap.score;
+  const int grid = snap.grid;
   int khz = 0;
   cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0);
   long long t0 = -1;
@@ -562,7 +562,7 @@ void print_trace(const TraceSnapshot& snap, int grid, int select_items, double p
     }
   }
   // select_topk after the grid (its CTAs with an item), on the same clock.
-  const int sel_ctas = std::min(select_items, kTraceCtas);
+  const int sel_ctas = snap.select_ctas;
   const std::vector<long long>& st = snap.select;
   if (snap.has_select) {
     for (int slot : {kSEntry, kSWaited, kSLoaded, kSMaxima, kSBound, kSGathered, kSRanked, kSExit}) {
