@@ -607,6 +607,7 @@ int run_bench(int argc, char** argv) {
   int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit, ctas_per_sm = 0,
           min_calls = 0, max_tokens = 0, max_query_len = 0;
   bool pdl = true, trace = false, steal = true;
+  double late_cta_us = 0;
   Neighbour neighbour;
   int64_t neighbour_smem_kb = neighbour.smem_kb, neighbour_ctas = neighbour.ctas_per_sm;
   Flags flags("cpidx bench [flags]",
@@ -655,6 +656,9 @@ int run_bench(int argc, char** argv) {
            "print the fused kernel's per-CTA timeline and the rate its pages landed at, for the "
            "last call and for the slowest timed replay's last call (a library built with "
            "-DCPIDX_TRACE)")
+      .add("late-cta-us", &late_cta_us,
+           "the scoring kernel's last CTA waits this long at entry in every call (0: none), as "
+           "one the SMs had no room for until others exited (a library built with -DCPIDX_TRACE)")
       .add("neighbour-us", &neighbour.us,
            "before every decode call (plainH / cpP modes), a kernel standing for the engine's "
            "previous one, each CTA spinning this long (0: none); timed alone and subtracted (us, "
@@ -672,6 +676,21 @@ int run_bench(int argc, char** argv) {
   if (neighbour.us < 0) {
     std::fprintf(stderr, "cpidx bench: --neighbour-us must be >= 0\n");
     return kExitUsage;
+  }
+  if (late_cta_us < 0) {
+    std::fprintf(stderr, "cpidx bench: --late-cta-us must be >= 0\n");
+    return kExitUsage;
+  }
+  if (late_cta_us > 0) {
+    const long long ns = static_cast<long long>(late_cta_us * 1e3);
+    if (const cudaError_t e = cuda::set_score_trace_late(ns); e != cudaSuccess) {
+      std::fprintf(stderr, "cpidx bench: --late-cta-us: %s\n",
+                   e == cudaErrorNotSupported ? "the library was built without -DCPIDX_TRACE"
+                                              : cudaGetErrorString(e));
+      return kExitUsage;
+    }
+    std::printf("# the scoring kernel's last CTA waits %.1f us at entry in every call\n",
+                late_cta_us);
   }
   // Each mode is a kind and a number: plainH (heads 1..8), cpP / stepP (ranks 2..8).
   struct Mode {
@@ -735,12 +754,13 @@ int run_bench(int argc, char** argv) {
                  "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, "
                  "\"ctas_per_sm\": %lld, \"work_stealing\": %s, \"max_tokens\": %lld, "
                  "\"max_query_len\": %lld, \"neighbour\": {\"us\": %.3f, \"smem_kb\": %d, "
-                 "\"ctas_per_sm\": %d, \"early_launch\": %s}, \"results\": [\n",
+                 "\"ctas_per_sm\": %d, \"early_launch\": %s}, \"late_cta_us\": %.3f, "
+                 "\"results\": [\n",
                  prop.name, dtype.c_str(), static_cast<long long>(split_pages),
                  static_cast<long long>(ctas_per_sm), steal ? "true" : "false",
                  static_cast<long long>(max_tokens), static_cast<long long>(max_query_len),
                  neighbour.us, neighbour.smem_kb, neighbour.ctas_per_sm,
-                 neighbour.early_launch ? "true" : "false");
+                 neighbour.early_launch ? "true" : "false", late_cta_us);
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       std::fprintf(f,

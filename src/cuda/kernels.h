@@ -158,6 +158,9 @@ cudaError_t read_score_trace(long long* host, int ctas);
 cudaError_t read_page_trace(long long* host, int ctas);
 // select_topk's stamps (kSelectSlots per CTA with an item) of its last launch; likewise.
 cudaError_t read_select_trace(long long* host, int ctas);
+// From the next launch on, the fused kernel's last CTA waits `ns` at entry (0: none), standing
+// for a CTA the SMs had no room for until others exited; likewise (the trace build only).
+cudaError_t set_score_trace_late(long long ns);
 
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream);

@@ -148,6 +148,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
                reinterpret_cast<int*>(smem_raw + lay.misc_off)};
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
   int32_t err = 0;
+  CPIDX_TRACE_LATE();
   CPIDX_TRACE_RESET(tid == 0);
   CPIDX_TRACE_SUMS();
   CPIDX_TRACE_STAMP(tid == 0, kTEntry);
@@ -666,6 +667,8 @@ cudaError_t read_score_trace(long long* host, int ctas) {
 cudaError_t read_page_trace(long long* host, int ctas) {
   return CPIDX_COPY_TRACE(g_page_trace, kTracePages, host, ctas);
 }
+
+cudaError_t set_score_trace_late(long long ns) { return CPIDX_SET_TRACE_LATE(ns); }
 
 cudaError_t launch_score_topk(const ScoreTopkParams& p, DType dtype, const ScoreTopkLaunch& l,
                               cudaStream_t stream) {

@@ -95,6 +95,17 @@ __device__ __forceinline__ unsigned trace_clock32() {
   asm volatile("mov.u32 %0, %%clock;" : "=r"(c));
   return c;
 }
+// A CTA placed late, on purpose: the grid's last CTA waits g_trace_late_ns (0: none) at entry,
+// every thread, before anything else, as one that found no SM with room until the others
+// began to exit (docs/perf/README.md, v41-slow, v47). Set by set_score_trace_late.
+static __device__ long long g_trace_late_ns;
+__device__ __forceinline__ void trace_late() {
+  if (blockIdx.x != gridDim.x - 1) return;
+  const long long ns = *static_cast<volatile long long*>(&g_trace_late_ns);
+  const long long t0 = trace_now();
+  while (trace_now() - t0 < ns) __nanosleep(256);
+}
+#define CPIDX_TRACE_LATE() trace_late()
 // `cond` selects the one thread that records.
 #define CPIDX_TRACE_RESET(cond) ((cond) ? trace_reset() : (void)0)
 #define CPIDX_TRACE_STAMP(cond, slot) ((cond) ? trace_set(slot, trace_now()) : (void)0)
@@ -144,7 +155,9 @@ cudaError_t copy_trace(const Symbol& symbol, int slots, long long* host, int cta
   return cudaMemcpyFromSymbol(host, symbol, sizeof(long long) * slots * ctas);
 }
 #define CPIDX_COPY_TRACE(symbol, slots, host, ctas) copy_trace(symbol, slots, host, ctas)
+#define CPIDX_SET_TRACE_LATE(ns) cudaMemcpyToSymbol(g_trace_late_ns, &(ns), sizeof(long long))
 #else
+#define CPIDX_TRACE_LATE() ((void)0)
 #define CPIDX_TRACE_RESET(cond) ((void)0)
 #define CPIDX_TRACE_STAMP(cond, slot) ((void)0)
 #define CPIDX_TRACE_SUMS() static_assert(true, "")
@@ -160,6 +173,7 @@ cudaError_t copy_trace(const Symbol& symbol, int slots, long long* host, int cta
 #define CPIDX_TRACE_PAGE(cond) ((void)0)
 #define CPIDX_COPY_TRACE(symbol, slots, host, ctas) \
   ((void)(host), (void)(ctas), cudaErrorNotSupported)
+#define CPIDX_SET_TRACE_LATE(ns) ((void)(ns), cudaErrorNotSupported)
 #endif
 
 }  // namespace cuda
