@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # scripts/common.sh: sourced by demo.sh and test.sh. Installs the Debian packages cpidx needs when
 # they are missing (apt-get update only then), puts CUDA on PATH when it is installed, and
 # configures + builds the `ci` preset (build-ci/). Safe to run again: it only does what is missing.
@@ -67,7 +68,7 @@ cpidx_build_ci() {
 }
 
 cpidx_prepare() {
-  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  cd "$(dirname "${BASH_SOURCE[0]}")/.." || return 1
   cpidx_ensure_packages
   cpidx_cuda_path
   cpidx_build_ci

@@ -17,15 +17,16 @@ cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" >build-device/configure.log 2>&1 ||
   { tail -30 build-device/configure.log; exit 1; }
 read -r -a targets <<<"${TARGETS:-cpidx_tool cpidx_gpu_tests}"
-[ -n "${EXTRA_TARGETS:-}" ] && targets+=($EXTRA_TARGETS)
+read -r -a extra <<<"${EXTRA_TARGETS:-}"
+targets+=("${extra[@]}")
 cmake --build build-device -j"$(nproc)" --target "${targets[@]}" >build-device/build.log 2>&1 ||
   { grep -E "error" -A3 build-device/build.log | head -60; exit 1; }
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  ./build-device/tests/cpidx_gpu_tests ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|error" | head -80
+  ./build-device/tests/cpidx_gpu_tests ${GTEST_FILTER:+"--gtest_filter=$GTEST_FILTER"} 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure|Expected|Which is|error" | head -80
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   ./build-device/cpidx bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
 fi
-exit $rc
+exit "$rc"

@@ -25,7 +25,10 @@ OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
 TARGETS=cpidx_tool OUT="$OUT" scripts/device.sh build || exit 1
-ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+ncu=$(command -v ncu)
+for c in /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu; do
+  [ -z "$ncu" ] && [ -x "$c" ] && ncu=$c
+done
 [ -n "$ncu" ] || { echo "device_ncu.sh: no ncu on this machine" >&2; exit 1; }
 section_flags=()
 for s in $sections; do section_flags+=(--section "$s"); done
@@ -40,11 +43,12 @@ for flags in "${runs[@]}"; do
   n=$((n + 1))
   echo "== run $n: cpidx bench $flags" | tee "$OUT/ncu_$n.txt"
   # shellcheck disable=SC2086  # the flags are words
-  "$ncu" -k regex:score_topk --launch-skip 2 --launch-count 1 "${section_flags[@]}" \
-    --print-details all -f -o "/tmp/ncu_$n" ./build-device/cpidx bench $flags --replays 1 \
-    >>"$OUT/ncu_$n.txt" 2>&1
-  echo "exit $?" >>"$OUT/ncu_$n.txt"
-  "$ncu" -i "/tmp/ncu_$n.ncu-rep" --print-details all >>"$OUT/ncu_$n.txt" 2>&1
+  {
+    "$ncu" -k regex:score_topk --launch-skip 2 --launch-count 1 "${section_flags[@]}" \
+      --print-details all -f -o "/tmp/ncu_$n" ./build-device/cpidx bench $flags --replays 1 2>&1
+    echo "exit $?"
+    "$ncu" -i "/tmp/ncu_$n.ncu-rep" --print-details all 2>&1
+  } >>"$OUT/ncu_$n.txt"
   if [ $sass = 1 ]; then
     "$ncu" -i "/tmp/ncu_$n.ncu-rep" --page source --csv --print-source sass 2>&1 |
       gzip >"$OUT/ncu_${n}_sass.csv.gz"

@@ -16,15 +16,16 @@ CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) 
 cd /tmp && PYTHONPATH="$site:$OLDPWD/python/tests" python3 -m pytest -q -p no:cacheprovider \
   "$OLDPWD/python/tests" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 rc=${PIPESTATUS[0]}
-cd "$OLDPWD"
+cd "$OLDPWD" || exit 1
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$ngpu" -ge 2 ]; then
   for exchange in peer nccl; do
     echo "== torchrun --nproc_per_node=2 examples/indexer_layer.py --exchange $exchange"
+    read -r -a example_args <<<"${EXAMPLE_ARGS:-}"
     PYTHONPATH="$site" timeout 180 torchrun --nproc_per_node=2 examples/indexer_layer.py \
-      --exchange "$exchange" ${EXAMPLE_ARGS:-} 2>&1 | tee "$OUT/torchrun_$exchange.log" | tail -12
+      --exchange "$exchange" "${example_args[@]}" 2>&1 | tee "$OUT/torchrun_$exchange.log" | tail -12
     rc2=${PIPESTATUS[0]}
-    [ $rc -eq 0 ] && rc=$rc2
+    [ "$rc" -eq 0 ] && rc=$rc2
   done
 fi
-exit $rc
+exit "$rc"

@@ -22,7 +22,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-330}" scripts/device.sh tests || rc=1
 fi
 echo "== prefill bench (${SECONDS}s)"
-timeout 100 ./build-device/cpidx bench --prefill ${PREFILL_FLAGS:-} --json "$OUT/prefill.json" || rc=1
+read -r -a prefill_flags <<<"${PREFILL_FLAGS:-}"
+timeout 100 ./build-device/cpidx bench --prefill "${prefill_flags[@]}" --json "$OUT/prefill.json" || rc=1
 if [ -n "${DECODE_BENCH:-}" ]; then
   IFS=';' read -ra sets <<<"$DECODE_BENCH"
   for i in "${!sets[@]}"; do
@@ -52,8 +53,11 @@ fi
 if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
   echo "== compute-sanitizer (${SECONDS}s)"
   SAN_OUT=/tmp/cpidx-sanitize
-  OUT=$SAN_OUT timeout 150 scripts/gpu_sanitize.sh ${SANITIZE_TOOLS:-all} >/dev/null 2>&1 || rc=1
+  rm -rf "$SAN_OUT"  # a warm machine keeps the last call's logs
+  OUT=$SAN_OUT timeout 150 scripts/gpu_sanitize.sh "${SANITIZE_TOOLS:-all}" >/dev/null 2>&1 || rc=1
   cp "$SAN_OUT/sanitize_summary.txt" "$OUT/" 2>/dev/null
+  # The tools' logs name each hazard's two accesses: one file back for all of them.
+  cat "$SAN_OUT"/sanitize_{memcheck,racecheck,synccheck}.log >"$OUT/sanitize.log" 2>/dev/null
   cat "$OUT/sanitize_summary.txt" 2>/dev/null
 fi
 if [ "${SKIP_PYTHON:-0}" != 1 ]; then

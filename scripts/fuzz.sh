@@ -10,6 +10,7 @@ seconds=${1:-60}
 # In CI the mutation sequence is fixed (seed 1) so a run can be reproduced; by hand it is random
 # unless CPIDX_FUZZ_SEED is set (libFuzzer: 0 = random).
 seed=${CPIDX_FUZZ_SEED:-$([ -n "${CI:-}" ] && echo 1 || echo 0)}
+# shellcheck source=scripts/common.sh
 source "$(dirname "$0")/common.sh"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -41,7 +42,7 @@ build-fuzz/fuzz/cpidx_fuzz_reference -max_total_time="$seconds" -timeout=30 -see
   -artifact_prefix=build-fuzz/artifacts/ build-fuzz/corpus fuzz/corpus >build-fuzz/fuzz.log 2>&1 || rc=$?
 if [ "$rc" -ne 0 ]; then
   tail -n 60 build-fuzz/fuzz.log
-  cpidx_log "fuzzing FAILED (exit $rc); inputs: $(ls build-fuzz/artifacts | tr '\n' ' ')"
+  cpidx_log "fuzzing FAILED (exit $rc); inputs: $(find build-fuzz/artifacts -mindepth 1 -maxdepth 1 -printf '%f ')"
   exit "$rc"
 fi
 grep -E '^Done|stat::(number_of_executed_units|new_units_added)' build-fuzz/fuzz.log || true

@@ -7,6 +7,7 @@
 # arguments go to both ctest runs. Stops at the first failing step; pytest's summary is the last
 # line.
 set -euo pipefail
+# shellcheck source=scripts/common.sh
 source "$(dirname "$0")/common.sh"
 cpidx_prepare
 cpidx_log "testing (ctest --preset ci -j$(nproc))"

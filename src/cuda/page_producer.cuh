@@ -294,7 +294,7 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
       back = range_back(old);
     }
     while (front < back) {  // claims from the front of this CTA's range
-      const int64_t c = own_chunk(back - front);
+      const int64_t c = owner_chunk(front, back, w.end);
       if (lane == 0) old = atomicAdd(words + blockIdx.x, static_cast<unsigned long long>(c));
       old = __shfl_sync(0xffffffffu, old, 0);
       front = range_front(old);

@@ -71,6 +71,18 @@ __host__ __device__ inline bool stolen_range(unsigned long long old, int64_t tak
 __host__ __device__ inline int64_t own_chunk(int64_t left) {
   return left <= 8 ? 1 : (left / 4 < 32 ? left / 4 : 32);
 }
+// The owner's next claim from [front, back), what its word leaves of its static range
+// [.., end): own_chunk while no taker has been there, kStealPages as a taker's once one has
+// (back < end: a CTA done with its own pages is here, so what the owner claims it may score
+// alone after the others; an owner placed late finds its range so, started by a taker).
+// NOTE: an owner placed late claiming own_chunk's 32 pages scored them alone for ~47 us after
+// every other CTA was done. With these claims (v47, fp8 64 x 256K Q = 4, 5 runs of 100
+// back-to-back replays a build): the slowest replay over the median 15-20 -> 4-7 us, medians
+// unchanged (docs/perf/README.md).
+__host__ __device__ inline int64_t owner_chunk(int64_t front, int64_t back, int64_t end) {
+  const int64_t left = back - front;
+  return back < end ? (left < kStealPages ? left : kStealPages) : own_chunk(left);
+}
 // The CTA that producer lane `lane` of CTA `self` (of `ctas`) looks at: lanes below 16 the
 // (lane / 2 + 1)-th to the right (even lanes) or left (odd lanes), the others one of 16 points
 // spread evenly around the grid from self (a slow stretch of CTAs anywhere is seen).

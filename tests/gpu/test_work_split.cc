@@ -83,7 +83,8 @@ struct StealSim {
   std::vector<int64_t> prefix;         // requests' page offsets
   std::vector<unsigned long long> words;  // [ctas + 1], as in the workspace
   std::vector<int> claims;             // per page, this call
-  int64_t taken = 0, taken_across = 0, started_by_others = 0, lost_races = 0, dry_takes = 0;
+  int64_t taken = 0, taken_across = 0, started_by_others = 0, lost_races = 0, dry_takes = 0,
+          late_owned = 0;
 
   int request_of(int64_t x) const {
     return static_cast<int>(std::upper_bound(prefix.begin(), prefix.end(), x) - prefix.begin()) - 1;
@@ -95,6 +96,7 @@ struct StealCta {
   int64_t self = 0, start = 0, end = 0, front = 0, back = 0, last = -1;
   int64_t victim = 0, vf = 0, vb = 0, take = 0;  // the chosen steal
   unsigned long long seen = 0;
+  bool late = false;  // its range was started by a taker
 
   void claim(StealSim& sim, int64_t from, int64_t to, bool stolen) {
     for (int64_t x = from; x < to; ++x) {
@@ -118,6 +120,7 @@ struct StealCta {
           claim(sim, start, front, false);
         } else {
           ++sim.started_by_others;
+          late = true;
           front = ws::range_front(old);
           back = ws::range_back(old);
         }
@@ -126,13 +129,14 @@ struct StealCta {
       }
       case kOwn: {
         if (front >= back) { phase = kLook; break; }
-        const int64_t c = ws::own_chunk(back - front);
+        const int64_t c = ws::owner_chunk(front, back, end);
         const unsigned long long old = mine;
         mine += static_cast<unsigned long long>(c);  // atomicAdd
         front = ws::range_front(old);
         back = ws::range_back(old);
         if (front >= back) { phase = kLook; break; }
         claim(sim, front, std::min(front + c, back), false);
+        if (late) sim.late_owned += std::min(front + c, back) - front;
         front += c;
         break;
       }
@@ -215,21 +219,28 @@ TEST(SplitWorkStealing, EveryPageClaimedOnceWhateverTheInterleaving) {
         t.self = c;
         t.start = c * sim.total / sim.ctas;
         t.end = (c + 1) * sim.total / sim.ctas;
-        late[static_cast<size_t>(c)] = call == 1 && rng() % 2 == 0;  // start after the rest
+        late[static_cast<size_t>(c)] = call >= 1 && rng() % 2 == 0;
       }
-      // Run: pick a CTA not done at random (the late ones only once the others are done), one
-      // step; a CTA done counts out, and the last one resets the words.
-      std::vector<size_t> early, later;
-      for (size_t i = 0; i < ctas.size(); ++i) (late[i] ? later : early).push_back(i);
-      while (!early.empty() || !later.empty()) {
-        std::vector<size_t>& from = early.empty() ? later : early;
-        const size_t k = static_cast<size_t>(rng() % from.size());
-        StealCta& t = ctas[from[k]];
+      // Run: pick a CTA not done at random, one step; a CTA done counts out, and the last one
+      // resets the words. The late ones start in call 1 once the others are done, in call 2 once
+      // one of them is (as on the GPU, where a CTA without room takes the first freed slot):
+      // their owners then claim beside the takers.
+      std::vector<size_t> running, later;
+      for (size_t i = 0; i < ctas.size(); ++i) (late[i] ? later : running).push_back(i);
+      size_t done = 0;
+      while (!running.empty() || !later.empty()) {
+        if (!later.empty() && (running.empty() || (call == 2 && done > 0))) {
+          running.insert(running.end(), later.begin(), later.end());
+          later.clear();
+        }
+        const size_t k = static_cast<size_t>(rng() % running.size());
+        StealCta& t = ctas[running[k]];
         t.step(sim);
         if (::testing::Test::HasFatalFailure()) return;
         if (t.phase != StealCta::kDone) continue;
-        from[k] = from.back();
-        from.pop_back();
+        running[k] = running.back();
+        running.pop_back();
+        ++done;
         if (++sim.words.back() == static_cast<unsigned long long>(sim.ctas)) {
           for (int64_t c = 0; c < sim.ctas; ++c) sim.words[static_cast<size_t>(c)] = ws::kUnstarted;
           sim.words.back() = 0;
@@ -247,15 +258,18 @@ TEST(SplitWorkStealing, EveryPageClaimedOnceWhateverTheInterleaving) {
     totals.started_by_others += sim.started_by_others;
     totals.lost_races += sim.lost_races;
     totals.dry_takes += sim.dry_takes;
+    totals.late_owned += sim.late_owned;
   }
   // The interleavings did exercise each branch: pages taken (of other requests too), ranges
-  // started by a taker (late owners), starts lost to a concurrent claim, and subtractions that
-  // found the range dry (takers together past its front).
+  // started by a taker (late owners), starts lost to a concurrent claim, subtractions that
+  // found the range dry (takers together past its front), and pages late owners claimed beside
+  // the takers.
   EXPECT_GT(totals.taken, 1000);
   EXPECT_GT(totals.taken_across, 100);
   EXPECT_GT(totals.started_by_others, 100);
   EXPECT_GT(totals.lost_races, 10);
   EXPECT_GT(totals.dry_takes, 10);
+  EXPECT_GT(totals.late_owned, 100);
 }
 
 }  // namespace
