@@ -3,8 +3,9 @@
 // a CTA that has not run yet. The ids must not depend on who scored a page: here they are
 // compared, bit for bit, with the static ranges' (DecodeConfig::work_stealing = false) and with
 // the CPU reference, with the CTAs starting together, and with half of the SMs held by another
-// kernel so that half of the CTAs start long after the others (whose pages the early ones take,
-// across requests). Consecutive calls and graph replays on one Decoder alternate two batches, so
+// kernel so that half of the CTAs start late: after the others are done (whose pages the early
+// ones take, across requests), or while they take them (the late owners then claim beside the
+// takers, v47). Consecutive calls and graph replays on one Decoder alternate two batches, so
 // a call that lost a page would show the key the previous call left at its place, and ranges not
 // reset between calls would lose pages.
 #include <gtest/gtest.h>
@@ -94,10 +95,10 @@ struct StealRun {
 };
 
 // Decodes `batches` in turn on one Decoder (split path forced), `rounds` times over, the first
-// batch of each round with `held_sms` SMs held for 2 ms when > 0; returns every call's ids.
+// batch of each round with `held_sms` SMs held for `hold_ns` when > 0; returns every call's ids.
 std::vector<StealRun> decode_in_turn(const std::vector<DecodeData>& batches,
                                      const cpidx::Selection& sel, bool steal, int held_sms,
-                                     int rounds) {
+                                     int rounds, unsigned long long hold_ns = 2000000ull) {
   UsePath use(Path::kSplit);
   int64_t rows = 1;  // the batches may differ in Q: the Decoder is planned for the most rows
   for (const DecodeData& d : batches) rows = std::max(rows, d.rows());
@@ -119,7 +120,7 @@ std::vector<StealRun> decode_in_turn(const std::vector<DecodeData>& batches,
       DeviceVec<int32_t> ids(static_cast<size_t>(d.total_heads * n * sel.topk));
       ids.poison();
       cudaDeviceSynchronize();
-      if (held_sms > 0 && i == 0) EXPECT_TRUE(holder.hold(held_sms, 2000000ull));
+      if (held_sms > 0 && i == 0) EXPECT_TRUE(holder.hold(held_sms, hold_ns));
       StealRun run;
       run.status = dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
                                nullptr, stream);
@@ -147,9 +148,17 @@ TEST(GpuWorkStealing, IdsEqualStaticRangesAndReferenceWhateverTheStartOrder) {
     for (const DecodeData& d : batches) want.push_back(cpu_decode(d, sel));
     const std::vector<StealRun> fixed = decode_in_turn(batches, sel, false, 0, 1);
     ASSERT_EQ(fixed.size(), batches.size());
-    for (int held : {0, sms / 2}) {
-      SCOPED_TRACE("Q=" + std::to_string(Q) + ", SMs held: " + std::to_string(held));
-      const std::vector<StealRun> runs = decode_in_turn(batches, sel, true, held, 3);
+    // Held 2 ms: the late CTAs start after the step's others are done. 40 and 80 us: about
+    // when the early CTAs, done with their own ~18 pages, take from the late CTAs' ranges.
+    struct Hold {
+      int sms;
+      unsigned long long ns;
+    };
+    for (const Hold h : {Hold{0, 0}, Hold{sms / 2, 2000000}, Hold{sms / 2, 40000},
+                         Hold{sms / 2, 80000}}) {
+      SCOPED_TRACE("Q=" + std::to_string(Q) + ", SMs held: " + std::to_string(h.sms) + " for " +
+                   std::to_string(h.ns / 1000) + " us");
+      const std::vector<StealRun> runs = decode_in_turn(batches, sel, true, h.sms, 3, h.ns);
       ASSERT_EQ(runs.size(), 3 * batches.size());
       for (size_t k = 0; k < runs.size(); ++k) {
         const size_t i = k % batches.size();
