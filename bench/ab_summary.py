@@ -3,8 +3,9 @@
 
   ab_summary.py ab.json
       one line per (config, shape): every run's microseconds of each build, each build's slowest
-      replay over its runs (`max_us`, where the rows have it), the change of the means, and `*`
-      where the two builds' runs do not overlap (a move beyond the runs' spread).
+      replay over its runs (`max_us`, where the rows have it) and, run by run, how far each run's
+      slowest replay lies above its median, the change of the means, and `*` where the two
+      builds' runs do not overlap (a move beyond the runs' spread).
   ab_summary.py --trace trace_base.txt trace_new.txt
       one line per shape and build from `cpidx bench --trace`: the medians over the CTAs of the
       scoring grid's milestones (PDL wait, first copy issued, first page landed, last copy issued,
@@ -41,23 +42,28 @@ def summarise_ab(path):
     for run in runs:
         for row in run["results"] or []:
             key = (run["config"],) + tuple(row.get(k) for k in SHAPE_KEYS)
-            by = table.setdefault(key, {"base": [], "new": [], "base_max": [], "new_max": []})
+            by = table.setdefault(key, {"base": [], "new": [], "base_max": [], "new_max": [],
+                                        "base_over": [], "new_over": []})
             by[run["build"]].append(row["us"])
             if "max_us" in row:
                 by[run["build"] + "_max"].append(row["max_us"])
-    lines = ["| shape | base us | new us | slowest base / new | change (means) | |",
-             "|---|---|---|---|---|---|"]
+                by[run["build"] + "_over"].append(row["max_us"] - row["us"])
+    lines = ["| shape | base us | new us | slowest base / new | slowest over median, each run: "
+             "base / new | change (means) | |",
+             "|---|---|---|---|---|---|---|"]
     for key, by in table.items():
         base, new = by["base"], by["new"]
         if not base or not new:
-            lines.append(f"| {shape_name(key)} | {base} | {new} | - | - | missing runs |")
+            lines.append(f"| {shape_name(key)} | {base} | {new} | - | - | - | missing runs |")
             continue
         change = sum(new) / len(new) - sum(base) / len(base)
         apart = max(new) < min(base) or min(new) > max(base)
         fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
         slow = lambda xs: f"{max(xs):.2f}" if xs else "-"
+        over = lambda xs: ", ".join(f"+{x:.2f}" for x in xs) if xs else "-"
         lines.append(f"| {shape_name(key)} | {fmt(base)} | {fmt(new)} | "
-                     f"{slow(by['base_max'])} / {slow(by['new_max'])} | {change:+.2f} "
+                     f"{slow(by['base_max'])} / {slow(by['new_max'])} | "
+                     f"{over(by['base_over'])} / {over(by['new_over'])} | {change:+.2f} "
                      f"({100 * change / (sum(base) / len(base)):+.1f}%) | {'*' if apart else ''} |")
     return "\n".join(lines)
 

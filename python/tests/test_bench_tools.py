@@ -38,9 +38,10 @@ def test_ab_summary_groups_runs_and_marks_moves_beyond_the_spread(tmp_path):
     assert "130.00, 131.00" in plain and "128.00, 128.50" in plain
     assert "-2.25 (-1.7%)" in plain and plain.rstrip().endswith("| * |")  # the runs do not overlap
     assert "| 161.00 / 129.50 |" in plain  # each build's slowest replay over its runs
+    assert "| +0.00, +30.00 / +1.00, +1.00 |" in plain  # each run's slowest over its median
     cp = next(l for l in lines if l.startswith("| cp h4 P=2 1 x 8K Q=1 "))
     assert "-0.30" in cp and cp.rstrip().endswith("|  |")  # 19.9-20.5 overlaps 20.0-21.0
-    assert "| - / - |" in cp  # rows without max_us
+    assert "| - / - | - / - |" in cp  # rows without max_us
 
 
 def test_ab_summary_reports_a_build_without_runs(tmp_path):
