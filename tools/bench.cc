@@ -657,8 +657,9 @@ int run_bench(int argc, char** argv) {
            "last call and for the slowest timed replay's last call (a library built with "
            "-DCPIDX_TRACE)")
       .add("late-cta-us", &late_cta_us,
-           "the scoring kernel's last CTA waits this long at entry in every call (0: none), as "
-           "one the SMs had no room for until others exited (a library built with -DCPIDX_TRACE)")
+           "plainH / cpP modes: the scoring kernel's last CTA waits this long at entry in every "
+           "call (0: none), as one the SMs had no room for until others exited (a library built "
+           "with -DCPIDX_TRACE)")
       .add("neighbour-us", &neighbour.us,
            "before every decode call (plainH / cpP modes), a kernel standing for the engine's "
            "previous one, each CTA spinning this long (0: none); timed alone and subtracted (us, "
@@ -680,17 +681,6 @@ int run_bench(int argc, char** argv) {
   if (late_cta_us < 0) {
     std::fprintf(stderr, "cpidx bench: --late-cta-us must be >= 0\n");
     return kExitUsage;
-  }
-  if (late_cta_us > 0) {
-    const long long ns = static_cast<long long>(late_cta_us * 1e3);
-    if (const cudaError_t e = cuda::set_score_trace_late(ns); e != cudaSuccess) {
-      std::fprintf(stderr, "cpidx bench: --late-cta-us: %s\n",
-                   e == cudaErrorNotSupported ? "the library was built without -DCPIDX_TRACE"
-                                              : cudaGetErrorString(e));
-      return kExitUsage;
-    }
-    std::printf("# the scoring kernel's last CTA waits %.1f us at entry in every call\n",
-                late_cta_us);
   }
   // Each mode is a kind and a number: plainH (heads 1..8), cpP / stepP (ranks 2..8).
   struct Mode {
@@ -726,6 +716,25 @@ int run_bench(int argc, char** argv) {
   if (!gpu_available()) {
     std::fprintf(stderr, "cpidx bench: no usable GPU\n");
     return kExitFailed;
+  }
+  // The delay is a symbol of the current GPU's copy of the library: the single-GPU modes only.
+  if (late_cta_us > 0) {
+    for (const Mode& md : mode_list) {
+      if (md.kind == "step") {
+        std::fprintf(stderr, "cpidx bench: --late-cta-us applies to plainH / cpP modes, not "
+                     "'%s'\n", md.name.c_str());
+        return kExitUsage;
+      }
+    }
+    const long long ns = static_cast<long long>(late_cta_us * 1e3);
+    if (const cudaError_t e = cuda::set_score_trace_late(ns); e != cudaSuccess) {
+      std::fprintf(stderr, "cpidx bench: --late-cta-us: %s\n",
+                   e == cudaErrorNotSupported ? "the library was built without -DCPIDX_TRACE"
+                                              : cudaGetErrorString(e));
+      return kExitUsage;
+    }
+    std::printf("# the scoring kernel's last CTA waits %.1f us at entry in every call\n",
+                late_cta_us);
   }
   MpiSession session;
   std::unique_ptr<Communicator> processes;

@@ -321,7 +321,7 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
       }
       if (best == 0) break;
       const int taker = __ffs(__ballot_sync(0xffffffffu, avail == best)) - 1;
-      const int64_t take = best < kStealPages ? best : kStealPages;
+      const int64_t take = steal_take(best);
       int64_t lo = 0, hi = 0;
       if (lane == taker) {
         if (seen == kUnstarted) {

@@ -30,13 +30,17 @@ namespace cuda {
 // Steps whose CTAs hold fewer pages each keep static ranges (at 15.5 pages a CTA, 64 x 8K,
 // stealing measured 0.2-0.4 us slower: a short tail, and the owners' claims).
 constexpr int64_t kMinStealShare = 16;
-constexpr int64_t kStealPages = 2;  // pages per steal (each steal is one compare-and-swap)
+constexpr int64_t kStealPages = 2;  // pages per steal (one atomic each)
 constexpr int kStealNear = 8;  // CTAs looked at on each side (one producer lane each), and as
 constexpr int kStealFar = 16;  // many spread evenly over the rest of the grid
 constexpr int kStealLanes = 2 * kStealNear + kStealFar;  // lanes (CTAs) of one look
 static_assert(kStealLanes == 32, "steal_victim gives each lane of the producer warp one CTA");
 constexpr unsigned long long kUnstarted = ~0ull;
 
+// What a taker claims of `left` pages a range has unclaimed: kStealPages at most.
+__host__ __device__ inline int64_t steal_take(int64_t left) {
+  return left < kStealPages ? left : kStealPages;
+}
 // Whether a step of `total` pages on `grid` CTAs shares its ranges (every CTA then has pages).
 __host__ __device__ inline bool steals(bool split, bool enabled, int64_t total, int grid) {
   return split && enabled && total >= kMinStealShare * grid && total < (int64_t{1} << 31);
@@ -72,7 +76,7 @@ __host__ __device__ inline int64_t own_chunk(int64_t left) {
   return left <= 8 ? 1 : (left / 4 < 32 ? left / 4 : 32);
 }
 // The owner's next claim from [front, back), what its word leaves of its static range
-// [.., end): own_chunk while no taker has been there, kStealPages as a taker's once one has
+// [.., end): own_chunk while no taker has been there, a taker's steal_take once one has
 // (back < end: a CTA done with its own pages is here, so what the owner claims it may score
 // alone after the others; an owner placed late finds its range so, started by a taker).
 // NOTE: an owner placed late claiming own_chunk's 32 pages scored them alone for ~47 us after
@@ -81,7 +85,7 @@ __host__ __device__ inline int64_t own_chunk(int64_t left) {
 // unchanged (docs/perf/README.md).
 __host__ __device__ inline int64_t owner_chunk(int64_t front, int64_t back, int64_t end) {
   const int64_t left = back - front;
-  return back < end ? (left < kStealPages ? left : kStealPages) : own_chunk(left);
+  return back < end ? steal_take(left) : own_chunk(left);
 }
 // The CTA that producer lane `lane` of CTA `self` (of `ctas`) looks at: lanes below 16 the
 // (lane / 2 + 1)-th to the right (even lanes) or left (odd lanes), the others one of 16 points

@@ -152,7 +152,7 @@ struct StealCta {
           if (avail > best) { best = avail; victim = v; seen = w; vf = f; vb = b; }
         }
         if (best == 0) { phase = kDone; break; }
-        take = std::min(best, ws::kStealPages);
+        take = ws::steal_take(best);
         phase = kTake;
         break;
       }
