@@ -19,9 +19,9 @@ rc=${PIPESTATUS[0]}
 cd "$OLDPWD" || exit 1
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$ngpu" -ge 2 ]; then
+  read -r -a example_args <<<"${EXAMPLE_ARGS:-}"
   for exchange in peer nccl; do
     echo "== torchrun --nproc_per_node=2 examples/indexer_layer.py --exchange $exchange"
-    read -r -a example_args <<<"${EXAMPLE_ARGS:-}"
     PYTHONPATH="$site" timeout 180 torchrun --nproc_per_node=2 examples/indexer_layer.py \
       --exchange "$exchange" "${example_args[@]}" 2>&1 | tee "$OUT/torchrun_$exchange.log" | tail -12
     rc2=${PIPESTATUS[0]}
