@@ -127,9 +127,10 @@ def fp8_table(fp8_rows, bf16_rows):
 
 
 def main():
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     runs = [json.load(open(path)) for path in sys.argv[1:]]
-    if not runs:
-        sys.exit("usage: compare_peer.py bench.json [fp8.json]")
     fp8 = [d for d in runs if d.get("dtype") == "fp8"]
     bf16 = [d for d in runs if d.get("dtype", "bf16") != "fp8"]
     if fp8:

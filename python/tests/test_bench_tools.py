@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -159,6 +160,16 @@ def test_collect_gathers_bench_jsons_into_runs(tmp_path):
 def test_ab_summary_usage_on_bad_arguments(capsys):
     assert ab_summary.main(["ab_summary.py"]) == 2
     assert "device_ab.sh" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, code", [(["compare_peer.py", "--help"], 0),
+                                         (["compare_peer.py"], 2)])
+def test_compare_peer_prints_its_usage(monkeypatch, capsys, argv, code):
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as done:
+        compare_peer.main()
+    assert done.value.code == code
+    assert "Usage: compare_peer.py bench.json" in capsys.readouterr().out
 
 
 _sass_spec = importlib.util.spec_from_file_location(

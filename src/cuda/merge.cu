@@ -17,21 +17,27 @@ constexpr int kMaxCand = 8 * kMaxTopK;  // world <= 8 ranks x K keys
 // One warp: (owned head j, row)'s P * K candidate keys (gathered, or polled from the channel),
 // ranked to the top K, written as ids (+ the sparse-table row).
 __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t uses, Key* cand,
-                           Key* best, int* count, int lane) {
-  const int K = p.topk;
-  if (lane == 0) *count = 0;
-  __syncwarp();
+                           Key* best, int lane) {
+  const int K = p.topk, total = p.world * K;
   ll::Waiter waiter(p.channel.error, p.channel.timeout_ns);  // used with a channel only
-  for (int x = lane; x < p.world * K; x += 32) {
-    const int w = x / K, i = x % K;
-    const int64_t at = ((p.head_offset + j) * p.n + row) * K + i;  // in source w's payload
-    const Key k = p.channel.world > 0
-                      ? channel_get(p.channel, uses, w, at, waiter)
-                      : p.gathered[static_cast<int64_t>(w) * p.total_heads * p.n * K + at];
-    if (k != kPadKey) cand[atomicAdd(count, 1)] = k;
+  // The real keys packed into cand by the warp's ballots (32 at a time, every lane in each
+  // turn), where a shared-memory atomicAdd per key serialised the warp on one counter.
+  int n = 0;
+  for (int x0 = 0; x0 < total; x0 += 32) {
+    const int x = x0 + lane;
+    Key k = kPadKey;
+    if (x < total) {
+      const int w = x / K, i = x % K;
+      const int64_t at = ((p.head_offset + j) * p.n + row) * K + i;  // in source w's payload
+      k = p.channel.world > 0 ? channel_get(p.channel, uses, w, at, waiter)
+                              : p.gathered[static_cast<int64_t>(w) * p.total_heads * p.n * K + at];
+    }
+    const unsigned real = __ballot_sync(0xffffffffu, k != kPadKey);
+    if (k != kPadKey) cand[n + __popc(real & ((1u << lane) - 1u))] = k;
+    n += __popc(real);
   }
   __syncwarp();
-  warp_rank_topk(cand, *count, K, best, lane);
+  warp_rank_topk(cand, n, K, best, lane);
   __syncwarp();
   int32_t* out = p.ids + j * p.ids_head_stride + row * p.ids_row_stride;
   for (int i = lane; i < K; i += 32) out[i] = best[i] == kPadKey ? -1 : key_block(best[i]);
@@ -47,7 +53,6 @@ __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t us
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_topk_kernel(const MergeParams p) {
   __shared__ Key cand[kMergeWarps][kMaxCand];
   __shared__ Key best[kMergeWarps][kMaxTopK];
-  __shared__ int count[kMergeWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Fused exchange: the keys arrive in the channel, stored by every rank's select_topk; this grid
   // polls for them as soon as this rank's select_topk let it launch (its use count read), and
@@ -66,7 +71,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_topk_kernel(const Merg
   if (item < p.local_heads * p.n) {  // warp-uniform
     const int j = static_cast<int>(item / p.n);
     const int64_t row = item % p.n;
-    merge_item(p, j, row, uses, cand[warp], best[warp], &count[warp], lane);
+    merge_item(p, j, row, uses, cand[warp], best[warp], lane);
   }
   if (channel) pdl_wait();
 }

@@ -254,8 +254,15 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
                                : kPadKey;
   }
   auto each = [&](auto&& f) { for_each_key<kThreads, kPer>(keys, n, in_regs, mine, f); };
-  // Keys >= lower win: every real key of a short list; else the K largest, gathered above the
-  // group bound when at most kCand keys pass it, above the exact K-th key (radix) otherwise.
+  // Every real key of a short list wins, ranked where it lies (thread t's key in s.cand[t]);
+  // else the K largest, gathered above the group bound when at most kCand keys pass it, above
+  // the exact K-th key (radix) otherwise.
+  // NOTE: a short list's keys were gathered too, one shared-memory atomicAdd on one counter per
+  // key, each thread waiting for its slot: the atomics serialise, and 128-key lists took ~3.5 us
+  // from the wait to the ranks, where a 1024-key list's group bound, ~20 winners, took ~2.7
+  // (docs/perf/README.md, v48). Written as a branch of the radix path's gather: each other
+  // form tried made ptxas spill the 64-register instances (20-72 B).
+  static_assert(kRankDirect <= kThreads, "a short list is one key a thread: mine[0]");
   Key lower = 1;
   bool gathered = false;
   if (n > kRankDirect && K <= kGroups) {
@@ -266,20 +273,30 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
     CPIDX_SELECT_STAMP(threadIdx.x == 0, kSGathered);
     gathered = s.count <= kCand;  // uniform: every thread reads it after the barrier
   }
+  int real = 0;  // a short list's real keys
   if (!gathered) {
     if (n > kRankDirect) lower = radix_kth<kThreads>(K, s, each);
     if (tid == 0) s.count = 0;
     __syncthreads();
-    gather_winners(lower, s, each);
-    __syncthreads();
+    if (n > kRankDirect) {
+      gather_winners(lower, s, each);
+    } else if (tid < n) {  // uniform branch: a short list ranks where it lies, pads included
+      s.cand[tid] = mine[0];
+    }
+    real = __syncthreads_count(tid < n && mine[0] != kPadKey);
   }
-  // The winners in order (unique real keys), padded to K.
-  const int count = s.count < kCand ? s.count : kCand;
+  // The winners in order (unique real keys), padded to K. A short list's pads are below every
+  // real key, so they move no real key's rank, and are never written out.
+  int ranked = s.count < kCand ? s.count : kCand, count = ranked;
+  if (n <= kRankDirect) {
+    ranked = static_cast<int>(n);
+    count = real;
+  }
   for (int i = tid; i < K; i += kThreads) {
     if (i >= count) s.sorted[i] = kPadKey;
   }
-  for_each_rank<kThreads>(s.cand, count, [&](Key mine, int rank) {
-    if (rank < K) s.sorted[rank] = mine;
+  for_each_rank<kThreads>(s.cand, ranked, [&](Key mine, int rank) {
+    if (rank < K && mine != kPadKey) s.sorted[rank] = mine;
   });
   __syncthreads();
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSRanked);
