@@ -22,7 +22,7 @@ __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t us
   ll::Waiter waiter(p.channel.error, p.channel.timeout_ns);  // used with a channel only
   // The real keys packed into cand by the warp's ballots (32 at a time, every lane in each
   // turn), where a shared-memory atomicAdd per key serialised the warp on one counter.
-  int n = 0;
+  int found = 0;
   for (int x0 = 0; x0 < total; x0 += 32) {
     const int x = x0 + lane;
     Key k = kPadKey;
@@ -33,11 +33,11 @@ __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t us
                               : p.gathered[static_cast<int64_t>(w) * p.total_heads * p.n * K + at];
     }
     const unsigned real = __ballot_sync(0xffffffffu, k != kPadKey);
-    if (k != kPadKey) cand[n + __popc(real & ((1u << lane) - 1u))] = k;
-    n += __popc(real);
+    if (k != kPadKey) cand[found + __popc(real & ((1u << lane) - 1u))] = k;
+    found += __popc(real);
   }
   __syncwarp();
-  warp_rank_topk(cand, n, K, best, lane);
+  warp_rank_topk(cand, found, K, best, lane);
   __syncwarp();
   int32_t* out = p.ids + j * p.ids_head_stride + row * p.ids_row_stride;
   for (int i = lane; i < K; i += 32) out[i] = best[i] == kPadKey ? -1 : key_block(best[i]);

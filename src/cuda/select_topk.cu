@@ -280,7 +280,7 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
     __syncthreads();
     if (n > kRankDirect) {
       gather_winners(lower, s, each);
-    } else if (tid < n) {  // uniform branch: a short list ranks where it lies, pads included
+    } else if (tid < n) {  // a short list (n is uniform) ranks where it lies, pads included
       s.cand[tid] = mine[0];
     }
     real = __syncthreads_count(tid < n && mine[0] != kPadKey);
