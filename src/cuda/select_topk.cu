@@ -281,6 +281,8 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
     if (n > kRankDirect) {
       gather_winners(lower, s, each);
     } else if (tid < n) {  // a short list (n is uniform) ranks where it lies, pads included
+      // The key landed: the condition depends on it, so the stamp cannot run earlier.
+      CPIDX_SELECT_STAMP(tid == 0 && mine[0] != ~Key{0}, kSLoaded);
       s.cand[tid] = mine[0];
     }
     real = __syncthreads_count(tid < n && mine[0] != kPadKey);
