@@ -64,9 +64,11 @@ constexpr int kPerThread = 8;       // keys kept in registers by the wide and na
 constexpr int kDeepPerThread = 16;  // by the deep grid; longer lists are re-read from L2
 constexpr int kUnroll = 8;      // L2 loads in flight per thread when re-reading
 constexpr int kBins = 256;
-// Lists up to this long are ranked directly. NOTE: rank counting reads every key once per key
-// (serial shared-memory loads): measured 1.4 us faster than the radix passes at 32 keys, equal
-// at 128, 2-3 us slower at 256 (docs/perf/README.md, v7).
+// Lists up to this long are ranked directly, where they lie (one key a thread, v48). NOTE: rank
+// counting reads every key once per key (serial shared-memory loads): measured 1.4 us faster
+// than the radix passes at 32 keys, equal at 128, 2-3 us slower at 256 (docs/perf/README.md,
+// v7), when the keys were still gathered one shared-memory atomicAdd each; not measured again
+// since they rank in place.
 constexpr int kRankDirect = 128;
 constexpr int kCand = kRankDirect;  // winners gathered for ranking: <= max(K, kRankDirect)
 static_assert(kCand >= kMaxTopK, "a long list's K winners must fit the candidate buffer");
