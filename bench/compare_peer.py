@@ -128,8 +128,9 @@ def fp8_table(fp8_rows, bf16_rows):
 
 def main():
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
-        print(__doc__.strip())
-        sys.exit(0 if len(sys.argv) > 1 else 2)
+        asked = len(sys.argv) > 1  # --help: usage on stdout; no file: a usage error on stderr
+        print(__doc__.strip(), file=sys.stdout if asked else sys.stderr)
+        sys.exit(0 if asked else 2)
     runs = [json.load(open(path)) for path in sys.argv[1:]]
     fp8 = [d for d in runs if d.get("dtype") == "fp8"]
     bf16 = [d for d in runs if d.get("dtype", "bf16") != "fp8"]

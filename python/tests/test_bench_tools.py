@@ -162,14 +162,16 @@ def test_ab_summary_usage_on_bad_arguments(capsys):
     assert "device_ab.sh" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, code", [(["compare_peer.py", "--help"], 0),
-                                         (["compare_peer.py"], 2)])
-def test_compare_peer_prints_its_usage(monkeypatch, capsys, argv, code):
+@pytest.mark.parametrize("argv, code, stream", [(["compare_peer.py", "--help"], 0, "out"),
+                                                 (["compare_peer.py"], 2, "err")])
+def test_compare_peer_prints_its_usage(monkeypatch, capsys, argv, code, stream):
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as done:
         compare_peer.main()
     assert done.value.code == code
-    assert "Usage: compare_peer.py bench.json" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "Usage: compare_peer.py bench.json" in getattr(printed, stream)
+    assert "Usage" not in getattr(printed, "err" if stream == "out" else "out")
 
 
 _sass_spec = importlib.util.spec_from_file_location(
