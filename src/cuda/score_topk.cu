@@ -167,7 +167,9 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
   // themselves before the wait (checked against the table and lengths after it, redone if they
   // changed): within +-1 us of waiting, on one GPU back to back and on the 2-GPU step behind the
   // query gather (v12-early, not kept; it also cannot check page contents the kernel before it
-  // may still be writing). A steady L2 prefetch 3 pages ahead of the ring was 12% slower.
+  // may still be writing). A steady L2 prefetch 3 pages ahead of the ring was 12% slower, and
+  // one of a short range's pages past its first ring, as they are looked up, 1.2-1.7 us slower
+  // on steps of ~4 pages a CTA (v49): the prefetched bytes delay the ring's own.
   const int B = p.num_reqs;
   int r0 = 0, r1 = 0;
   thread_requests<kThreads>(B, &r0, &r1);
