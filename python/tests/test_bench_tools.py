@@ -169,9 +169,10 @@ def test_compare_peer_prints_its_usage(monkeypatch, capsys, argv, code, stream):
     with pytest.raises(SystemExit) as done:
         compare_peer.main()
     assert done.value.code == code
-    printed = capsys.readouterr()
-    assert "Usage: compare_peer.py bench.json" in getattr(printed, stream)
-    assert "Usage" not in getattr(printed, "err" if stream == "out" else "out")
+    out, err = capsys.readouterr()
+    shown, other = (out, err) if stream == "out" else (err, out)
+    assert "Usage: compare_peer.py bench.json" in shown
+    assert "Usage" not in other
 
 
 _sass_spec = importlib.util.spec_from_file_location(
