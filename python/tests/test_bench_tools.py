@@ -2,6 +2,8 @@
 import importlib.util
 import json
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -219,3 +221,22 @@ def test_ncu_sass_sums_by_opcode_region_and_shared_wavefronts(tmp_path):
     assert shared[1].startswith("a0100 200000 1600000 400000 1200000 LDS.64")
     assert len(shared) == 3 and shared[-1] == "# totals: 200100 1600100 400100 1200000"
     assert [l.split()[0] for l in ncu_sass.listing(rows, 1000, 0.3)] == ["a0100", "a0110", "a0210"]
+
+
+_NVCC = os.environ.get("NVCC", "/usr/local/cuda/bin/nvcc")
+
+
+@pytest.mark.skipif(not os.access(_NVCC, os.X_OK), reason="no nvcc")
+def test_sass_script_prints_each_kernels_registers_and_spills(tmp_path):
+    """scripts/sass.sh on a small source, without cuobjdump: one row per matching kernel."""
+    done = subprocess.run(
+        [os.path.join(_ROOT, "scripts", "sass.sh"), os.path.join(_ROOT, "src", "cuda", "merge.cu"),
+         "merge_topk"],
+        env=dict(os.environ, OUT=str(tmp_path), CPIDX_CUDA_TOOLS="", PATH="/usr/bin:/bin"),
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if "merge_topk_kernel" in line]
+    assert len(rows) == 1, done.stdout
+    assert re.match(r"^\d+ +\d+ bytes stack frame, \d+ bytes spill stores, \d+ bytes spill loads",
+                    rows[0]), rows[0]
+    assert "pack_queries" not in done.stdout  # the regex picks the kernels
