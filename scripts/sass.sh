@@ -24,6 +24,8 @@ regex=${2:-.}
 root=$(cd "$(dirname "$0")/.." && pwd)
 [ -f "$src" ] || { echo "sass.sh: no such source: $src" >&2; exit 2; }
 nvcc=${NVCC:-/usr/local/cuda/bin/nvcc}
+# The cpidx target's CUDA flags in CMakeLists.txt (and the trace check's), -lineinfo aside: keep
+# them in step. scripts/ptx_diff.sh takes a build's own commands instead, where one exists.
 out=${OUT:-$PWD/sass-out}
 mkdir -p "$out"
 name=$(basename "$src" .cu)

@@ -1,4 +1,5 @@
-"""bench/ab_summary.py: the A/B summary that scripts/device_ab.sh prints (no GPU, no cpidx)."""
+"""The bench and script tools, without a GPU or cpidx: bench/ab_summary.py (the A/B summary that
+scripts/device_ab.sh prints), compare_peer.py, ncu_sass.py, scripts/sass.sh."""
 import importlib.util
 import json
 import os
