@@ -229,15 +229,20 @@ _NVCC = os.environ.get("NVCC", "/usr/local/cuda/bin/nvcc")
 
 @pytest.mark.skipif(not os.access(_NVCC, os.X_OK), reason="no nvcc")
 def test_sass_script_prints_each_kernels_registers_and_spills(tmp_path):
-    """scripts/sass.sh on a small source, without cuobjdump: one row per matching kernel."""
+    """scripts/sass.sh on a small source: one registers row per matching kernel, and one
+    instructions row where cuobjdump + nvdisasm are in /usr/local/cuda/bin (the GPU machine)."""
     done = subprocess.run(
         [os.path.join(_ROOT, "scripts", "sass.sh"), os.path.join(_ROOT, "src", "cuda", "merge.cu"),
          "merge_topk"],
         env=dict(os.environ, OUT=str(tmp_path), CPIDX_CUDA_TOOLS="", PATH="/usr/bin:/bin"),
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    rows = [line for line in done.stdout.splitlines() if "merge_topk_kernel" in line]
+    lines = [line for line in done.stdout.splitlines() if "merge_topk_kernel" in line]
+    rows = [line for line in lines if "bytes stack frame" in line]
     assert len(rows) == 1, done.stdout
     assert re.match(r"^\d+ +\d+ bytes stack frame, \d+ bytes spill stores, \d+ bytes spill loads",
                     rows[0]), rows[0]
+    sass = [line for line in lines if line not in rows]
+    assert len(sass) <= 1, done.stdout
+    assert all(re.match(r"^ *\d+ instructions +\d+ LDS ", l) for l in sass), done.stdout
     assert "pack_queries" not in done.stdout  # the regex picks the kernels

@@ -86,7 +86,7 @@ static_assert(kNarrow % kGroups == 0 && kWide % kGroups == 0, "one warp ranks th
 struct SelectSmem {
   int64_t* prefix;                 // [(num_reqs >> shift) + 1] (dynamic): RequestOffsets
   int hist[kBins];
-  Key cand[kCand];                 // the winners, unordered
+  alignas(16) Key cand[kCand];     // the winners, unordered (a short list: 16-byte loads)
   Key sorted[kMaxTopK];            // the winners, descending, padded with kPadKey
   int count;                       // winners gathered so far
   Key prefix_bits;                 // radix select state: the K-th key's high bits found so far
@@ -200,6 +200,39 @@ __device__ __forceinline__ void for_each_rank(const Key* v, int n, F&& f) {
   }
 }
 
+// A short list's ranks (kCand / 2 < n <= kCand keys at v, pads up to kCand): f(v[i], rank)
+// for each i < n, in one pass of kThreads / kCand lanes a key. Each lane reads its share of
+// the first n slots, rounded up to 16 kLanes, two keys (16 bytes) a load (pads are below every
+// key: they add no rank).
+// NOTE: for_each_rank's 8 lanes a key take n / (kThreads / 8) passes (4 for 128 keys on the
+// wide grid): the ranks of 128 keys took 2.5-2.9 us (docs/perf/README.md, v50-trace), and one
+// pass of 2 lanes a key took 0.7-3.4 us off those steps (v50). ptxas issues these loads one
+// after another into the same registers whatever the source's order (its SASS, at 64 registers
+// a thread or 128), so each load costs its latency: this pass has half v50's loads (16 bytes
+// each). A lane loads 8 ceil(n / (16 kLanes)) times (24-32 wide, 40-64 narrow), for_each_rank's
+// lanes ceil(8 n / kThreads) passes of ceil(n / 8) (27-64 wide, 45-128 narrow): fewer loads
+// past kCand / 2 keys, as many or more below (v50e, taking n > kThreads / 8 here and reading
+// all kCand slots, lost 0.3 us on 64-key lists and 2 us on the narrow grid's 32-key lists).
+// The end is tested every 8 loads: tested at each, the wide grid's kernels spilled.
+template <int kThreads, typename F>
+__device__ __forceinline__ void rank_short(const Key* v, int n, F&& f) {
+  constexpr int kLanes = kThreads / kCand;
+  static_assert(kLanes >= 1 && kLanes <= 32 && kThreads % kCand == 0, "lanes of one warp");
+  const int i = static_cast<int>(threadIdx.x) / kLanes, sub = threadIdx.x % kLanes;
+  const Key mine = i < n ? v[i] : kPadKey;
+  const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(v) + sub;
+  int rank = 0;
+#pragma unroll
+  for (int j = 0; j < kCand / 2; j += kLanes) {
+    if (j % (8 * kLanes) == 0 && 2 * j >= n) break;  // uniform: the slots past it hold pads
+    const ulonglong2 two = pairs[j];
+    rank += (two.x > mine) + (two.y > mine);
+  }
+#pragma unroll
+  for (int d = 1; d < kLanes; d *= 2) rank += __shfl_xor_sync(0xffffffffu, rank, d);
+  if (sub == 0 && i < n) f(mine, rank);
+}
+
 // A lower bound on the K-th largest real key (K <= kGroups): the K-th largest of the groups'
 // maxima. K groups each hold a key at least that large, so at least K keys pass it; on real
 // scores about K plus a few do (each group holds n / 32 keys, strided over the list). 1 (every
@@ -282,7 +315,8 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
     __syncthreads();
     if (n > kRankDirect) {
       gather_winners(lower, s, each);
-    } else if (tid < n) {  // a short list (n is uniform) ranks where it lies, pads included
+    } else if (tid < kCand) {  // a short list (n is uniform) ranks where it lies, pads
+      // included, and pads (mine[0] past the list) fill the rest of the slots rank_short reads
       // The key landed: the condition depends on it, so the stamp cannot run earlier.
       CPIDX_SELECT_STAMP(tid == 0 && mine[0] != ~Key{0}, kSLoaded);
       s.cand[tid] = mine[0];
@@ -299,9 +333,14 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   for (int i = tid; i < K; i += kThreads) {
     if (i >= count) s.sorted[i] = kPadKey;
   }
-  for_each_rank<kThreads>(s.cand, ranked, [&](Key mine, int rank) {
+  auto place = [&](Key mine, int rank) {
     if (rank < K && mine != kPadKey) s.sorted[rank] = mine;
-  });
+  };
+  if (n <= kRankDirect && n > kCand / 2) {  // uniform: for_each_rank's passes load more
+    rank_short<kThreads>(s.cand, ranked, place);
+  } else {
+    for_each_rank<kThreads>(s.cand, ranked, place);
+  }
   __syncthreads();
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSRanked);
 }
