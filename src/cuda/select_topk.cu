@@ -214,6 +214,9 @@ __device__ __forceinline__ void for_each_rank(const Key* v, int n, F&& f) {
 // past kCand / 2 keys, as many or more below (v50e, taking n > kThreads / 8 here and reading
 // all kCand slots, lost 0.3 us on 64-key lists and 2 us on the narrow grid's 32-key lists).
 // The end is tested every 8 loads: tested at each, the wide grid's kernels spilled.
+// NOTE: a second instance for 33-64 keys (4 lanes a key on the wide grid, 8 loads against two
+// passes of 5-8) took 0.3-0.7 us off 64-key steps and added 0.1-0.26 us to one-request steps
+// that never ran it, as v50b's second instance did (docs/perf/README.md, v51); not kept.
 template <int kThreads, typename F>
 __device__ __forceinline__ void rank_short(const Key* v, int n, F&& f) {
   constexpr int kLanes = kThreads / kCand;

@@ -492,6 +492,41 @@ TEST(GpuDecode, StepsWithMoreItemsThanTheWideSelectionGrid) {
   }
 }
 
+// Lists on both sides of the selection's one-pass rank (v50f: 65-128 keys ranked in one pass of
+// 16-byte loads, up to 64 in 8-lane passes, past 128 through the group bound), on the wide grid
+// (4 columns a request) and the narrow one (64 columns, more items than the wide grid holds):
+// 63-65, 97, 127-129 blocks, odd counts included (the pass reads the pads after the last key).
+// Tie-heavy keys at K = 16 and 64 must come out in contract order; random ones match the
+// reference on both paths.
+TEST(GpuDecode, ShortListsAroundTheOnePassRankOnBothGrids) {
+  SKIP_WITHOUT_GPU();
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const std::vector<int32_t> edges = {8064, 8192, 8193, 12289, 16255, 16256, 16384, 16385};
+  for (int Q : {1, 8}) {
+    const int T = 4 * (Q == 8 ? 2 : 1), cols = T * Q;
+    const int reqs = Q == 1 ? static_cast<int>(edges.size())
+                            : std::max<int>(static_cast<int>(edges.size()),
+                                            (4 * sms + 1 + cols - 1) / cols);
+    std::vector<int32_t> lens(static_cast<size_t>(reqs));
+    for (int r = 0; r < reqs; ++r) lens[r] = edges[r % edges.size()];
+    const std::string grid = Q == 1 ? "wide" : "narrow";
+    for (int K : {16, 64}) {
+      DecodeData ties = random_decode(7000 + Q * 100 + K, T, Q, lens, 16385, DType::kBF16,
+                                      Values::kTies, 1.0f);
+      const Selection sel = sel_of(K, 1, 2);
+      const std::vector<int32_t> want = cpu_decode(ties, sel);
+      for (Path path : kBothPaths) {
+        UsePath use(path);
+        EXPECT_EQ(gpu_decode(ties, sel), want)
+            << grid << " ties K=" << K << " " << path_name(path);
+      }
+    }
+    DecodeData d = random_decode(7500 + Q, T, Q, lens, 16385);
+    expect_matches_reference(d, sel_of(16), grid + " random");
+  }
+}
+
 // Requests owning more of a rank's pages than the wide selection grid holds keys in registers
 // (2048) take the deep grid (512 threads, 16 keys each, one CTA an SM) when the step has at most
 // one item per SM: lists of 2049 to 8192 keys in its registers, longer ones re-read from L2.
