@@ -306,4 +306,15 @@ inline void expect_matches_reference(const DecodeData& d, const cpidx::Selection
   }
 }
 
+// Both GPU paths equal to the CPU reference id for id, in order: for inputs whose dot products
+// are exact (small integers, Values::kTies), where the contract fixes every tie's order.
+inline void expect_exact_on_both_paths(const DecodeData& d, const cpidx::Selection& sel,
+                                       const std::string& what) {
+  const std::vector<int32_t> want = cpu_decode(d, sel);
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    EXPECT_EQ(gpu_decode(d, sel), want) << what << " " << path_name(path);
+  }
+}
+
 }  // namespace cpidx_gpu_test

@@ -223,13 +223,9 @@ TEST(GpuDecode, TieHeavyInputsFollowContractOrder) {
         DecodeData d = random_decode(500 + Q * 10 + K + max_len, 4, Q,
                                      lengths(rng, 6, max_len, true), max_len, DType::kBF16,
                                      Values::kTies, 1.0f);
-        const Selection sel = sel_of(K, 1, 2);
-        const std::vector<int32_t> want = cpu_decode(d, sel);
-        for (Path path : kBothPaths) {
-          UsePath use(path);
-          EXPECT_EQ(gpu_decode(d, sel), want)
-              << "L<=" << max_len << " Q=" << Q << " K=" << K << " " << path_name(path);
-        }
+        expect_exact_on_both_paths(d, sel_of(K, 1, 2),
+                                   "L<=" + std::to_string(max_len) + " Q=" + std::to_string(Q) +
+                                       " K=" + std::to_string(K));
       }
     }
   }
@@ -492,17 +488,19 @@ TEST(GpuDecode, StepsWithMoreItemsThanTheWideSelectionGrid) {
   }
 }
 
-// Lists on both sides of the selection's one-pass rank (v50f: 65-128 keys ranked in one pass of
-// 16-byte loads, up to 64 in 8-lane passes, past 128 through the group bound), on the wide grid
+// Lists on both sides of each bound where the selection's ranks change form (8-lane passes,
+// one pass of 16-byte loads past 64 keys since v50f, the group bound past 128), on the wide grid
 // (4 columns a request) and the narrow one (64 columns, more items than the wide grid holds):
-// 63-65, 97, 127-129 blocks, odd counts included (the pass reads the pads after the last key).
+// 32-33, 63-65, 97, 127-129 blocks, odd counts included (the pass reads the pads after the last
+// key).
 // Tie-heavy keys at K = 16 and 64 must come out in contract order; random ones match the
 // reference on both paths.
 TEST(GpuDecode, ShortListsAroundTheOnePassRankOnBothGrids) {
   SKIP_WITHOUT_GPU();
   int sms = 0;
   CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const std::vector<int32_t> edges = {8064, 8192, 8193, 12289, 16255, 16256, 16384, 16385};
+  const std::vector<int32_t> edges = {4096,  4097,  8064,  8192,  8193,
+                                      12289, 16255, 16256, 16384, 16385};
   for (int Q : {1, 8}) {
     const int T = 4 * (Q == 8 ? 2 : 1), cols = T * Q;
     const int reqs = Q == 1 ? static_cast<int>(edges.size())
@@ -514,13 +512,7 @@ TEST(GpuDecode, ShortListsAroundTheOnePassRankOnBothGrids) {
     for (int K : {16, 64}) {
       DecodeData ties = random_decode(7000 + Q * 100 + K, T, Q, lens, 16385, DType::kBF16,
                                       Values::kTies, 1.0f);
-      const Selection sel = sel_of(K, 1, 2);
-      const std::vector<int32_t> want = cpu_decode(ties, sel);
-      for (Path path : kBothPaths) {
-        UsePath use(path);
-        EXPECT_EQ(gpu_decode(ties, sel), want)
-            << grid << " ties K=" << K << " " << path_name(path);
-      }
+      expect_exact_on_both_paths(ties, sel_of(K, 1, 2), grid + " ties K=" + std::to_string(K));
     }
     DecodeData d = random_decode(7500 + Q, T, Q, lens, 16385);
     expect_matches_reference(d, sel_of(16), grid + " random");
