@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Summarise a `scripts/device_ab.sh` run: the tree ("base") against the patched tree ("new").
+"""Summarise a `scripts/device_ab.sh` run: the tree ("base") against each patched tree ("new",
+or each patch's name when the run had several).
 
   ab_summary.py ab.json
-      one line per (config, shape): every run's microseconds of each build, each build's slowest
-      replay over its runs (`max_us`, where the rows have it) and, run by run, how far each run's
+      one table a patched build (under a "base vs NAME" line when there are several), one line
+      per (config, shape): every run's microseconds of each build, each build's slowest replay
+      over its runs (`max_us`, where the rows have it) and, run by run, how far each run's
       slowest replay lies above its median, the change of the means, and `*` where the two
       builds' runs do not overlap (a move beyond the runs' spread).
   ab_summary.py --trace trace_base.txt trace_new.txt
@@ -38,18 +40,29 @@ def shape_name(key):
 
 def summarise_ab(path):
     runs = json.load(open(path))["runs"]
+    builds = [b for b in dict.fromkeys(run["build"] for run in runs) if b != "base"]
+    tables = [_ab_table(runs, build) for build in builds]
+    if len(tables) == 1:
+        return tables[0]
+    return "\n\n".join(f"base vs {build}:\n{table}" for build, table in zip(builds, tables))
+
+
+def _ab_table(runs, build):
     table = collections.OrderedDict()
     for run in runs:
+        if run["build"] not in ("base", build):
+            continue
+        which = "base" if run["build"] == "base" else "new"
         for row in run["results"] or []:
             key = (run["config"],) + tuple(row.get(k) for k in SHAPE_KEYS)
             by = table.setdefault(key, {"base": [], "new": [], "base_max": [], "new_max": [],
                                         "base_over": [], "new_over": []})
-            by[run["build"]].append(row["us"])
+            by[which].append(row["us"])
             if "max_us" in row:
-                by[run["build"] + "_max"].append(row["max_us"])
-                by[run["build"] + "_over"].append(row["max_us"] - row["us"])
-    lines = ["| shape | base us | new us | slowest base / new | slowest over median, each run: "
-             "base / new | change (means) | |",
+                by[which + "_max"].append(row["max_us"])
+                by[which + "_over"].append(row["max_us"] - row["us"])
+    lines = [f"| shape | base us | {build} us | slowest base / {build} | slowest over median, "
+             f"each run: base / {build} | change (means) | |",
              "|---|---|---|---|---|---|---|"]
     for key, by in table.items():
         base, new = by["base"], by["new"]

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# scripts/device_ab.sh [options] PATCH: on the GPU machine, one A/B of a kernel patch in one call.
-# Builds the working tree ("base", build-device/) and a copy with PATCH applied ("new",
-# build-ab/<patch name>/, its own build-device/), side by side; runs `cpidx bench` on both,
-# alternated, for each --config; then, if asked, the new build's GPU tests and sanitizers.
+# scripts/device_ab.sh [options] PATCH [PATCH...]: on the GPU machine, one A/B of kernel patches
+# in one call. Builds the working tree ("base", build-device/) and, side by side, a copy of it
+# for each PATCH with that patch applied (build-ab/<patch name>/, its own build-device/); runs
+# `cpidx bench` on every build, alternated, for each --config; then, if asked, each patched
+# build's GPU tests and (one PATCH) its sanitizers. A PATCH of the form A.patch+B.patch is one
+# build with both applied, in that order (a patch prepared on top of another).
+# With one PATCH its build is named "new"; with several, each by its patch name(s).
 # Results under $OUT (default ./device-out), within the device tool's 8 files:
-#   ab.txt      every bench table, each under "== base|new rep=N <config flags>", then the
-#               side-by-side summaries (bench/ab_summary.py), also printed
+#   ab.txt      every bench table, each under "== <build> rep=N <config flags>", then the
+#               side-by-side summaries (bench/ab_summary.py: one table a patched build against
+#               base), also printed
 #   ab.json     the same rows as JSON ({"runs": [{"build", "rep", "config", "results"}]})
-#   tests.log   the new build's GPU tests (--tests)
-#   trace_base.txt, trace_new.txt   `cpidx bench --trace` of both trees (--trace)
-#   sanitize_summary.txt, sanitize.log   compute-sanitizer on the new build (--sanitize): the
-#               summary line per tool, and the tools' logs (each hazard's two accesses)
+#   tests.log   each patched build's GPU tests (--tests), each under "== <build>"
+#   trace_base.txt, trace_new.txt   `cpidx bench --trace` of both trees (--trace; one PATCH)
+#   sanitize_summary.txt, sanitize.log   compute-sanitizer on the new build (--sanitize; one
+#               PATCH): the summary line per tool, and the tools' logs (each hazard's two accesses)
 # Options:
 #   --config "FLAGS"   bench flags added to the shapes for one block (repeatable; default: one
 #                      block with none)
@@ -23,20 +27,26 @@
 #                      last call and its slowest replay's last call (two rows of the trace
 #                      summary), so an event in a few replays only (a CTA placed late, v41-slow)
 #                      shows in the second row; several runs catch rarer ones
-#   --tests FILTER     then run the new build's cpidx_gpu_tests with this gtest filter
+#   --tests FILTER     then run each patched build's cpidx_gpu_tests with this gtest filter
 #   --sanitize TOOL    then scripts/gpu_sanitize.sh TOOL in the new tree (memcheck|racecheck|
 #                      synccheck|all)
+#   --check            only copy the tree and apply each PATCH (into a temporary folder), print
+#                      the builds it would make and exit: 0 when every patch applies (no GPU,
+#                      no build; run it here before spending device time)
 #   --budget S         seconds the whole script may take (default 580, short of the device
 #                      tool's 10-minute limit); the tests get what is left of it, so a small
 #                      budget keeps a long filter from spending the session's device time
-# The tests and the sanitizer run in what is left of the budget.
-# Example (the v17e patch):
+# The tests and the sanitizer run in what is left of the budget (the tests of several builds
+# each a share of it).
+# Examples (the v17e patch; then two patches and one stacked on the first, four builds):
 #   scripts/device_ab.sh --config "" --config "--max-tokens 8192" \
 #     --tests 'GpuDecode.*:GpuWorkStealing.*' docs/perf/raw/v17e_dense_offsets_when_the_batch_fits.patch
+#   scripts/device_ab.sh docs/perf/raw/v52c_*.patch docs/perf/raw/v52m_*.patch \
+#     docs/perf/raw/v52c_*.patch+docs/perf/raw/v52a_*.patch
 set -uo pipefail
 # shellcheck source=scripts/device_common.sh
 . "$(dirname "$0")/device_common.sh"
-tests="" sanitize="" patch="" budget=580
+tests="" sanitize="" patches=() budget=580 check=0
 while [ $# -gt 0 ]; do
   bench_option "$@"
   [ "$taken" -gt 0 ] && { shift "$taken"; continue; }
@@ -44,30 +54,69 @@ while [ $# -gt 0 ]; do
     --tests) tests=$2; shift 2 ;;
     --sanitize) sanitize=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
+    --check) check=1; shift ;;
     -h|--help) sed -n '2,/^set /{/^#/p}' "$0"; exit 0 ;;
     -*) echo "device_ab.sh: unknown option $1" >&2; exit 2 ;;
-    *) [ -z "$patch" ] || { echo "device_ab.sh: one PATCH only" >&2; exit 2; }; patch=$1; shift ;;
+    *) patches+=("$1"); shift ;;
   esac
 done
-if [ -z "$patch" ] || [ ! -f "$patch" ]; then
+if [ ${#patches[@]} -eq 0 ]; then
   echo "device_ab.sh: PATCH file needed (see --help)" >&2
   exit 2
 fi
-patch_file=$(realpath "$patch")
+for spec in "${patches[@]}"; do
+  IFS=+ read -ra files <<<"$spec"
+  for f in "${files[@]}"; do
+    [ -f "$f" ] || { echo "device_ab.sh: no patch file $f (in $spec)" >&2; exit 2; }
+  done
+done
+if [ ${#patches[@]} -gt 1 ] && { [ -n "$trace" ] || [ -n "$sanitize" ]; }; then
+  echo "device_ab.sh: --trace and --sanitize take one PATCH" >&2
+  exit 2
+fi
 [ ${#configs[@]} -eq 0 ] && configs=("")
-device_log_start ab.txt
+ab_dir=build-ab
+if [ $check -eq 1 ]; then
+  ab_dir=$(mktemp -d) log=/dev/null
+  trap 'rm -rf "$ab_dir"' EXIT
+else
+  device_log_start ab.txt
+fi
 
-# The patched copy: the tree without build outputs, then the patch (git apply in a repository of
-# its own: inside this one it would skip the paths outside the copy).
-name=$(basename "$patch" .patch)
-new=build-ab/$name
-sum=$(sha256sum "$patch_file" | cut -c1-16)
-if [ "$(cat "$new/.applied" 2>/dev/null)" != "$sum" ]; then  # new, or the patch changed
-  rm -rf "$new" && mkdir -p "$new"
-  tar --exclude='./build*' --exclude=./device-out --exclude=./.git -cf - . | tar -xf - -C "$new"
-  (cd "$new" && git init -q . && git apply "$patch_file") ||
-    { echo "device_ab.sh: $patch does not apply to this tree" | tee -a "$log"; exit 1; }
-  echo "$sum" >"$new/.applied"
+# Each patched copy: the tree without build outputs, then its patches (git apply in a repository
+# of its own: inside this one it would skip the paths outside the copy). A copy left by an
+# earlier call on a warm machine is reused (its build too) only if neither the tree's files nor
+# its patches changed since.
+tree_sum=$(find . \( -path './build*' -o -path ./device-out -o -path ./.git \) -prune -o -type f \
+  -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+names=() dirs=()
+for spec in "${patches[@]}"; do
+  IFS=+ read -ra files <<<"$spec"
+  name="" sum=$tree_sum
+  for f in "${files[@]}"; do
+    name+=${name:++}$(basename "$f" .patch)
+    sum+=$(sha256sum "$f" | cut -c1-16)
+  done
+  dir=$ab_dir/$name
+  if [ "$(cat "$dir/.applied" 2>/dev/null)" != "$sum" ]; then  # new, or a patch changed
+    rm -rf "$dir" && mkdir -p "$dir"
+    tar --exclude='./build*' --exclude=./device-out --exclude=./.git -cf - . | tar -xf - -C "$dir"
+    (cd "$dir" && git init -q .) || exit 1
+    for f in "${files[@]}"; do
+      abs=$(realpath "$f")
+      (cd "$dir" && git apply "$abs") || {
+        echo "device_ab.sh: $f does not apply to this tree (in $spec)" | tee -a "$log"
+        exit 1
+      }
+    done
+    echo "$sum" >"$dir/.applied"
+  fi
+  names+=("$name") dirs+=("$dir")
+done
+[ ${#patches[@]} -eq 1 ] && names=(new)
+if [ $check -eq 1 ]; then
+  for i in "${!names[@]}"; do echo "${names[$i]} = the tree + ${patches[$i]}: applies"; done
+  exit 0
 fi
 build() {  # build SOURCE_DIR TARGET...: scripts/device.sh's build in SOURCE_DIR/build-device
   (cd "$1" && TARGETS="${*:2}" OUT="$OUT" scripts/device.sh build) ||
@@ -75,20 +124,26 @@ build() {  # build SOURCE_DIR TARGET...: scripts/device.sh's build in SOURCE_DIR
 }
 new_targets=(cpidx_tool)
 [ -n "$tests" ] && new_targets+=(cpidx_gpu_tests)
-build . cpidx_tool & base_pid=$!
-build "$new" "${new_targets[@]}" & new_pid=$!
-wait $base_pid; base_rc=$?
-wait $new_pid; new_rc=$?
-[ $base_rc -eq 0 ] && [ $new_rc -eq 0 ] || exit 1
-echo "# built in $(elapsed) s; base = the working tree, new = + $patch" | tee -a "$log"
+build . cpidx_tool & pids=($!)
+for dir in "${dirs[@]}"; do
+  build "$dir" "${new_targets[@]}" & pids+=($!)
+done
+built=1
+for pid in "${pids[@]}"; do wait "$pid" || built=0; done
+[ $built -eq 1 ] || exit 1
+echo "# built in $(elapsed) s; base = the working tree; $(for i in "${!names[@]}"; do
+  printf '%s = + %s; ' "${names[$i]}" "${patches[$i]}"; done)" | tee -a "$log"
+new=${dirs[0]}  # the one patched tree of --trace and --sanitize
 
 jsons=()
 for ((rep = 1; rep <= reps; ++rep)); do
   for cfg in "${configs[@]}"; do
-    for which in base new; do
-      bin=./build-device/cpidx
-      [ $which = new ] && bin=$new/build-device/cpidx
-      json=$new/ab_${which}_${rep}_${#jsons[@]}.json
+    for ((b = 0; b <= ${#names[@]}; ++b)); do
+      which=base bin=./build-device/cpidx
+      if [ $b -gt 0 ]; then
+        which=${names[$((b - 1))]} bin=${dirs[$((b - 1))]}/build-device/cpidx
+      fi
+      json=$new/ab_${b}_${rep}_${#jsons[@]}.json
       echo "== $which rep=$rep $cfg (t=$(elapsed) s)" >>"$log"
       # shellcheck disable=SC2086  # shapes and cfg hold separate flags
       timeout 150 "$bin" bench $shapes $cfg --json "$json" 2>&1 | grep -v '^#' >>"$log"
@@ -123,13 +178,20 @@ fi
 
 rc=0
 if [ -n "$tests" ]; then
-  left=$(( budget - $(elapsed) ))
-  [ "$left" -gt 0 ] || left=1
-  timeout "$left" "$new/build-device/tests/cpidx_gpu_tests" --gtest_filter="$tests" \
-    >"$OUT/tests.log" 2>&1
-  rc=$?
-  echo "# tests (new) exit $rc at $(elapsed) s ($left s allowed)" | tee -a "$log"
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/tests.log" | tee -a "$log"
+  : >"$OUT/tests.log"
+  for i in "${!names[@]}"; do
+    left=$(( (budget - $(elapsed)) / (${#names[@]} - i) ))  # a share of what is left
+    [ "$left" -gt 0 ] || left=1
+    echo "== ${names[$i]}" >>"$OUT/tests.log"
+    timeout "$left" "${dirs[$i]}/build-device/tests/cpidx_gpu_tests" --gtest_filter="$tests" \
+      >"$OUT/tests_one.log" 2>&1
+    one=$?
+    [ $one -eq 0 ] || rc=$one
+    cat "$OUT/tests_one.log" >>"$OUT/tests.log"
+    echo "# tests (${names[$i]}) exit $one at $(elapsed) s ($left s allowed)" | tee -a "$log"
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/tests_one.log" | tee -a "$log"
+  done
+  rm -f "$OUT/tests_one.log"
 fi
 if [ -n "$sanitize" ] && [ $(( budget - 20 - $(elapsed) )) -gt 60 ]; then
   if ! (cd "$new" && OUT=$OUT/san scripts/gpu_sanitize.sh "$sanitize" >/dev/null 2>&1); then

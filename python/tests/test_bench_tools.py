@@ -1,5 +1,6 @@
 """The bench and script tools, without a GPU or cpidx: bench/ab_summary.py (the A/B summary that
-scripts/device_ab.sh prints), compare_peer.py, ncu_sass.py, scripts/sass.sh."""
+scripts/device_ab.sh prints) and device_ab.sh --check, compare_peer.py, ncu_sass.py,
+scripts/sass.sh."""
 import importlib.util
 import json
 import os
@@ -55,6 +56,51 @@ def test_ab_summary_reports_a_build_without_runs(tmp_path):
         {"build": "new", "rep": 1, "config": "--pdl 0", "results": None}]}))
     lines = ab_summary.summarise_ab(str(path)).splitlines()
     assert "missing runs" in lines[2] and "[--pdl 0]" in lines[2]
+
+
+def test_ab_summary_one_table_a_patched_build(tmp_path):
+    runs = []
+    for rep in (1, 2):
+        for build, us in (("base", 20.0), ("v1", 18.0), ("v1+v2", 21.0)):
+            runs.append({"build": build, "rep": rep, "config": "",
+                         "results": [_row(us + 0.1 * rep)]})
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps({"runs": runs}))
+    text = ab_summary.summarise_ab(str(path))
+    v1, v12 = text.split("\n\n")
+    assert v1.startswith("base vs v1:\n| shape | base us | v1 us |")
+    assert "| 20.10, 20.20 | 18.10, 18.20 |" in v1 and "-2.00 (-9.9%)" in v1
+    assert v12.startswith("base vs v1+v2:\n") and "+1.00 (+5.0%)" in v12
+    assert "18.10" not in v12  # each table holds base and its own build only
+
+
+def _patch_creating(tmp_path, name, path):
+    patch = tmp_path / f"{name}.patch"
+    patch.write_text(f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n"
+                     f"+++ b/{path}\n@@ -0,0 +1 @@\n+{name}\n")
+    return str(patch)
+
+
+def test_device_ab_check_applies_each_patch_and_stack_without_a_gpu(tmp_path):
+    """scripts/device_ab.sh --check: every PATCH (A+B: B on top of A) applied to a copy of the
+    tree, nothing built; exit 1 naming the patch that does not apply, 2 for a missing file."""
+    a = _patch_creating(tmp_path, "a", "ab_check_probe_a.txt")
+    b = _patch_creating(tmp_path, "b", "ab_check_probe_b.txt")
+    clash = _patch_creating(tmp_path, "clash", "ab_check_probe_a.txt")
+    script = os.path.join(_ROOT, "scripts", "device_ab.sh")
+    run = lambda *args: subprocess.run([script, "--check", *args], cwd=_ROOT, capture_output=True,
+                                       text=True, timeout=120)
+    done = run(a, f"{a}+{b}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"a = the tree + {a}: applies",
+                                        f"a+b = the tree + {a}+{b}: applies"]
+    done = run(a)
+    assert done.returncode == 0 and done.stdout.startswith("new = the tree + "), done.stderr
+    done = run(f"{a}+{clash}")
+    assert done.returncode == 1 and f"{clash} does not apply" in done.stdout + done.stderr
+    done = run(str(tmp_path / "missing.patch"))
+    assert done.returncode == 2 and "no patch file" in done.stderr
+    assert not os.path.exists(os.path.join(_ROOT, "ab_check_probe_a.txt"))  # the tree untouched
 
 
 _peer_spec = importlib.util.spec_from_file_location(
