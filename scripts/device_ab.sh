@@ -144,6 +144,7 @@ for ((rep = 1; rep <= reps; ++rep)); do
         which=${names[$((b - 1))]} bin=${dirs[$((b - 1))]}/build-device/cpidx
       fi
       json=$new/ab_${b}_${rep}_${#jsons[@]}.json
+      rm -f "$json"  # a reused copy's from an earlier call: a failed run must show as missing
       echo "== $which rep=$rep $cfg (t=$(elapsed) s)" >>"$log"
       # shellcheck disable=SC2086  # shapes and cfg hold separate flags
       timeout 150 "$bin" bench $shapes $cfg --json "$json" 2>&1 | grep -v '^#' >>"$log"
