@@ -87,8 +87,11 @@ fi
 # of its own: inside this one it would skip the paths outside the copy). A copy left by an
 # earlier call on a warm machine is reused (its build too) only if neither the tree's files nor
 # its patches changed since.
-tree_sum=$(find . \( -path './build*' -o -path ./device-out -o -path ./.git \) -prune -o -type f \
-  -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+skip=('./build*' ./device-out ./.git)  # not the tree: build outputs, results, history
+tar_skip=() find_skip=(-false)
+for x in "${skip[@]}"; do tar_skip+=(--exclude="$x") find_skip+=(-o -path "$x"); done
+tree_sum=$(find . \( "${find_skip[@]}" \) -prune -o -type f -print0 | sort -z | xargs -0 sha256sum |
+  sha256sum | cut -c1-16)
 names=() dirs=()
 for spec in "${patches[@]}"; do
   IFS=+ read -ra files <<<"$spec"
@@ -100,7 +103,7 @@ for spec in "${patches[@]}"; do
   dir=$ab_dir/$name
   if [ "$(cat "$dir/.applied" 2>/dev/null)" != "$sum" ]; then  # new, or a patch changed
     rm -rf "$dir" && mkdir -p "$dir"
-    tar --exclude='./build*' --exclude=./device-out --exclude=./.git -cf - . | tar -xf - -C "$dir"
+    tar "${tar_skip[@]}" -cf - . | tar -xf - -C "$dir"
     (cd "$dir" && git init -q .) || exit 1
     for f in "${files[@]}"; do
       abs=$(realpath "$f")

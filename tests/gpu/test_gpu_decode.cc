@@ -502,10 +502,10 @@ TEST(GpuDecode, ShortListsAroundTheOnePassRankOnBothGrids) {
   const std::vector<int32_t> edges = {4096,  4097,  8064,  8192,  8193,
                                       12289, 16255, 16256, 16384, 16385};
   for (int Q : {1, 8}) {
-    const int T = 4 * (Q == 8 ? 2 : 1), cols = T * Q;
-    const int reqs = Q == 1 ? static_cast<int>(edges.size())
-                            : std::max<int>(static_cast<int>(edges.size()),
-                                            (4 * sms + 1 + cols - 1) / cols);
+    const int T = Q == 1 ? 4 : 8, cols = T * Q;
+    // The narrow grid: more items than the wide grid's 4 CTAs an SM.
+    const int narrow_reqs = Q == 1 ? 0 : (4 * sms + cols) / cols;
+    const int reqs = std::max(static_cast<int>(edges.size()), narrow_reqs);
     std::vector<int32_t> lens(static_cast<size_t>(reqs));
     for (int r = 0; r < reqs; ++r) lens[r] = edges[r % edges.size()];
     const std::string grid = Q == 1 ? "wide" : "narrow";
