@@ -200,19 +200,40 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 __device__ __forceinline__ float max_num(float a, float b) { return fmaxf(a, b); }
 
 // ---- Exact top-K by rank counting ------------------------------------------------------------
-// Keys in `cand[0..count)` are unique real keys (> kPadKey). One warp (lane-strided) writes
-// the K largest, in descending order, to out[0..K), padding with kPadKey; `out` must not alias
-// `cand`. select_topk's block-wide form is for_each_rank (select_topk.cu).
+// Keys in `cand[0..count)` are unique real keys (> kPadKey); `cand` is 16-byte aligned and, when
+// count is odd, cand[count] holds kPadKey. One warp writes the K largest, in descending order,
+// to out[0..K), padding with kPadKey; `out` must not alias `cand`. Each lane ranks two keys
+// (i and i + 32 of every 64) against the list read two keys a 16-byte load (pads add no rank):
+// count / 2 broadcast loads a lane for up to 64 keys; up to 32 keys, one key a lane. select_topk's
+// block-wide form is for_each_rank / rank_short (select_topk.cu).
+// NOTE: one key a lane and 8-byte loads took 2 * count loads a lane at P = 4, K = 16 (64 keys);
+// ranking a pad as every lane's second key at P = 2 (32 keys) cost ~1 us at 64 x Q=4 (v52m).
 __device__ __forceinline__ void warp_rank_topk(const Key* cand, int count, int k, Key* out,
                                                int lane) {
   for (int i = lane; i < k; i += 32) {
     if (i >= count) out[i] = kPadKey;
   }
-  for (int i = lane; i < count; i += 32) {
-    Key mine = cand[i];
-    int rank = 0;
-    for (int j = 0; j < count; ++j) rank += cand[j] > mine;
-    if (rank < k) out[rank] = mine;
+  const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(cand);
+  const int npairs = (count + 1) / 2;
+  for (int i0 = 0; i0 < count; i0 += 64) {  // warp-uniform
+    const Key a = i0 + lane < count ? cand[i0 + lane] : kPadKey;
+    int ra = 0;
+    if (count - i0 <= 32) {  // warp-uniform: the second keys would all be pads (P = 2, K = 16)
+      for (int j = 0; j < npairs; ++j) {
+        const ulonglong2 two = pairs[j];
+        ra += (two.x > a) + (two.y > a);
+      }
+    } else {
+      const Key b = i0 + 32 + lane < count ? cand[i0 + 32 + lane] : kPadKey;
+      int rb = 0;
+      for (int j = 0; j < npairs; ++j) {
+        const ulonglong2 two = pairs[j];
+        ra += (two.x > a) + (two.y > a);
+        rb += (two.x > b) + (two.y > b);
+      }
+      if (b != kPadKey && rb < k) out[rb] = b;
+    }
+    if (a != kPadKey && ra < k) out[ra] = a;
   }
 }
 

@@ -36,6 +36,7 @@ __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t us
     if (k != kPadKey) cand[found + __popc(real & ((1u << lane) - 1u))] = k;
     found += __popc(real);
   }
+  if (lane == 0 && (found & 1)) cand[found] = kPadKey;  // warp_rank_topk reads pairs
   __syncwarp();
   warp_rank_topk(cand, found, K, best, lane);
   __syncwarp();
@@ -51,7 +52,7 @@ __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t us
 }
 
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_topk_kernel(const MergeParams p) {
-  __shared__ Key cand[kMergeWarps][kMaxCand];
+  __shared__ alignas(16) Key cand[kMergeWarps][kMaxCand];  // 16-byte loads (warp_rank_topk)
   __shared__ Key best[kMergeWarps][kMaxTopK];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Fused exchange: the keys arrive in the channel, stored by every rank's select_topk; this grid

@@ -200,40 +200,50 @@ __device__ __forceinline__ void for_each_rank(const Key* v, int n, F&& f) {
   }
 }
 
-// A short list's ranks (kCand / 2 < n <= kCand keys at v, pads up to kCand): f(v[i], rank)
-// for each i < n, in one pass of kThreads / kCand lanes a key. Each lane reads its share of
-// the first n slots, rounded up to 16 kLanes, two keys (16 bytes) a load (pads are below every
-// key: they add no rank).
+// A short list's ranks (n <= kCand keys at v, pads up to kCand): f(v[i], rank) for each i < n,
+// in one pass. Each thread ranks kKeys keys (2 on the wide grid, i and i + 64, with 4 lanes a
+// pair; 1 on the narrow, 1 lane), each lane reading its share of the first n slots, rounded up
+// to 16 kLanes, two keys (16 bytes) a load (pads are below every key: they add no rank).
 // NOTE: for_each_rank's 8 lanes a key take n / (kThreads / 8) passes (4 for 128 keys on the
 // wide grid): the ranks of 128 keys took 2.5-2.9 us (docs/perf/README.md, v50-trace), and one
 // pass of 2 lanes a key took 0.7-3.4 us off those steps (v50). ptxas issues these loads one
 // after another into the same registers whatever the source's order (its SASS, at 64 registers
-// a thread or 128), so each load costs its latency: this pass has half v50's loads (16 bytes
-// each). A lane loads 8 ceil(n / (16 kLanes)) times (24-32 wide, 40-64 narrow), for_each_rank's
-// lanes ceil(8 n / kThreads) passes of ceil(n / 8) (27-64 wide, 45-128 narrow): fewer loads
-// past kCand / 2 keys, as many or more below (v50e, taking n > kThreads / 8 here and reading
-// all kCand slots, lost 0.3 us on 64-key lists and 2 us on the narrow grid's 32-key lists).
+// a thread or 128), so each load costs its latency, and the pass with the fewest loads wins:
+// v50f, 1 key a thread (2 lanes a key wide, 32 loads at 128 keys), took 0.9-4.5 us off
+// 128-key steps. 2 keys a thread (v52b) halve the wide grid's loads, which took nothing
+// measurable more off 128 keys but, in the same instance, 0.15-0.4 us off the 33-64-key
+// lists (8 loads against for_each_rank's two passes of 5-8), where a second instance of 4
+// lanes a key had added 0.1-0.26 us to one-request steps that never ran it (v51).
 // The end is tested every 8 loads: tested at each, the wide grid's kernels spilled.
-// NOTE: a second instance for 33-64 keys (4 lanes a key on the wide grid, 8 loads against two
-// passes of 5-8) took 0.3-0.7 us off 64-key steps and added 0.1-0.26 us to one-request steps
-// that never ran it, as v50b's second instance did (docs/perf/README.md, v51); not kept.
 template <int kThreads, typename F>
 __device__ __forceinline__ void rank_short(const Key* v, int n, F&& f) {
-  constexpr int kLanes = kThreads / kCand;
-  static_assert(kLanes >= 1 && kLanes <= 32 && kThreads % kCand == 0, "lanes of one warp");
+  // Keys a thread: 2 on the wide grid (keys i and i + 64, 4 lanes a pair), 1 on the narrow
+  // (1 lane a key: 2 keys a thread there spilled 8 B).
+  constexpr int kKeys = kThreads > kCand ? 2 : 1, kSpan = kCand / kKeys;
+  constexpr int kLanes = kThreads / kSpan;
+  static_assert(kLanes >= 1 && kLanes <= 32 && kThreads % kSpan == 0, "lanes of one warp");
   const int i = static_cast<int>(threadIdx.x) / kLanes, sub = threadIdx.x % kLanes;
-  const Key mine = i < n ? v[i] : kPadKey;
+  Key mine[kKeys];
+  int rank[kKeys];
+#pragma unroll
+  for (int k = 0; k < kKeys; ++k) {
+    mine[k] = v[i + k * kSpan];  // pads past n (written up to kCand)
+    rank[k] = 0;
+  }
   const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(v) + sub;
-  int rank = 0;
 #pragma unroll
   for (int j = 0; j < kCand / 2; j += kLanes) {
     if (j % (8 * kLanes) == 0 && 2 * j >= n) break;  // uniform: the slots past it hold pads
     const ulonglong2 two = pairs[j];
-    rank += (two.x > mine) + (two.y > mine);
+#pragma unroll
+    for (int k = 0; k < kKeys; ++k) rank[k] += (two.x > mine[k]) + (two.y > mine[k]);
   }
 #pragma unroll
-  for (int d = 1; d < kLanes; d *= 2) rank += __shfl_xor_sync(0xffffffffu, rank, d);
-  if (sub == 0 && i < n) f(mine, rank);
+  for (int k = 0; k < kKeys; ++k) {
+#pragma unroll
+    for (int d = 1; d < kLanes; d *= 2) rank[k] += __shfl_xor_sync(0xffffffffu, rank[k], d);
+    if (sub == 0 && i + k * kSpan < n) f(mine[k], rank[k]);
+  }
 }
 
 // A lower bound on the K-th largest real key (K <= kGroups): the K-th largest of the groups'
@@ -339,7 +349,10 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
   auto place = [&](Key mine, int rank) {
     if (rank < K && mine != kPadKey) s.sorted[rank] = mine;
   };
-  if (n <= kRankDirect && n > kCand / 2) {  // uniform: for_each_rank's passes load more
+  // One pass past 32 keys on the wide grid (8-16 loads a lane against for_each_rank's 10-64),
+  // past 64 on the narrow (40-64 against 45-128; 24-32 against 15-32 below).
+  constexpr int kOnePass = kThreads > kCand ? kCand / 4 : kCand / 2;
+  if (n <= kRankDirect && n > kOnePass) {  // uniform
     rank_short<kThreads>(s.cand, ranked, place);
   } else {
     for_each_rank<kThreads>(s.cand, ranked, place);

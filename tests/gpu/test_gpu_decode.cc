@@ -266,12 +266,16 @@ TEST(GpuDecode, ContextParallelSimulatedEqualsPlainBitwise) {
       s[0] = 100;
       s[2] = 300;
       DecodeData d = random_decode(600 + P * 10 + Q, 4, Q, s, 50000);
-      const Selection sel = sel_of(16);
-      const std::vector<int32_t> plain = gpu_decode(d, sel);  // automatic path
-      for (Path path : kBothPaths) {
-        UsePath use(path);
-        EXPECT_EQ(gpu_cp_simulated(d, sel, P), plain)
-            << "P=" << P << " Q=" << Q << " " << path_name(path);
+      // The merge ranks P * K candidates less the shards' pads: 32-512 at K = 16 and 64, one
+      // key a lane up to 32 and two past it, odd counts from the short requests.
+      for (int K : {16, 64}) {
+        const Selection sel = sel_of(K);
+        const std::vector<int32_t> plain = gpu_decode(d, sel);  // automatic path
+        for (Path path : kBothPaths) {
+          UsePath use(path);
+          EXPECT_EQ(gpu_cp_simulated(d, sel, P), plain)
+              << "P=" << P << " Q=" << Q << " K=" << K << " " << path_name(path);
+        }
       }
     }
   }
@@ -489,8 +493,9 @@ TEST(GpuDecode, StepsWithMoreItemsThanTheWideSelectionGrid) {
 }
 
 // Lists on both sides of each bound where the selection's ranks change form (8-lane passes,
-// one pass of 16-byte loads past 64 keys since v50f, the group bound past 128), on the wide grid
-// (4 columns a request) and the narrow one (64 columns, more items than the wide grid holds):
+// one pass of 16-byte loads past 32 keys on the wide grid and past 64 on the narrow, the group
+// bound past 128), on the wide grid (4 columns a request) and the narrow one (64 columns, more
+// items than the wide grid holds):
 // 32-33, 63-65, 97, 127-129 blocks, odd counts included (the pass reads the pads after the last
 // key).
 // Tie-heavy keys at K = 16 and 64 must come out in contract order; random ones match the
