@@ -328,8 +328,8 @@ __device__ void select_item(const Key* keys, int64_t n, int K, SelectSmem& s) {
     __syncthreads();
     if (n > kRankDirect) {
       gather_winners(lower, s, each);
-    } else if (tid < kCand) {  // a short list (n is uniform) ranks where it lies, pads
-      // included, and pads (mine[0] past the list) fill the rest of the slots rank_short reads
+    } else if (tid < kCand) {  // a short list (n is uniform) ranks where it lies; the pads
+      // past it (mine[0] of tid >= n) fill every slot rank_short may read.
       // The key landed: the condition depends on it, so the stamp cannot run earlier.
       CPIDX_SELECT_STAMP(tid == 0 && mine[0] != ~Key{0}, kSLoaded);
       s.cand[tid] = mine[0];
