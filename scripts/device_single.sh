@@ -9,7 +9,8 @@
 # into $OUT (few files come back from the device machine), so a call stopped at its limit still
 # returns what finished.
 # Knobs: GTEST_FILTER, TEST_TIMEOUT (s, default 330), SKIP_TESTS=1, PREFILL_FLAGS, DECODE_BENCH,
-# NCU_RUNS, TRACE_FLAGS, SANITIZE_TOOLS (default all), SKIP_SANITIZE=1, SKIP_PYTHON=1.
+# NCU_RUNS, TRACE_FLAGS, SANITIZE_TOOLS (default all), SKIP_SANITIZE=1, SKIP_PYTHON=1,
+# SKIP_PREFILL=1 (no prefill bench: a call of decode tests alone).
 set -uo pipefail
 export OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -21,9 +22,11 @@ timeout 300 scripts/device.sh build || { echo "build failed or timed out"; exit 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-330}" scripts/device.sh tests || rc=1
 fi
-echo "== prefill bench (${SECONDS}s)"
-read -r -a prefill_flags <<<"${PREFILL_FLAGS:-}"
-timeout 100 ./build-device/cpidx bench --prefill "${prefill_flags[@]}" --json "$OUT/prefill.json" || rc=1
+if [ "${SKIP_PREFILL:-0}" != 1 ]; then
+  echo "== prefill bench (${SECONDS}s)"
+  read -r -a prefill_flags <<<"${PREFILL_FLAGS:-}"
+  timeout 100 ./build-device/cpidx bench --prefill "${prefill_flags[@]}" --json "$OUT/prefill.json" || rc=1
+fi
 if [ -n "${DECODE_BENCH:-}" ]; then
   IFS=';' read -ra sets <<<"$DECODE_BENCH"
   for i in "${!sets[@]}"; do
