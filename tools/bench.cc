@@ -483,7 +483,8 @@ void print_trace(const TraceSnapshot& snap, double page_bytes) {
       {kTQueries, "queries", 1},      {kTPages, "n_pages", 2},      {kTSegments, "n_segments", 2},
       {kTStolen, "n_stolen", 2},      {kTFirstIssue, "first_issue", 0},
       {kTLastIssue, "last_issue", 0}, {kTHandedOver, "handed_over", 3},
-      {kTFirstMma, "first_mma", 3},   {kTFirstMax, "first_max", 3}};
+      {kTFirstMma, "first_mma", 3},   {kTFirstMax, "first_max", 3},
+      {kTRingIssue, "ring_issue", 3}};
   std::printf("# trace over %zu CTAs: min / median / p90 / max (us; n_*: counts)\n", ctas.size());
   for (const auto& row : rows) {
     std::vector<double> v;

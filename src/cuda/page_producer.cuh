@@ -265,6 +265,8 @@ __device__ void produce(const ScoreTopkParams& p, const Smem& s,
           CPIDX_TRACE_ADD(true, kTEmptyWait, CPIDX_TRACE_SINCE(t0));
           s.stage_x[at.st] = x0 + i;  // released to the consumers by the arrive below
           if (lp == 0) CPIDX_TRACE_STAMP(true, kTFirstIssue);
+          // The copy's source came from this batch's table reads: the stamp follows them.
+          if (early > 0 && lp == early) CPIDX_TRACE_STAMP(c.src != nullptr, kTRingIssue);
           CPIDX_TRACE_STAMP(true, kTLastIssue);
           mbar_arrive_expect_tx(&s.full[at.st], c.bytes);
           start_copy<kDType>(s, at.st, c);

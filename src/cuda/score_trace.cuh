@@ -14,7 +14,7 @@
 namespace cpidx {
 namespace cuda {
 
-constexpr int kTraceCtas = 1024, kTraceSlots = 21;
+constexpr int kTraceCtas = 1024, kTraceSlots = 22;
 enum TraceSlot : int {
   kTEntry = 0,        // stamp: kernel entry
   kTWaited,           // stamp: past the PDL wait
@@ -37,6 +37,7 @@ enum TraceSlot : int {
   kTHandedOver,       // stamp: the early ring's stages handed to the consumers (0: no early ring)
   kTFirstMma,         // stamp: the first page's MMAs issued (consumer thread 0)
   kTFirstMax,         // stamp: the first page's column maxima complete (after the barrier)
+  kTRingIssue,        // stamp: the first copy after the early stages issued (0: no early ring)
   kTSlotCount
 };
 static_assert(kTSlotCount <= kTraceSlots, "trace slots");
