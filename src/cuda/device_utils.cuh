@@ -199,56 +199,5 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 // NaN-ignoring max (IEEE maxNum): with -inf as the start value, NaN dots never win.
 __device__ __forceinline__ float max_num(float a, float b) { return fmaxf(a, b); }
 
-// ---- Exact top-K by rank counting ------------------------------------------------------------
-// One group of warp_rank_topk's keys: each lane ranks kKeys keys (i0 + lane, then
-// i0 + 32 + lane) against the whole list, read two keys a 16-byte broadcast load (pads add no
-// rank), and writes each real key of rank < k to out[rank].
-template <int kKeys>
-__device__ __forceinline__ void warp_rank_group(const Key* cand, int count, int i0, int k,
-                                                Key* out, int lane) {
-  const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(cand);
-  const int npairs = (count + 1) / 2;
-  Key mine[kKeys];
-  int rank[kKeys];
-#pragma unroll
-  for (int q = 0; q < kKeys; ++q) {
-    const int i = i0 + 32 * q + lane;
-    mine[q] = i < count ? cand[i] : kPadKey;
-    rank[q] = 0;
-  }
-  for (int j = 0; j < npairs; ++j) {
-    const ulonglong2 two = pairs[j];
-#pragma unroll
-    for (int q = 0; q < kKeys; ++q) rank[q] += (two.x > mine[q]) + (two.y > mine[q]);
-  }
-#pragma unroll
-  for (int q = 0; q < kKeys; ++q) {
-    if (mine[q] != kPadKey && rank[q] < k) out[rank[q]] = mine[q];
-  }
-}
-
-// Keys in `cand[0..count)` are unique real keys (> kPadKey); `cand` is 16-byte aligned and, when
-// count is odd, cand[count] holds kPadKey. One warp writes the K largest, in descending order,
-// to out[0..K), padding with kPadKey; `out` must not alias `cand`. Each lane ranks two keys
-// (i and i + 32 of every 64; up to 32 keys left, one), count / 2 loads a lane for up to 64
-// keys. select_topk's block-wide form is for_each_rank / rank_short (select_topk.cu).
-// NOTE: one key a lane and 8-byte loads took 2 * count loads a lane at P = 4, K = 16 (64 keys);
-// ranking a pad as every lane's second key at P = 2 (32 keys) cost ~1 us at 64 x Q=4 (v52m).
-// The two group sizes as one template (v53r) ran 0.15-1.2 us faster than the same loop written
-// twice on the 64-request Q=4 steps and within the noise elsewhere (docs/perf/README.md).
-__device__ __forceinline__ void warp_rank_topk(const Key* cand, int count, int k, Key* out,
-                                               int lane) {
-  for (int i = lane; i < k; i += 32) {
-    if (i >= count) out[i] = kPadKey;
-  }
-  for (int i0 = 0; i0 < count; i0 += 64) {  // warp-uniform, as the group size
-    if (count - i0 <= 32) {
-      warp_rank_group<1>(cand, count, i0, k, out, lane);
-    } else {
-      warp_rank_group<2>(cand, count, i0, k, out, lane);
-    }
-  }
-}
-
 }  // namespace cuda
 }  // namespace cpidx

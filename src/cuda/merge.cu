@@ -5,6 +5,7 @@
 #include "channel.cuh"
 #include "device_utils.cuh"
 #include "kernels.h"
+#include "rank_topk.h"
 #include "sparse_table.cuh"
 
 namespace cpidx {
