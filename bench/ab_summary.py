@@ -81,8 +81,8 @@ def _ab_table(runs, build):
     return "\n".join(lines)
 
 
-MILESTONES = ("pdl_waited", "first_issue", "handed_over", "first_page", "last_issue", "last_page",
-              "exit")
+MILESTONES = ("pdl_waited", "first_issue", "handed_over", "ring_issue", "first_page", "last_issue",
+              "last_page", "exit")
 SELECT = ("select_loaded", "select_maxima", "select_bound", "select_gathered", "select_ranked",
           "select_exit")
 ROW = re.compile(r"^(plain\d*|cp\d+|step\d+)\s")
