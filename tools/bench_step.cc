@@ -67,7 +67,6 @@ namespace {
 
 constexpr int kHeads = 4, kTopk = 16;
 constexpr int64_t kPageBytesBf16 = 128 * 128 * 2;
-constexpr const char* kRowsAgreement = "decode rows (num_reqs * query_len)";
 
 Status cuda_ok(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::ok();
@@ -246,7 +245,7 @@ struct StepBench::Impl {
     const int r = comm.rank();
     Status local = set_up(rs, sh, hsets, r, device);
     if (!local.is_ok()) {
-      comm.check_agree(-1, kRowsAgreement);  // the peers' first cp_decode fails, no hang
+      comm.check_agree(-1, cpidx::kCpRowsAgreement);  // the peers' first cp_decode fails, no hang
       rs.status = local;
       return;
     }

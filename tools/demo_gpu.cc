@@ -75,7 +75,6 @@ Status cuda_ok(cudaError_t e, const char* what) {
 }
 #define DEMO_CUDA(expr) CPIDX_RETURN_IF_ERROR(cuda_ok((expr), #expr))
 
-constexpr const char* kRowsAgreement = "decode rows (num_reqs * query_len)";
 
 // One device allocation, freed on its own device.
 struct DeviceBuffer {
@@ -325,7 +324,7 @@ GpuRank real_rank(Communicator& comm, int device, const SyntheticStep& s, const 
     return Status::ok();
   }();
   if (!st.is_ok()) {
-    comm.check_agree(-1, kRowsAgreement);
+    comm.check_agree(-1, cpidx::kCpRowsAgreement);
     rep.status = st;
     return rep;
   }

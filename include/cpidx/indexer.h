@@ -109,6 +109,12 @@ struct DecodePlan {
   size_t workspace_bytes = 0;
 };
 
+// What cp_decode agrees on with its peers (Communicator::check_agree) before its first
+// collective: this rank's decode rows, or -1 when its own arguments failed. A rank that skips a
+// step's cp_decode for a reason of its own offers -1 (no decode rows at all: 0) under this name,
+// so that its peers' cp_decode fails instead of waiting for it in a collective.
+inline constexpr const char* kCpRowsAgreement = "decode rows (num_reqs * query_len)";
+
 // A Decoder's workspace is scratch for one step at a time: steps (of any layer) must run in
 // order on one stream, as a model's layers do. Use one Decoder per stream otherwise.
 class Decoder {
@@ -150,6 +156,14 @@ class Decoder {
   // timeout, raising the communicator's error word.
   Status cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
                    const SparseTableOutput* table, cudaStream_t stream);
+
+  // The checks cp_decode runs on this rank's arguments before its first collective (inputs of
+  // L = local heads, outputs [L, n, K], the sparse table), host side only. For front ends that
+  // agree with their peers themselves before calling cp_decode (the Python binding does,
+  // through a host group), so that a rank with bad arguments fails together with the others
+  // instead of leaving them in a collective.
+  Status check_cp_decode(const DecodeInputs& local, const TopkOutput& out,
+                         const SparseTableOutput* table) const;
 
   // Device int32: OR of DeviceError bits raised by bad device-side values since the last clear.
   // The library never reads it back itself.

@@ -79,7 +79,10 @@ class Prefiller {
 // dec.decode (comm == nullptr) or dec.cp_decode (comm given: every rank calls with the same
 // batch), then rows [nd, nd + prefill_rows.num_tokens) through pre.prefill. Either part may be
 // empty (num_reqs == 0). Every host-visible argument of both parts is checked before the first
-// launch; both must produce the same number of heads and the same K.
+// launch; both must produce the same number of heads and the same K. Context-parallel (comm
+// given, P > 1, DecodeConfig::check_agreement), every rank joins cp_decode's agreement on the
+// decode rows even when its own batch failed (it offers -1) or has no decode rows (0), so the
+// ranks fail together instead of leaving some in a collective (kCpRowsAgreement).
 Status mixed_topk(Decoder& dec, Communicator* comm, const DecodeInputs& decode_rows,
                   Prefiller& pre, const PrefillInputs& prefill_rows, int32_t* out,
                   int64_t head_stride, int64_t row_stride, cudaStream_t stream);

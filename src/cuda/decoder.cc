@@ -281,8 +281,11 @@ const DecodeConfig& Decoder::config() const { return impl_->cfg; }
 const Geometry& Decoder::geometry() const { return impl_->geo; }
 const DecodePlan& Decoder::plan() const { return impl_->plan; }
 DecodePlan Decoder::step_plan(int num_heads, int query_len) const {
-  const int ncols = cuda::padded_columns(num_heads * query_len);
-  return impl_->step_plan(ncols < impl_->launch.ncols_pad ? ncols : impl_->launch.ncols_pad);
+  // In 64 bits and clamped to the bound before padding: any int arguments read as documented.
+  const int64_t columns = static_cast<int64_t>(num_heads) * query_len;
+  const int bound = impl_->launch.ncols_pad;
+  if (columns >= bound) return impl_->step_plan(bound);
+  return impl_->step_plan(cuda::padded_columns(static_cast<int>(columns < 1 ? 1 : columns)));
 }
 int32_t* Decoder::error_flag() const { return impl_->at<int32_t>(impl_->layout.error_flag); }
 void* Decoder::exchange_buffer() const { return impl_->workspace + impl_->layout.q_send; }
@@ -335,6 +338,13 @@ Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const Topk
   return impl_->launch_merge(gathered, nullptr, batch, out, table, stream);
 }
 
+Status Decoder::check_cp_decode(const DecodeInputs& local, const TopkOutput& out,
+                                const SparseTableOutput* table) const {
+  const int L = impl_->geo.local_heads;
+  CPIDX_RETURN_IF_ERROR(impl_->check_inputs(local, L));
+  return impl_->check_outputs(out, L, local, table);
+}
+
 Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
                           const SparseTableOutput* table, cudaStream_t stream) {
   const Impl& im = *impl_;
@@ -347,16 +357,14 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
                                       << " of " << P << ")");
     CPIDX_CHECK(comm.memory_space() == MemorySpace::kDevice,
                 "communicator must exchange device memory for the GPU decode");
-    CPIDX_RETURN_IF_ERROR(im.check_inputs(local, L));
-    CPIDX_RETURN_IF_ERROR(im.check_outputs(out, L, local, table));
-    return Status::ok();
+    return check_cp_decode(local, out, table);
   }();
   // 0. Every rank must gather the same byte counts, or the collectives below hang or read past
   // the buffers: agree on the batch rows first (host side only; nothing is captured). A rank
   // whose own checks failed offers -1, so its peers fail here too instead of waiting for it.
   if (P > 1 && im.cfg.check_agreement) {
     const Status agree =
-        comm.check_agree(valid.is_ok() ? n : -1, "decode rows (num_reqs * query_len)");
+        comm.check_agree(valid.is_ok() ? n : -1, kCpRowsAgreement);
     CPIDX_RETURN_IF_ERROR(valid);
     CPIDX_RETURN_IF_ERROR(agree);
   }

@@ -29,6 +29,10 @@ Status Decoder::merge(const Key*, const DecodeInputs&, const TopkOutput&,
                       const SparseTableOutput*, cudaStream_t) { return no_cuda(); }
 Status Decoder::cp_decode(Communicator&, const DecodeInputs&, const TopkOutput&,
                           const SparseTableOutput*, cudaStream_t) { return no_cuda(); }
+Status Decoder::check_cp_decode(const DecodeInputs&, const TopkOutput&,
+                                const SparseTableOutput*) const {
+  return no_cuda();
+}
 int32_t* Decoder::error_flag() const { return nullptr; }
 Status Decoder::clear_error_flag(cudaStream_t) { return no_cuda(); }
 void* Decoder::exchange_buffer() const { return nullptr; }

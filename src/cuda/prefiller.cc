@@ -172,23 +172,36 @@ Status mixed_topk(Decoder& dec, Communicator* comm, const DecodeInputs& decode_r
   const int64_t nd = has_decode ? decode_rows.num_rows() : 0;
   const int64_t np = has_prefill ? prefill_rows.num_tokens : 0;
   const int k = dec.config().sel.topk;
-  CPIDX_CHECK(pre.config().sel.topk == k, "the Decoder's topk (" << k
-                                              << ") and the Prefiller's ("
-                                              << pre.config().sel.topk << ") must be equal");
-  // Heads written by each part: the owned heads for a context-parallel decode.
-  const int decode_heads = comm != nullptr ? dec.geometry().local_heads : decode_rows.num_heads;
-  const int heads = has_decode ? decode_heads : prefill_rows.num_heads;
-  CPIDX_CHECK(!has_decode || !has_prefill || prefill_rows.num_heads == decode_heads,
-              "prefill heads (num_heads " << prefill_rows.num_heads
-                                          << ") must equal the decode output heads ("
-                                          << decode_heads << ")");
-  if (!has_decode && !has_prefill) return Status::ok();
   const TopkOutput all{out, head_stride, row_stride};
-  CPIDX_RETURN_IF_ERROR(ref::detail::check_ids(all, heads, nd + np, k));
   const TopkOutput prefill_out{out + nd * row_stride, head_stride, row_stride};
-  // The decode calls validate before their first launch; the prefill part is checked here first,
-  // so a bad prefill argument fails before the decode part runs.
-  if (has_prefill) CPIDX_RETURN_IF_ERROR(pre.validate(prefill_rows, prefill_out));
+  // The batch-level checks, then the prefill part's, so a bad prefill argument fails before the
+  // decode part runs (the decode calls validate their own arguments before their first launch).
+  const Status valid = [&]() -> Status {
+    CPIDX_CHECK(pre.config().sel.topk == k, "the Decoder's topk (" << k
+                                                << ") and the Prefiller's ("
+                                                << pre.config().sel.topk << ") must be equal");
+    // Heads written by each part: the owned heads for a context-parallel decode.
+    const int decode_heads = comm != nullptr ? dec.geometry().local_heads : decode_rows.num_heads;
+    const int heads = has_decode ? decode_heads : prefill_rows.num_heads;
+    CPIDX_CHECK(!has_decode || !has_prefill || prefill_rows.num_heads == decode_heads,
+                "prefill heads (num_heads " << prefill_rows.num_heads
+                                            << ") must equal the decode output heads ("
+                                            << decode_heads << ")");
+    if (!has_decode && !has_prefill) return Status::ok();
+    CPIDX_RETURN_IF_ERROR(ref::detail::check_ids(all, heads, nd + np, k));
+    if (has_prefill) CPIDX_RETURN_IF_ERROR(pre.validate(prefill_rows, prefill_out));
+    return Status::ok();
+  }();
+  const bool context_parallel = comm != nullptr && dec.config().world_size > 1;
+  if (context_parallel && dec.config().check_agreement && !(has_decode && valid.is_ok())) {
+    // This rank runs no cp_decode this step (its batch failed, or it has no decode rows): its
+    // peers' cp_decode must hear so from the agreement, or they would wait for it in a
+    // collective. Ranks that all have no decode rows agree on 0 and go on.
+    const Status agree = comm->check_agree(valid.is_ok() ? 0 : -1, kCpRowsAgreement);
+    CPIDX_RETURN_IF_ERROR(valid);
+    CPIDX_RETURN_IF_ERROR(agree);
+  }
+  CPIDX_RETURN_IF_ERROR(valid);
   if (has_decode) {
     CPIDX_RETURN_IF_ERROR(comm != nullptr ? dec.cp_decode(*comm, decode_rows, all, nullptr, stream)
                                           : dec.decode(decode_rows, all, nullptr, stream));

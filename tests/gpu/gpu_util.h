@@ -10,6 +10,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -316,5 +317,37 @@ inline void expect_exact_on_both_paths(const DecodeData& d, const cpidx::Selecti
     EXPECT_EQ(gpu_decode(d, sel), want) << what << " " << path_name(path);
   }
 }
+
+// A communicator that runs no collective: all_gather only counts its calls, and check_agree
+// records what this rank offers and answers as its peers would: ok, or, when they are scripted
+// to offer `peer_offers`, kCommError unless this rank offered the same.
+class ScriptedComm final : public cpidx::Communicator {
+ public:
+  ScriptedComm(int rank, int world, cpidx::MemorySpace space = cpidx::MemorySpace::kDevice,
+               std::optional<long long> peer_offers = std::nullopt)
+      : rank_(rank), world_(world), space_(space), peer_offers_(peer_offers) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  cpidx::MemorySpace memory_space() const override { return space_; }
+  cpidx::Status all_gather(const void*, void*, size_t, cudaStream_t) override {
+    ++gathers;
+    return cpidx::Status::ok();
+  }
+  cpidx::Status check_agree(long long value, const char* what) override {
+    offered.push_back(value);
+    labels.emplace_back(what);
+    if (!peer_offers_ || value == *peer_offers_) return cpidx::Status::ok();
+    return cpidx::Status(cpidx::StatusCode::kCommError, "the ranks disagree");
+  }
+  cpidx::Status barrier() override { return cpidx::Status::ok(); }
+  int gathers = 0;
+  std::vector<long long> offered;
+  std::vector<std::string> labels;
+
+ private:
+  int rank_, world_;
+  cpidx::MemorySpace space_;
+  std::optional<long long> peer_offers_;
+};
 
 }  // namespace cpidx_gpu_test

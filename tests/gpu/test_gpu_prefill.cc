@@ -563,6 +563,72 @@ TEST(GpuPrefill, MixedBatchEqualsSeparateCalls) {
   });
 }
 
+// A context-parallel mixed batch whose own part fails, or that has no decode rows, still joins
+// cp_decode's agreement (-1, or 0), so a peer that runs cp_decode fails instead of waiting for
+// this rank in a collective.
+TEST(GpuPrefill, MixedBatchJoinsTheAgreementWhenItRunsNoContextParallelDecode) {
+  SKIP_WITHOUT_GPU();
+  const Selection sel = sel_of(16, 1, 2);
+  const cpidx_test::DecodeData dd = cpidx_test::random_decode(1710, 2, 1, {5000, 900}, 8192);
+  const PrefillCase pc = make_case(1711, 1, {40}, {3000}, DType::kBF16);
+  DeviceBatch db(dd);
+  DevicePrefill dp(pc);
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(dd, sel, 2, 0), 0, &dec).is_ok());
+  ASSERT_EQ(dec->geometry().local_heads, 1);
+  std::unique_ptr<cpidx::Prefiller> pre;
+  ASSERT_TRUE(cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok());
+  const int64_t K = sel.topk, max_rows = dd.rows() + pc.tokens;
+  DeviceVec<int32_t> out(static_cast<size_t>(max_rows * K));
+  out.poison();
+  const cpidx::DecodeInputs decode_rows = db.inputs(0, 1);  // this rank's one head
+  cpidx::DecodeInputs no_decode_rows = decode_rows;
+  no_decode_rows.num_reqs = 0;
+  constexpr cpidx::MemorySpace kDevice = cpidx::MemorySpace::kDevice;
+  auto mixed = [&](cpidx::Communicator& comm, const cpidx::DecodeInputs& d,
+                   const cpidx::PrefillInputs& p) {
+    return cpidx::mixed_topk(*dec, &comm, d, *pre, p, out.ptr, max_rows * K, K, nullptr);
+  };
+
+  cpidx::PrefillInputs bad_prefill = dp.inputs(pc);
+  bad_prefill.q_row_stride += 4;  // refused by the Prefiller's checks
+  ScriptedComm peer_decodes(0, 2, kDevice, dd.rows());
+  cpidx::Status st = mixed(peer_decodes, decode_rows, bad_prefill);
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("index_query"), std::string::npos) << st.message();
+  EXPECT_EQ(peer_decodes.offered, std::vector<long long>{-1});
+  EXPECT_EQ(peer_decodes.labels, std::vector<std::string>{cpidx::kCpRowsAgreement});
+
+  ScriptedComm peer_decodes_too(0, 2, kDevice, dd.rows());
+  st = mixed(peer_decodes_too, no_decode_rows, dp.inputs(pc));
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kCommError) << st.to_string();
+  EXPECT_EQ(peer_decodes_too.offered, std::vector<long long>{0});
+
+  ScriptedComm peer_has_no_decode_rows(0, 2, kDevice, 0);
+  st = mixed(peer_has_no_decode_rows, decode_rows, dp.inputs(pc));
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kCommError) << st.to_string();
+  EXPECT_EQ(peer_has_no_decode_rows.offered, std::vector<long long>{dd.rows()});  // cp_decode's
+  for (const ScriptedComm* p : {&peer_decodes, &peer_decodes_too, &peer_has_no_decode_rows}) {
+    EXPECT_EQ(p->gathers, 0);
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t> untouched = out.download();
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(),
+                          [](int32_t v) { return v == cpidx_test::kPoison; }))
+      << "a refused mixed batch wrote output";
+
+  // Both ranks without decode rows agree on 0: the prefill part runs.
+  ScriptedComm peer_prefills_only(0, 2, kDevice, 0);
+  st = mixed(peer_prefills_only, no_decode_rows, dp.inputs(pc));
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(peer_prefills_only.offered, std::vector<long long>{0});
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t> prefilled = out.download();
+  const std::vector<int32_t> want = gpu_prefill(pc, sel);
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), prefilled.begin()))
+      << "the prefill rows of a batch without decode rows";
+}
+
 TEST(GpuPrefill, HostErrorsBeforeAnyKernel) {
   SKIP_WITHOUT_GPU();
   for_each_kernel([&] {

@@ -56,26 +56,6 @@ struct Expected {
 }
 
 // A device communicator that records collectives (none may start on bad input).
-class CountingDeviceComm final : public cpidx::Communicator {
- public:
-  CountingDeviceComm(int rank, int world, cpidx::MemorySpace space = cpidx::MemorySpace::kDevice)
-      : rank_(rank), world_(world), space_(space) {}
-  int rank() const override { return rank_; }
-  int world_size() const override { return world_; }
-  cpidx::MemorySpace memory_space() const override { return space_; }
-  Status all_gather(const void*, void*, size_t, cudaStream_t) override {
-    ++gathers;
-    return Status::ok();
-  }
-  Status check_agree(long long, const char*) override { return Status::ok(); }
-  Status barrier() override { return Status::ok(); }
-  int gathers = 0;
-
- private:
-  int rank_, world_;
-  cpidx::MemorySpace space_;
-};
-
 // 4 heads, Q = 2, 3 requests (one padding), max_seq_len 1024.
 const cpidx_test::DecodeData& batch() {
   static const cpidx_test::DecodeData d = random_decode(5151, kT, 2, {300, 0, 700}, 1024);
@@ -287,7 +267,7 @@ TEST(GpuValidation, SparseTableArgumentsOnDecodeMergeAndCp) {
     table.poison();
     ctx.poison();
     ids.poison();
-    CountingDeviceComm comm(0, 4);
+    ScriptedComm comm(0, 4);
     const cpidx::TopkOutput out{ids.ptr, n * kK, kK};
     // decode of one head (a plain decode on the rank-0 Decoder), merge and cp_decode (L = 1).
     EXPECT_TRUE(failed_as(dec->decode(b.inputs(0, 1), out, &t, nullptr), {kInv, c.needles}))
@@ -393,7 +373,7 @@ TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
   ASSERT_NE(f.dec, nullptr);
   for (const auto& c : input_cases()) {
     f.poison();
-    CountingDeviceComm comm(0, 2);
+    ScriptedComm comm(0, 2);
     DecodeInputs in = f.b.inputs(0, 2);
     c.edit(in);
     EXPECT_TRUE(failed_as(f.dec->cp_decode(comm, in, f.dense(), nullptr, nullptr), c.e)) << c.name;
@@ -402,7 +382,7 @@ TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
   }
   for (const auto& c : out_cases()) {
     f.poison();
-    CountingDeviceComm comm(0, 2);
+    ScriptedComm comm(0, 2);
     EXPECT_TRUE(failed_as(
         f.dec->cp_decode(comm, f.b.inputs(0, 2), c.out(f.ids.ptr, 2, f.d.rows()), nullptr, nullptr),
         c.e))
@@ -412,23 +392,23 @@ TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
   }
   struct CommCase {
     std::string name;
-    CountingDeviceComm comm;
+    ScriptedComm comm;
     int heads;
     std::vector<std::string> needles;
   };
   std::vector<CommCase> comms;
   comms.push_back({"world 4 vs 2",
-                   CountingDeviceComm(0, 4),
+                   ScriptedComm(0, 4),
                    2,
                    {"communicator (rank 0 of 4)", "(rank 0 of 2)"}});
   comms.push_back({"rank 1 vs 0",
-                   CountingDeviceComm(1, 2),
+                   ScriptedComm(1, 2),
                    2,
                    {"communicator (rank 1 of 2)", "(rank 0 of 2)"}});
   comms.push_back(
-      {"host memory", CountingDeviceComm(0, 2, cpidx::MemorySpace::kHost), 2, {"device memory"}});
+      {"host memory", ScriptedComm(0, 2, cpidx::MemorySpace::kHost), 2, {"device memory"}});
   comms.push_back({"all heads instead of the local ones",
-                   CountingDeviceComm(0, 2),
+                   ScriptedComm(0, 2),
                    kT,
                    {"num_heads", "must be 2", "got 4"}});
   for (auto& c : comms) {
@@ -439,6 +419,30 @@ TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
         << c.name;
     EXPECT_EQ(c.comm.gathers, 0) << c.name;
     f.expect_untouched("cp_decode: " + c.name);
+  }
+}
+
+// step_plan is a query of any int arguments: products past the bound (even past INT_MAX) read
+// as the bound's plan, fewer than one column as the narrowest instance's.
+TEST(GpuValidation, StepPlanReadsAnyArgumentsAsDocumented) {
+  SKIP_WITHOUT_GPU();
+  Fixture f;
+  ASSERT_NE(f.dec, nullptr);
+  const int max_q = f.dec->config().max_query_len;
+  const cpidx::DecodePlan bound = f.dec->step_plan(kT, max_q), narrow = f.dec->step_plan(1, 1);
+  EXPECT_EQ(bound.grid, f.dec->plan().grid);
+  EXPECT_EQ(bound.smem_bytes, f.dec->plan().smem_bytes);
+  auto same = [](const cpidx::DecodePlan& a, const cpidx::DecodePlan& b) {
+    return a.grid == b.grid && a.stages == b.stages && a.offset_stride == b.offset_stride &&
+           a.smem_bytes == b.smem_bytes;
+  };
+  const int big = std::numeric_limits<int>::max();
+  for (const auto& [heads, q] : std::vector<std::pair<int, int>>{
+           {kT, max_q + 1}, {65536, 65536}, {2147483640, 1}, {big, big}, {-big, -big}}) {
+    EXPECT_TRUE(same(f.dec->step_plan(heads, q), bound)) << heads << " x " << q;
+  }
+  for (const auto& [heads, q] : std::vector<std::pair<int, int>>{{0, 1}, {-3, 2}, {1, 0}}) {
+    EXPECT_TRUE(same(f.dec->step_plan(heads, q), narrow)) << heads << " x " << q;
   }
 }
 

@@ -32,10 +32,6 @@ using cpidx_gpu_test::DeviceBatch;
 using cpidx_gpu_test::DeviceVec;
 using cpidx_test::DecodeData;
 
-// The label cp_decode gives its agreement check (decoder.cc): helpers that cannot reach
-// cp_decode offer -1 under it, as cp_decode itself does for refused inputs.
-constexpr const char* kRowsAgreement = "decode rows (num_reqs * query_len)";
-
 inline int device_count() {
   int count = 0;
   return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
@@ -84,7 +80,7 @@ inline RankResult cp_rank(Communicator& comm, int device, const DecodeData& d,
   cfg.fused_exchange = fused_exchange;
   res.status = cpidx::Decoder::create(cfg, device, &dec);
   if (!res.status.is_ok()) {
-    comm.check_agree(-1, kRowsAgreement);  // the peers fail instead of waiting for this rank
+    comm.check_agree(-1, cpidx::kCpRowsAgreement);  // the peers fail instead of waiting for it
     return res;
   }
   res.geo = dec->geometry();
@@ -173,7 +169,7 @@ class GraphRank {
   Status capture() {
     DeviceScope scope(device_);
     if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
-      comm_.check_agree(-1, kRowsAgreement);
+      comm_.check_agree(-1, cpidx::kCpRowsAgreement);
       return Status(cpidx::StatusCode::kCudaError, "cudaStreamBeginCapture failed");
     }
     Status st = step();
@@ -223,7 +219,7 @@ class GraphRank {
   // One cp_decode on stream_ (or, without a decoder, the agreement the peers wait for).
   Status step() {
     if (!status_.is_ok()) {
-      comm_.check_agree(-1, kRowsAgreement);
+      comm_.check_agree(-1, cpidx::kCpRowsAgreement);
       return status_;
     }
     return dec_->cp_decode(

@@ -221,7 +221,7 @@ TEST_F(MultiGpu, RefusedInputsOnOneRankFailEveryRank) {
     std::unique_ptr<cpidx::Decoder> dec;
     Status created = cpidx::Decoder::create(config_for(d, sel, kWorld, r), r, &dec);
     if (!created.is_ok()) {
-      comm.check_agree(-1, kRowsAgreement);
+      comm.check_agree(-1, cpidx::kCpRowsAgreement);
       st[r] = created;
       return;
     }
@@ -262,7 +262,7 @@ TEST_F(MultiGpu, OneWorkspaceServesSixtyLayers) {
     std::unique_ptr<cpidx::Decoder> dec;
     st[r] = cpidx::Decoder::create(config_for(d, sel, kWorld, r), r, &dec);
     if (!st[r].is_ok()) {
-      for (int l = 0; l < 2 * layers + 1; ++l) comm.check_agree(-1, kRowsAgreement);
+      for (int l = 0; l < 2 * layers + 1; ++l) comm.check_agree(-1, cpidx::kCpRowsAgreement);
       return;
     }
     const cpidx::Geometry geo = dec->geometry();
@@ -300,7 +300,7 @@ TEST_F(MultiGpu, OneWorkspaceServesSixtyLayers) {
       if (so.is_ok()) {
         sl = own->cp_decode(comm, layer_in(l), out(fresh, l), nullptr, stream);
       } else {
-        comm.check_agree(-1, kRowsAgreement);  // the peer's cp_decode waits for this
+        comm.check_agree(-1, cpidx::kCpRowsAgreement);  // the peer's cp_decode waits for this
       }
       EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       if (s.is_ok()) s = sl;
