@@ -31,7 +31,10 @@ class Communicator {
   virtual Status all_gather(const void* send, void* recv, size_t bytes_per_rank,
                             cudaStream_t stream) = 0;
   // Every rank must agree on `value` (for example the batch size) before a collective runs:
-  // returns kCommError naming `what` and the values on a mismatch, on every rank.
+  // returns kCommError naming `what` and the values on a mismatch, on every rank. The default
+  // gathers the values through all_gather, so it needs a host-memory communicator: on a
+  // device-memory one that does not override it, it returns kUnsupported (and cp_decode, which
+  // asks it first unless DecodeConfig::check_agreement is off, fails saying so).
   virtual Status check_agree(long long value, const char* what);
   virtual Status barrier() = 0;
   // A channel the library's kernels exchange through directly (cpidx/device_channel.h), or

@@ -147,7 +147,9 @@ Status validate(const SparseTableOutput& table, int local_heads) {
               "block_page_stride must be 8 or 16, got " << table.block_page_stride);
   CPIDX_CHECK(
       local_heads == 1,
-      "the sparse table needs exactly one index head (local_heads == 1), got " << local_heads);
+      "the sparse table needs exactly one index head (num_heads == 1; local_heads == 1 under "
+      "context parallelism), got "
+          << local_heads);
   CPIDX_CHECK(aligned(table.attention_block_table, alignof(int32_t)) &&
                   aligned(table.table, alignof(int32_t)) &&
                   aligned(table.context_lens, alignof(int32_t)),
