@@ -291,6 +291,9 @@ class PeerCommunicator final : public Communicator {
     // Some rank lives in another process. The same on every rank: with two processes or more,
     // every rank has a peer in another process.
     bool cross_process = false;
+    // The other ranks' devices when all ranks live in this process (they store into this rank's
+    // buffer from there).
+    std::vector<int> peer_devices;
   };
 
   PeerCommunicator(Communicator& bootstrap, Parts parts)
@@ -336,6 +339,18 @@ class PeerCommunicator final : public Communicator {
     }
     parts.opened.clear();
     if (parts.cross_process) bootstrap.barrier();  // every importer closed before owners free
+    // Ranks of this process need no barrier (they may be destroyed one after another from one
+    // thread), but their kernels may still be storing into this buffer: lines of heads this
+    // rank does not merge and clean stamps are never waited for here. cudaFree waits for this
+    // device only, so their devices finish first.
+    for (int d : parts.peer_devices) {
+      if (cudaSetDevice(d) == cudaSuccess) {
+        cudaDeviceSynchronize();
+      } else {
+        cudaGetLastError();
+      }
+    }
+    if (on_device && !parts.peer_devices.empty()) cudaSetDevice(parts.device);
     if (on_device) {
       if (parts.buffer != nullptr) cudaFree(parts.buffer);
       if (parts.words != nullptr) cudaFree(parts.words);
@@ -572,6 +587,10 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   if (mapped.is_ok()) {
     for (const PeerInfo& o : infos)
       parts.cross_process = parts.cross_process || o.nonce != mine.nonce;
+    for (int q = 0; q < world && !parts.cross_process; ++q) {
+      const int d = infos[static_cast<size_t>(q)].device;
+      if (q != rank && d != device) parts.peer_devices.push_back(d);
+    }
   }
   for (int q = 0; q < world && mapped.is_ok(); ++q) {
     const PeerInfo& o = infos[static_cast<size_t>(q)];
