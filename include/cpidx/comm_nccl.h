@@ -3,9 +3,12 @@
 // Built as the optional target cpidx_comm_nccl (cpidx::comm_nccl); nccl.h is not included here.
 //
 // NCCL environment: NVLink SHARP / multicast (NVLS) must stay off. Run with NCCL_NVLS_ENABLE=0;
-// when the variable is unset, the factories below set it to 0 before NCCL first reads it, and
-// they refuse to create a communicator while it asks for NVLS. cpidx never calls
-// cuMulticastCreate. NCCL_GRAPH_MIXING_SUPPORT is left to the caller (see docs/design/exchange.md).
+// when the variable is unset, the factories below set it to 0, and they refuse to create a
+// communicator while it asks for NVLS. NCCL reads the variable once per process, when its first
+// communicator is created: setting it here takes effect only if the process (a framework that
+// shares the NCCL library, say) has created none before, so set it at launch when it may have.
+// cpidx never calls cuMulticastCreate. NCCL_GRAPH_MIXING_SUPPORT is left to the caller (see
+// docs/design/exchange.md).
 #pragma once
 
 #include <array>

@@ -164,19 +164,25 @@ class Registry:
         memory goes with them). Collective when it holds IndexerCPDecode instances with
         world_size > 1: every rank calls it, having created its instances in the same order
         (they are closed in that order). The first error of a close is raised after all were
-        tried."""
+        tried; an instance that could not close stays in the registry (open, and returned by the
+        next ``cp_decode`` of its key), so a later ``clear()`` tries it again."""
         with self._lock:
-            shared = list(self._cp.values())
-            if any(cp._closes_collectively() for cp in shared):
+            shared = list(self._cp.items())
+            if any(cp._closes_collectively() for _, cp in shared):
                 _refuse_during_capture("Registry.clear() (it closes the shared IndexerCPDecode "
                                        "instances: collective)")
-            self._drop_all()
+            self._decoders.clear()
+            self._prefillers.clear()
         error: Optional[BaseException] = None
-        for cp in shared:
+        for key, cp in shared:
             try:
                 cp.close()
             except Exception as e:  # keep the ranks in step: close the others, then report
                 error = error or e
+                continue
+            with self._lock:
+                if self._cp.get(key) is cp:
+                    del self._cp[key]
         if error is not None:
             raise error
 
@@ -224,8 +230,9 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
 
     numpy arrays / CPU tensors: the C++ reference (bf16 as uint16 bits, or float arrays rounded
     here). torch CUDA tensors: ``torch.ops.cpidx.decode_topk`` on the current stream, through
-    ``decoder`` if given, else the registry's decoder for this shape (``max_tokens`` fixes its
-    size; default: the next power of two >= n).
+    ``decoder`` if given (its topk, init_blocks, local_blocks and max_seq_len must be the
+    call's), else the registry's decoder for this shape (``max_tokens`` fixes its size; default:
+    the next power of two >= n).
     """
     if _is_torch(index_query):
         torch = _torch_module()
@@ -257,6 +264,16 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     return out
 
 
+def _check_decoder_matches(decoder: Any, **wanted: int) -> None:
+    """A decoder passed explicitly runs with its own selection and bound: the call's must match,
+    or it would silently compute something other than what was asked."""
+    for name, value in wanted.items():
+        built = getattr(decoder, name)
+        if value != built:
+            raise ValueError(f"{name}: {value} differs from the decoder's ({name}={built}, fixed "
+                             f"when it was created); pass the same value or another decoder")
+
+
 def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: Any,
                 query_len: int, out: Any, *, scale: float, topk: int, init_blocks: int,
                 local_blocks: int, max_seq_len: int, attention_block_table: Any = None,
@@ -269,7 +286,10 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                  sparse_context_lens_out=sparse_context_lens_out,
                  block_page_stride=block_page_stride)
     if _is_cuda(index_query):
-        if decoder is None:
+        if decoder is not None:
+            _check_decoder_matches(decoder, topk=topk, init_blocks=init_blocks,
+                                   local_blocks=local_blocks, max_seq_len=max_seq_len)
+        else:
             reg = registry if registry is not None else globals()["registry"]
             decoder = reg.decoder(device=index_query.device.index, heads=index_query.shape[1],
                                   max_tokens=max_tokens or _token_bucket(index_query.shape[0]),
@@ -298,9 +318,10 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     Host arrays: the C++ reference. torch CUDA tensors: the GPU prefill kernel
     (``torch.ops.cpidx.prefill_topk`` on the current stream) through the registry's
     :class:`cpidx.Prefiller` for this shape (``max_tokens`` fixes its size; default: the next
-    power of two >= tokens). Allocation-free after the first call of a shape.
+    power of two >= tokens; with ``registry`` given, that registry's, called directly rather
+    than through the op). Allocation-free after the first call of a shape.
     """
-    if _is_torch(index_query):
+    if _is_torch(index_query) and registry is None:
         _torch_module().ops.cpidx.prefill_topk(
             index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
             seq_lens, out, float(scale), topk, init_blocks, local_blocks, max_seq_len,

@@ -8,13 +8,14 @@ CUDA graph and replayed with new lengths. The exchange (the two all-gathers of a
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _C
-from ._api import BLOCK_SIZE, _as_bits, _refuse_during_capture, registry
+from ._api import BLOCK_SIZE, MAX_QUERY_LEN, MAX_TOPK, _as_bits, _refuse_during_capture, registry
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
@@ -23,6 +24,12 @@ _EXCHANGES = ("auto", "peer", "nccl", "torch")
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _nvls_off_unless_set() -> None:
+    """NCCL_NVLS_ENABLE=0 unless the environment says otherwise (the library's NCCL factories
+    refuse any other value, naming it)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 class IndexerCPDecode:
@@ -55,6 +62,20 @@ class IndexerCPDecode:
       it open.
     * ``world_size == 1``: the plain decode, no exchange (``"none"``; ``group`` may be None).
 
+    Agreement (``check_agreement``, on by default): before its first collective, every step
+    checks this rank's arguments (all that the step would refuse) and agrees with the other
+    ranks, through a host group, on the decode rows ``n``. A rank with bad arguments raises its
+    own error and the others raise ``ValueError`` naming ``local_q`` (a peer's arguments were
+    refused), and ranks that disagree on ``n`` (0 included) all raise it, instead of some waiting
+    forever in a collective. The host group is the ``cpu_group`` of a vLLM GroupCoordinator (any
+    ``group`` with ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo
+    group (``device="cpu"``). It costs one gloo all-reduce of two integers per eager step (tens
+    of microseconds) and nothing on replays of a captured graph (it runs while capturing);
+    ``check_agreement=False`` turns it off. Without a host group (an NCCL-only ProcessGroup or a
+    :class:`cpidx.Communicator` as ``group``) there is no agreement: every rank must then pass
+    valid arguments of the same batch, as with the C++ NCCL communicator without a host
+    channel.
+
     A peer exchange never hangs: a rank whose peer stops sending gives up after the
     communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in its error bits;
     read them with ``exchange_error_flag()`` after a batch of steps (a blocking read).
@@ -85,7 +106,8 @@ class IndexerCPDecode:
     def __init__(self, *, total_heads: int, rank: int, world_size: int, max_tokens: int,
                  max_seq_len: int, topk: int, init_blocks: int, local_blocks: int, group: Any,
                  device: Any, head_dim: int = 128, cache_dtype: Any = "bf16",
-                 max_query_len: int = 8, exchange: str = "auto") -> None:
+                 max_query_len: int = 8, exchange: str = "auto",
+                 check_agreement: bool = True) -> None:
         if total_heads < 1 or world_size < 1:
             raise ValueError(f"total_heads and world_size must be >= 1, got {total_heads} and "
                              f"{world_size}")
@@ -103,6 +125,14 @@ class IndexerCPDecode:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         if head_dim != 128:
             raise ValueError(f"head_dim: expected 128, got {head_dim}")
+        if not 1 <= topk <= MAX_TOPK:
+            raise ValueError(f"topk: expected 1 to {MAX_TOPK}, got {topk}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
+        if not 1 <= max_query_len <= MAX_QUERY_LEN:
+            raise ValueError(f"max_query_len: expected 1 to {MAX_QUERY_LEN}, got {max_query_len}")
+        if not 1 <= max_seq_len <= 2**31 - 1:
+            raise ValueError(f"max_seq_len: expected 1 to 2^31-1, got {max_seq_len}")
         if exchange not in _EXCHANGES:
             raise ValueError(f"exchange: expected one of {', '.join(map(repr, _EXCHANGES))}, "
                              f"got {exchange!r}")
@@ -114,6 +144,7 @@ class IndexerCPDecode:
         self.world_size = world_size
         self.max_tokens = max_tokens
         self.max_seq_len = max_seq_len
+        self.max_query_len = max_query_len
         self.max_blocks = _cdiv(max_seq_len, BLOCK_SIZE)
         self.topk = topk
         self.init_blocks = init_blocks
@@ -142,11 +173,15 @@ class IndexerCPDecode:
         self._comm = None  # a cpidx Communicator, when the library runs the exchange
         self._owned: list = []  # communicators this instance made, in closing order
         self._pg = None  # the torch ProcessGroup of the torch exchange
+        self._agree_group = None  # the host (gloo) group each step agrees through
         self._closed = False
         self.exchange = "none"
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
         if world_size > 1:
             self._setup_exchange(group, exchange)
+            if check_agreement:
+                self._agree_group = self._host_group(group)
+        self.check_agreement = self._agree_group is not None
 
     # ---- construction helpers -------------------------------------------------------------
     def _setup_exchange(self, group: Any, exchange: str) -> None:
@@ -192,8 +227,22 @@ class IndexerCPDecode:
             self._alloc_exchange_buffers()
             self.exchange = "torch"
 
+    @staticmethod
+    def _host_group(group: Any) -> Any:
+        """The gloo group the steps agree through, or None (see the class docstring)."""
+        if isinstance(group, _C.Communicator) or group is None:
+            return None
+        cpu_group = getattr(group, "cpu_group", None)
+        if cpu_group is not None:
+            return cpu_group
+        device_group = getattr(group, "device_group", group)
+        return device_group if "gloo" in str(dist.get_backend(device_group)).lower() else None
+
     def _bootstrap_nccl(self, device_group: Any, cpu_group: Any) -> Any:
         """Rank 0 of the group makes the NCCL unique id; every rank joins with it."""
+        # NVLS off on every rank before anything below can create an NCCL communicator (the
+        # broadcast over an NCCL group creates torch's): NCCL reads the setting once per process.
+        _nvls_off_unless_set()
         bcast_group = cpu_group if cpu_group is not None else device_group
         src = dist.get_global_rank(bcast_group, 0)
         box = [_C.nccl_unique_id() if self.rank == 0 else None]
@@ -243,19 +292,19 @@ class IndexerCPDecode:
                  block_page_stride: Optional[int] = None) -> torch.Tensor:
         """Write ``[local_heads, n, topk]`` block ids for this rank's heads; returns ``out``."""
         self._check_open()
-        n = local_q.shape[0]
-        if n > self.max_tokens:
-            raise ValueError(f"local_q: {n} rows exceed max_tokens {self.max_tokens}")
-        if n == 0:
-            return out
-        if local_q.dim() != 3 or local_q.shape[1] != self.local_heads:
-            raise ValueError(f"local_q: expected shape [n, {self.local_heads}, 128] (this "
-                             f"rank's heads), got {list(local_q.shape)}")
-        kv_cache = _as_bits(kv_cache)
         table = dict(attention_block_table=attention_block_table,
                      sparse_block_table_out=sparse_block_table_out,
                      sparse_context_lens_out=sparse_context_lens_out,
                      block_page_stride=block_page_stride)
+        n, refused = self._check_step(local_q, kv_cache, block_table, seq_lens, query_len, out,
+                                      scale, table)
+        if self._agree_group is not None:
+            self._agree(n, refused)
+        elif refused is not None:
+            raise refused
+        if n == 0:
+            return out
+        kv_cache = _as_bits(kv_cache)
         stream = self._stream()
         if self.world_size == 1:
             if self._cuda:
@@ -290,6 +339,48 @@ class IndexerCPDecode:
                                    max_seq_len=self.max_seq_len, head_offset=self.head_offset,
                                    **self._sel(), **table)
         return out
+
+    def _check_step(self, local_q: Any, kv_cache: Any, block_table: Any, seq_lens: Any,
+                    query_len: int, out: Any, scale: float,
+                    table: dict) -> tuple[int, Optional[BaseException]]:
+        """This rank's decode rows and what the step would refuse in its arguments (None: fine),
+        checked on the host before any collective."""
+        try:
+            n = int(local_q.shape[0])
+            if n > self.max_tokens:
+                raise ValueError(f"local_q: {n} rows exceed max_tokens {self.max_tokens}")
+            if n == 0:
+                return 0, None
+            if local_q.dim() != 3 or local_q.shape[1] != self.local_heads:
+                raise ValueError(f"local_q: expected shape [n, {self.local_heads}, 128] (this "
+                                 f"rank's heads), got {list(local_q.shape)}")
+            args = (local_q, _as_bits(kv_cache), block_table, seq_lens, query_len, out)
+            if self._cuda:
+                self._decoder.check_cp_decode(*args, scale=scale, **table)
+            else:
+                _C.ref_check_cp_decode(*args, scale=scale, max_seq_len=self.max_seq_len,
+                                       local_heads=self.local_heads, max_tokens=self.max_tokens,
+                                       **self._sel(), **table)
+            return n, None
+        except Exception as e:  # the peers must hear of it before anyone enters a collective
+            return -1, e
+
+    def _agree(self, n: int, refused: Optional[BaseException]) -> None:
+        """All ranks reach the same verdict on this step: one all-reduce of (n, -n), -1 from a
+        rank whose arguments were refused. Raises on every rank unless all have the same n."""
+        mine = -1 if refused is not None else n
+        both = torch.tensor([mine, -mine], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._agree_group)
+        most, least = int(both[0]), -int(both[1])
+        if refused is not None:
+            raise refused
+        if least < 0:
+            raise ValueError(f"local_q: another rank's arguments for this step were refused (it "
+                             f"raised; no collective ran); this rank has {n} decode rows")
+        if least != most:
+            raise ValueError(f"local_q: the {self.world_size} ranks disagree on the decode rows "
+                             f"(num_reqs * query_len): this rank has {n}, the ranks have "
+                             f"{least} to {most}; every rank must decode the same batch")
 
     def _sel(self) -> dict:
         return dict(topk=self.topk, init_blocks=self.init_blocks, local_blocks=self.local_blocks)

@@ -73,25 +73,58 @@ struct PyDecoder {
     check_status(decoder->merge(keys, b.in, o, t.enabled() ? &t : nullptr, as_stream(stream)));
   }
 
-  void cp_decode(PyCommunicator& comm, const InArray& local_q, const InArray& index_cache,
+  // One context-parallel step's arguments as cp_decode takes them (this rank's L heads).
+  struct CpStep {
+    DecodeBatch b;
+    TopkOutput o;
+    SparseTableOutput t;
+  };
+  CpStep cp_step(const InArray& local_q, const InArray& kv_cache, const InArray& block_table,
+                 const InArray& seq_lens, int query_len, const OutArray& out, double scale,
+                 const std::optional<InArray>& attention_block_table,
+                 const std::optional<OutArray>& sparse_block_table_out,
+                 const std::optional<OutArray>& sparse_context_lens_out,
+                 std::optional<int> block_page_stride) const {
+    CpStep s;
+    s.b = decode_batch(local_q, kv_cache, block_table, seq_lens, query_len, scale,
+                       cfg().max_seq_len, place, DecodeArgNames{"local_q", "kv_cache"});
+    s.o = topk_output(out, s.b.in.num_heads, s.b.rows, cfg().sel.topk, place);
+    s.t = sparse_table_output(attention_block_table, sparse_block_table_out,
+                              sparse_context_lens_out, block_page_stride, s.b.in.num_reqs,
+                              s.b.rows, cfg().sel.topk, cfg().max_seq_len, place);
+    return s;
+  }
+
+  void check_cp_decode(const InArray& local_q, const InArray& kv_cache,
+                       const InArray& block_table, const InArray& seq_lens, int query_len,
+                       const OutArray& out, double scale,
+                       const std::optional<InArray>& attention_block_table,
+                       const std::optional<OutArray>& sparse_block_table_out,
+                       const std::optional<OutArray>& sparse_context_lens_out,
+                       std::optional<int> block_page_stride) const {
+    const CpStep s = cp_step(local_q, kv_cache, block_table, seq_lens, query_len, out, scale,
+                             attention_block_table, sparse_block_table_out,
+                             sparse_context_lens_out, block_page_stride);
+    check_status(decoder->check_cp_decode(s.b.in, s.o, s.t.enabled() ? &s.t : nullptr));
+  }
+
+  void cp_decode(PyCommunicator& comm, const InArray& local_q, const InArray& kv_cache,
                  const InArray& block_table, const InArray& seq_lens, int query_len,
                  const OutArray& out, double scale,
                  const std::optional<InArray>& attention_block_table,
                  const std::optional<OutArray>& sparse_block_table_out,
                  const std::optional<OutArray>& sparse_context_lens_out,
                  std::optional<int> block_page_stride, uintptr_t stream) {
-    const DecodeBatch b = decode_batch(local_q, index_cache, block_table, seq_lens, query_len,
-                                       scale, cfg().max_seq_len, place);
-    const TopkOutput o = topk_output(out, b.in.num_heads, b.rows, cfg().sel.topk, place);
-    const SparseTableOutput t = sparse_table_output(
-        attention_block_table, sparse_block_table_out, sparse_context_lens_out,
-        block_page_stride, b.in.num_reqs, b.rows, cfg().sel.topk, cfg().max_seq_len, place);
+    const CpStep s = cp_step(local_q, kv_cache, block_table, seq_lens, query_len, out, scale,
+                             attention_block_table, sparse_block_table_out,
+                             sparse_context_lens_out, block_page_stride);
     Status st;
     {
       PyCommunicator::Use use(comm, "comm");  // not closed by another thread under the call
       // Host communicators may block in the collective: let other Python threads run.
       nb::gil_scoped_release release;
-      st = decoder->cp_decode(use.comm(), b.in, o, t.enabled() ? &t : nullptr, as_stream(stream));
+      st = decoder->cp_decode(use.comm(), s.b.in, s.o, s.t.enabled() ? &s.t : nullptr,
+                              as_stream(stream));
     }
     check_status(st);
   }
@@ -263,13 +296,19 @@ void bind_decoder(nb::module_& m) {
            "sparse_block_table_out"_a = nb::none(), "sparse_context_lens_out"_a = nb::none(),
            "block_page_stride"_a = nb::none(), "stream"_a = 0,
            "Merge gathered keys [world, total_heads, n, topk] into ids [local_heads, n, topk].")
-      .def("cp_decode", &PyDecoder::cp_decode, "comm"_a, "local_q"_a, "index_cache"_a,
+      .def("cp_decode", &PyDecoder::cp_decode, "comm"_a, "local_q"_a, "kv_cache"_a,
            "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
            "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),
            "sparse_context_lens_out"_a = nb::none(), "block_page_stride"_a = nb::none(),
            "stream"_a = 0,
            "The whole context-parallel step over a device communicator: ids [local_heads, n, "
            "topk].")
+      .def("check_cp_decode", &PyDecoder::check_cp_decode, "local_q"_a, "kv_cache"_a,
+           "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
+           "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),
+           "sparse_context_lens_out"_a = nb::none(), "block_page_stride"_a = nb::none(),
+           "Raises what cp_decode would raise for these arguments before its first collective; "
+           "runs nothing on the device (IndexerCPDecode agrees with its peers on the result).")
       .def(
           "error_flag",
           [](PyDecoder& d) {

@@ -4,6 +4,8 @@
 // every output is an argument; the return value is the device-error bits of clamped inputs.
 #include <nanobind/nanobind.h>
 
+#include <string>
+
 #include "cpidx/reference.h"
 #include "tensor_args.h"
 
@@ -110,6 +112,33 @@ void ref_merge_topk_keys(const nb::ndarray<>& gathered, const InArray& seq_lens,
   check_status(st);
 }
 
+// What a context-parallel step of this rank (local_heads heads of local_q) would refuse before
+// its first collective, on the host: IndexerCPDecode agrees with its peers on the result.
+void ref_check_cp_decode(const InArray& local_q, const InArray& kv_cache,
+                         const InArray& block_table, const InArray& seq_lens, int query_len,
+                         const OutArray& out, double scale, int topk, int init_blocks,
+                         int local_blocks, int64_t max_seq_len, int local_heads,
+                         int64_t max_tokens,
+                         const std::optional<InArray>& attention_block_table,
+                         const std::optional<OutArray>& sparse_block_table_out,
+                         const std::optional<OutArray>& sparse_context_lens_out,
+                         std::optional<int> block_page_stride) {
+  const Selection sel = selection(topk, init_blocks, local_blocks);
+  const DecodeBatch b = decode_batch(local_q, kv_cache, block_table, seq_lens, query_len, scale,
+                                     max_seq_len, kHost, DecodeArgNames{"local_q", "kv_cache"});
+  if (b.in.num_heads != local_heads) {
+    throw nb::value_error(("local_q: expected this rank's " + std::to_string(local_heads) +
+                           " heads (local_heads), got " + std::to_string(b.in.num_heads))
+                              .c_str());
+  }
+  check_status(ref::validate(b.in, sel, max_tokens));
+  topk_output(out, local_heads, b.rows, topk, kHost);
+  const SparseTableOutput t = sparse_table_output(
+      attention_block_table, sparse_block_table_out, sparse_context_lens_out, block_page_stride,
+      b.in.num_reqs, b.rows, topk, max_seq_len, kHost);
+  check_status(ref::validate(t, local_heads));
+}
+
 }  // namespace
 
 void bind_reference(nb::module_& m) {
@@ -128,6 +157,14 @@ void bind_reference(nb::module_& m) {
         "block_table"_a, "seq_lens"_a, "query_len"_a, "keys_out"_a, nb::kw_only(), "scale"_a,
         "topk"_a, "init_blocks"_a, "local_blocks"_a, "max_seq_len"_a, "world_size"_a, "rank"_a,
         "CPU reference shard top-K: ordered keys [heads, n, topk] (int64) of rank's blocks.");
+  m.def("ref_check_cp_decode", &ref_check_cp_decode, "local_q"_a, "kv_cache"_a,
+        "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
+        "topk"_a, "init_blocks"_a, "local_blocks"_a, "max_seq_len"_a, "local_heads"_a,
+        "max_tokens"_a, "attention_block_table"_a = nb::none(),
+        "sparse_block_table_out"_a = nb::none(), "sparse_context_lens_out"_a = nb::none(),
+        "block_page_stride"_a = nb::none(),
+        "Raises what this rank's context-parallel step would refuse before its first "
+        "collective (host arrays); runs nothing.");
   m.def("ref_merge_topk_keys", &ref_merge_topk_keys, "gathered"_a, "seq_lens"_a, "query_len"_a,
         "out"_a, nb::kw_only(), "topk"_a, "init_blocks"_a, "local_blocks"_a, "max_seq_len"_a,
         "head_offset"_a, "attention_block_table"_a = nb::none(),

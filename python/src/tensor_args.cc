@@ -16,6 +16,9 @@ namespace dl = nb::dlpack;
 
 // DLPack device types (dlpack.h): the host, CUDA, pinned host and managed memory.
 constexpr int kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
+// DLPack 1.1's float8_e4m3fn (torch.float8_e4m3fn): the cache's format, no infinities. Code 8
+// is float8_e4m3, IEEE-like with infinities, whose top-exponent patterns mean something else.
+constexpr uint8_t kDLPackFloat8E4M3FN = 10;
 
 template <typename... Args>
 std::string cat(const Args&... args) {
@@ -175,15 +178,14 @@ void fill_query(const InArray& q, const char* name, const uint16_t** data, int64
   }
 }
 
-PagedCache paged_cache(const InArray& c, const Place& place) {
-  const char* name = "index_cache";
+PagedCache paged_cache(const InArray& c, const char* name, const Place& place) {
   check_place(c, name, place);
   const dl::dtype t = c.dtype();
   PagedCache cache;
   if (is(t, dl::dtype_code::Bfloat, 16) || is(t, dl::dtype_code::UInt, 16)) {
     cache.dtype = DType::kBF16;
-  } else if (is(t, dl::dtype_code::UInt, 8) || (t.bits == 8 && t.lanes == 1 &&
-                                                 (t.code == 8 || t.code == 10))) {
+  } else if (is(t, dl::dtype_code::UInt, 8) ||
+             (t.bits == 8 && t.lanes == 1 && t.code == kDLPackFloat8E4M3FN)) {
     cache.dtype = DType::kFP8E4M3;
   } else {
     type_fail(cat(name, ": expected bfloat16 or float8_e4m3fn (or uint16 / uint8 holding their "
@@ -258,19 +260,20 @@ DecodeBatch merge_batch(const InArray& seq_lens, int query_len, int64_t max_seq_
 
 DecodeBatch decode_batch(const InArray& index_query, const InArray& index_cache,
                          const InArray& block_table, const InArray& seq_lens, int query_len,
-                         double scale, int64_t max_seq_len, const Place& place) {
+                         double scale, int64_t max_seq_len, const Place& place,
+                         const DecodeArgNames& names) {
   check_scalars(query_len, scale, max_seq_len);
   DecodeBatch b = merge_batch(seq_lens, query_len, max_seq_len, place);
   DecodeInputs& in = b.in;
-  check_query(index_query, "index_query", place);
+  check_query(index_query, names.query, place);
   if (static_cast<int64_t>(index_query.shape(0)) != b.rows) {
-    value_fail(cat("index_query: expected num_reqs * query_len = ", b.rows, " rows (",
+    value_fail(cat(names.query, ": expected num_reqs * query_len = ", b.rows, " rows (",
                    in.num_reqs, " requests in seq_lens, query_len ", query_len, "), got shape ",
                    shape_str(index_query)));
   }
-  fill_query(index_query, "index_query", &in.query, &in.q_row_stride, &in.q_head_stride,
+  fill_query(index_query, names.query, &in.query, &in.q_row_stride, &in.q_head_stride,
              &in.num_heads);
-  in.cache = paged_cache(index_cache, place);
+  in.cache = paged_cache(index_cache, names.cache, place);
   in.bt_row_stride = check_table(block_table, "block_table", in.num_reqs, in.max_blocks(),
                                  "num_reqs x cdiv(max_seq_len, 128)", place);
   in.block_table = static_cast<const int32_t*>(block_table.data());
@@ -378,7 +381,7 @@ PrefillInputs prefill_inputs(const InArray& index_query, const InArray& index_ca
   PrefillInputs in;
   fill_query(index_query, "index_query", &in.query, &in.q_row_stride, &in.q_head_stride,
              &in.num_heads);
-  in.cache = paged_cache(index_cache, place);
+  in.cache = paged_cache(index_cache, "index_cache", place);
   in.num_reqs = static_cast<int>(num_reqs);
   in.num_tokens = static_cast<int64_t>(index_query.shape(0));
   in.max_seq_len = static_cast<int32_t>(max_seq_len);

@@ -40,12 +40,20 @@ struct DecodeBatch {
   int64_t rows = 0;
 };
 
-// index_query bf16 [n, H, 128] (last dim contiguous); index_cache bf16 or fp8 e4m3 (as uint16 /
-// uint8 bits too) [pages, 128, 128] contiguous; block_table int32 [>= num_reqs, >= G] (column
+// The names a call's messages give its query and cache (the context-parallel entry points call
+// them local_q and kv_cache).
+struct DecodeArgNames {
+  const char* query = "index_query";
+  const char* cache = "index_cache";
+};
+
+// index_query bf16 [n, H, 128] (last dim contiguous); index_cache bf16 or fp8 e4m3fn (as uint16
+// / uint8 bits too) [pages, 128, 128] contiguous; block_table int32 [>= num_reqs, >= G] (column
 // stride 1); seq_lens int32 [num_reqs] contiguous; n == num_reqs * query_len.
 DecodeBatch decode_batch(const InArray& index_query, const InArray& index_cache,
                          const InArray& block_table, const InArray& seq_lens, int query_len,
-                         double scale, int64_t max_seq_len, const Place& place);
+                         double scale, int64_t max_seq_len, const Place& place,
+                         const DecodeArgNames& names = {});
 
 // seq_lens only (the merge needs the batch shape, not the inputs).
 DecodeBatch merge_batch(const InArray& seq_lens, int query_len, int64_t max_seq_len,

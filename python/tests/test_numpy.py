@@ -432,3 +432,47 @@ def test_registry_refuses_creation_and_collective_clear_during_a_capture(monkeyp
     capturing[0] = False
     reg.clear()
     assert shared.closes == 1 and len(reg) == 0
+
+
+class _StuckInstance(_CollectiveInstance):
+    """A shared instance whose first close raises (a live graph holds its NCCL kernels, say)."""
+
+    def close(self) -> None:
+        if self.closes == 0:
+            self.closes += 1
+            raise RuntimeError("a CUDA graph still holds 1 gather")
+        super().close()
+
+
+def test_registry_clear_keeps_an_instance_that_could_not_close():
+    # It is still open: forgetting it would leave it open for good, and the next cp_decode of
+    # its key would build a second one (another NCCL bootstrap and workspace).
+    from cpidx._api import Registry
+
+    reg = Registry()
+    stuck, fine = _StuckInstance(), _CollectiveInstance()
+    reg._cp[("stuck",)] = stuck
+    reg._cp[("fine",)] = fine
+    with pytest.raises(RuntimeError, match="still holds 1 gather"):
+        reg.clear()
+    assert fine.closes == 1 and not stuck.closed
+    assert list(reg._cp.values()) == [stuck]
+    reg.clear()  # tries it again
+    assert stuck.closed and len(reg) == 0
+
+
+def test_an_explicit_decoder_must_match_the_call():
+    # decode_topk(..., decoder=D) runs D's selection and bound: a call asking for others raises,
+    # naming the argument, instead of returning ids for D's.
+    from types import SimpleNamespace
+
+    from cpidx._api import _check_decoder_matches
+
+    dec = SimpleNamespace(topk=16, init_blocks=0, local_blocks=1, max_seq_len=65536)
+    same = dict(topk=16, init_blocks=0, local_blocks=1, max_seq_len=65536)
+    _check_decoder_matches(dec, **same)
+    for name, value in (("topk", 8), ("init_blocks", 4), ("local_blocks", 0),
+                        ("max_seq_len", 1024)):
+        with pytest.raises(ValueError, match=rf"^{name}: {value} differs from the decoder's "
+                                             rf"\({name}="):
+            _check_decoder_matches(dec, **dict(same, **{name: value}))

@@ -121,6 +121,114 @@ def test_indexer_cp_decode_gloo_two_ranks(T):
     assert dict(results) == {0: True, 1: True}
 
 
+def _gloo_agreement_rank(rank, world, port, results):
+    """Steps that one rank cannot run (other rows, refused arguments, no rows) raise on every
+    rank before any collective; a good step afterwards still equals the plain decode."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen = []
+    try:
+        T, Q, K = 2, 2, 6
+        b = random_decode(np.random.default_rng(11), T, Q, [1500, 129, 700, 640],
+                          max_seq_len=1536)
+        q, k, bt, sl = as_torch(b)
+        cp = cpidx.IndexerCPDecode(total_heads=T, rank=rank, world_size=world, max_tokens=16,
+                                   max_seq_len=1536, topk=K, init_blocks=1, local_blocks=1,
+                                   group=dist.group.WORLD, device="cpu")
+        off = cp.head_offset
+
+        def step(reqs, seq_lens=None):
+            rows = reqs * Q
+            out = torch.full((1, rows, K), 77, dtype=torch.int32)
+            lens = sl[:reqs] if seq_lens is None else seq_lens
+            cp(q[:rows, off: off + 1].contiguous(), k, bt[:reqs], lens, Q, out, scale=b.scale)
+            return out
+
+        cases = [
+            ("rows differ", lambda: step(2 if rank == 0 else 3)),
+            ("bad argument on rank 1", lambda: step(3, sl[:3].long() if rank == 1 else None)),
+            ("no rows on rank 0", lambda: step(0 if rank == 0 else 2)),
+        ]
+        for name, run in cases:
+            try:
+                run()
+                seen.append((name, None, ""))
+            except Exception as e:  # noqa: BLE001 - the test records what each rank raised
+                seen.append((name, type(e).__name__, str(e)))
+        plain = torch.zeros((T, 4 * Q, K), dtype=torch.int32)
+        cpidx.decode_topk(q, k, bt, sl, Q, plain, scale=b.scale, topk=K, init_blocks=1,
+                          local_blocks=1, max_seq_len=1536)
+        seen.append(("good step", None, str(bool(torch.equal(step(4)[0], plain[off])))))
+        seen.append(("agreement on", None, str(cp.check_agreement)))
+        cp.close()
+        results[rank] = seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_agreement_rank, args=(r, 2, port, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, "a rank hung in a collective"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    r0, r1 = (dict((name, (kind, msg)) for name, kind, msg in results[r]) for r in (0, 1))
+    for r in (r0, r1):
+        kind, msg = r["rows differ"]
+        assert kind == "ValueError" and "disagree on the decode rows" in msg, msg
+        assert "the ranks have 4 to 6" in msg, msg
+        kind, msg = r["no rows on rank 0"]
+        assert kind == "ValueError" and "the ranks have 0 to 4" in msg, msg
+        assert r["good step"] == (None, "True") and r["agreement on"] == (None, "True")
+    kind, msg = r1["bad argument on rank 1"]
+    assert kind == "TypeError" and msg.startswith("seq_lens"), msg
+    kind, msg = r0["bad argument on rank 1"]
+    assert kind == "ValueError" and "another rank's arguments for this step were refused" in msg
+
+
+def test_indexer_cp_decode_checks_its_bounds_by_name():
+    base = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=16,
+                init_blocks=0, local_blocks=1, group=None, device="cpu")
+    for name, bad in (("topk", 0), ("topk", 10**6), ("max_tokens", 0), ("max_query_len", 9),
+                      ("max_seq_len", 2**31)):
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            cpidx.IndexerCPDecode(**dict(base, **{name: bad}))
+    cp = cpidx.IndexerCPDecode(**base)
+    assert cp.check_agreement is False  # one rank: nothing to agree on
+
+
+def test_indexer_cp_decode_names_its_own_arguments():
+    b = random_decode(np.random.default_rng(5), 4, 1, [300, 900], max_seq_len=1024)
+    q, k, bt, sl = as_torch(b)
+    cp = cpidx.IndexerCPDecode(total_heads=4, rank=0, world_size=1, max_tokens=8,
+                               max_seq_len=1024, topk=16, init_blocks=0, local_blocks=1,
+                               group=None, device="cpu")
+    out = torch.zeros((4, 2, 16), dtype=torch.int32)
+    with pytest.raises(TypeError, match="^local_q: "):
+        cp(q.float(), k, bt, sl, 1, out, scale=b.scale)
+    with pytest.raises(ValueError, match="^kv_cache: "):
+        cp(q, k[:, :64], bt, sl, 1, out, scale=b.scale)
+    with pytest.raises(ValueError, match="^out: "):
+        cp(q, k, bt, sl, 1, out[:2], scale=b.scale)
+    out.fill_(-7)
+    cp(q, k, bt, sl, 1, out, scale=b.scale)
+    assert (out != -7).all()
+
+
 def test_shared_cp_decode_registry():
     kw = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=16,
               init_blocks=0, local_blocks=1, group=None, device="cpu")
