@@ -296,8 +296,9 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                                   max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
                                   local_blocks=local_blocks,
                                   cache_dtype=_cache_dtype_name(index_cache))
-        decoder.decode(index_query, _as_bits(index_cache), block_table, seq_lens, query_len, out,
-                       scale=scale, stream=_current_stream(index_query.device), **table)
+        with _torch_module().cuda.device(index_query.device):  # its stream's device is current
+            decoder.decode(index_query, _as_bits(index_cache), block_table, seq_lens, query_len,
+                           out, scale=scale, stream=_current_stream(index_query.device), **table)
         return
     if decoder is not None:
         raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
@@ -337,6 +338,9 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                  context_lens: Any, seq_lens: Any, out: Any, *, scale: float, topk: int,
                  init_blocks: int, local_blocks: int, max_seq_len: int,
                  max_tokens: Optional[int] = None, registry: Optional[Registry] = None) -> None:
+    tokens = index_query.shape[0]
+    if tokens == 0:  # nothing to check or write, on either path
+        return
     if not _is_cuda(index_query):
         _C.ref_prefill_topk(_host_bf16(index_query, "index_query"),
                             _as_bits(_host_bf16(index_cache, "index_cache")), block_table,
@@ -344,13 +348,11 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                             init_blocks=init_blocks, local_blocks=local_blocks,
                             max_seq_len=max_seq_len)
         return
-    tokens = index_query.shape[0]
-    if tokens == 0:
-        return
     reg = registry if registry is not None else globals()["registry"]
     pre = reg.prefiller(device=index_query.device.index, heads=index_query.shape[1],
                         max_tokens=max_tokens or _token_bucket(tokens), max_seq_len=max_seq_len,
                         topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                         cache_dtype=_cache_dtype_name(index_cache))
-    pre.prefill(index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
-                seq_lens, out, scale=scale, stream=_current_stream(index_query.device))
+    with _torch_module().cuda.device(index_query.device):  # its stream's device is current
+        pre.prefill(index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
+                    seq_lens, out, scale=scale, stream=_current_stream(index_query.device))

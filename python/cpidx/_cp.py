@@ -304,7 +304,18 @@ class IndexerCPDecode:
             raise refused
         if n == 0:
             return out
-        kv_cache = _as_bits(kv_cache)
+        if self._cuda:
+            with torch.cuda.device(self.device):  # the kernels go to this device's stream
+                return self._step(n, local_q, _as_bits(kv_cache), block_table, seq_lens,
+                                  query_len, out, scale, table)
+        return self._step(n, local_q, _as_bits(kv_cache), block_table, seq_lens, query_len, out,
+                          scale, table)
+
+    def _step(self, n: int, local_q: torch.Tensor, kv_cache: torch.Tensor,
+              block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int,
+              out: torch.Tensor, scale: float, table: dict) -> torch.Tensor:
+        """The step after its checks and agreement (``n > 0`` rows, this instance's device
+        current)."""
         stream = self._stream()
         if self.world_size == 1:
             if self._cuda:

@@ -49,6 +49,20 @@ def test_golden_decode_gpu(case):
     assert out.cpu().tolist() == case["ids"]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensors_on_a_device_that_is_not_current():
+    # Kernels go to the tensors' device's stream, whatever device is current.
+    b = random_decode(np.random.default_rng(77), 4, 2, [3000, 129], max_seq_len=4096)
+    want = host_ids(b, 16, 0, 1)
+    q, k, bt, sl = (t.to("cuda:1") for t in to_dev(b))
+    out = torch.full((4, b.rows, 16), 5, dtype=torch.int32, device="cuda:1")
+    with torch.cuda.device(0):
+        cpidx.decode_topk(q, k, bt, sl, 2, out, scale=b.scale, topk=16, init_blocks=0,
+                          local_blocks=1, max_seq_len=4096)
+    torch.cuda.synchronize("cuda:1")
+    assert np.array_equal(out.cpu().numpy(), want)
+
+
 @pytest.mark.parametrize("T,Q,K,init,local", [(4, 1, 16, 0, 1), (2, 4, 8, 1, 2), (8, 2, 64, 0, 1)])
 def test_op_equals_decoder_and_reference(T, Q, K, init, local):
     rng = np.random.default_rng(T * 100 + Q)

@@ -266,6 +266,9 @@ def test_bad_prefill_arguments_are_named():
         cpidx.prefill_topk(query, cache, bt, cu, ctx.astype(np.int64), sl, out, **common)
     with pytest.raises(ValueError, match="out: expected shape"):
         cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out[:, 1:], **common)
+    # No tokens: nothing to check or write, as on the GPU path.
+    empty = np.full((case["T"], 0, case["K"]), 9, np.int32)
+    assert cpidx.prefill_topk(query[:0], cache, bt, cu, ctx, sl, empty, **common) is empty
 
 
 def test_shard_and_merge_bad_arguments_are_named():
