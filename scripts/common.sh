@@ -103,4 +103,22 @@ cpidx_install_python() {
     cpidx_log "pip install failed (build-ci/pip.log)"
     return 1
   fi
+  if [ "${CPIDX_TEST_TORCH:-0}" = 1 ]; then cpidx_install_torch "$venv"; fi
+}
+
+# CPIDX_TEST_TORCH=1: torch in the same venv, so that the torch tests run on the CPU too (the
+# registered ops under opcheck and torch.compile, IndexerCPDecode over two gloo processes).
+# PyPI's wheel carries its CUDA libraries (~5 GB installed), so this is opt-in (CI sets it) and
+# best effort: a failed or slow install (10 min) leaves those tests skipping, with a note.
+CPIDX_TORCH_SPEC="torch==2.11.*"  # the device machine's torch
+
+cpidx_install_torch() {
+  local venv=$1
+  if "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then return 0; fi
+  cpidx_log "pip install ${CPIDX_TORCH_SPEC} (CPIDX_TEST_TORCH=1; log in build-ci/pip-torch.log)"
+  if ! timeout 600 "$venv/bin/python" -m pip install --disable-pip-version-check --no-cache-dir \
+       "${CPIDX_TORCH_SPEC}" >build-ci/pip-torch.log 2>&1; then
+    tail -n 5 build-ci/pip-torch.log
+    cpidx_log "torch could not be installed: the torch tests will skip (build-ci/pip-torch.log)"
+  fi
 }

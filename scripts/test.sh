@@ -3,9 +3,9 @@
 # and run the whole C++ test suite with ctest (CPU, MPI at 2 and 4 ranks, and GPU tests, which
 # skip themselves without a GPU); then fuzz the reference for 60 s (scripts/fuzz.sh) and run the
 # CPU suite again under ASan + UBSan (asan preset); then pip-install the Python package (CPU-only
-# wheel, in a venv under build-ci/) and run pytest (GPU and torch tests skip themselves). Extra
-# arguments go to both ctest runs. Stops at the first failing step; pytest's summary is the last
-# line.
+# wheel, in a venv under build-ci/; torch too with CPIDX_TEST_TORCH=1, as CI sets it) and run
+# pytest (GPU tests skip themselves, and torch tests without torch). Extra arguments go to both
+# ctest runs. Stops at the first failing step; pytest's summary is the last line.
 set -euo pipefail
 # shellcheck source=scripts/common.sh
 source "$(dirname "$0")/common.sh"

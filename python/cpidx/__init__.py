@@ -26,7 +26,7 @@ implementations, so they work under ``torch.compile``).
 try:  # torch is optional (the numpy path needs only numpy). Imported before _C so that the
     # CUDA runtime and NCCL it loads are the ones _C binds to (same sonames).
     import torch as _torch
-except ImportError:  # pragma: no cover - CI has no torch
+except ImportError:  # pragma: no cover - torch is optional
     _torch = None
 
 from . import _C

@@ -1,6 +1,6 @@
 """The host path (numpy -> C++ reference) against the golden cases, an independent numpy oracle,
 and the context-parallel halves; every bad argument raises an error naming it. Needs no GPU and
-no torch (this is what CI runs)."""
+no torch."""
 from __future__ import annotations
 
 import math
@@ -409,7 +409,7 @@ def test_registry_refuses_creation_and_collective_clear_during_a_capture(monkeyp
 
     from cpidx._api import Registry
 
-    # A stand-in torch whose current stream is capturing (CI has neither torch nor a GPU): what
+    # A stand-in torch whose current stream is capturing (CI has no GPU, maybe no torch): what
     # the package's capture check reads of it.
     capturing = [True]
     fake = types.SimpleNamespace(
