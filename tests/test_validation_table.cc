@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpidx/indexer.h"
+#include "cpidx/prefill.h"
 #include "cpidx/reference.h"
 #include "test_util.h"
 
@@ -1062,6 +1063,49 @@ TEST(ValidationTable, DecoderConfig) {
     EXPECT_TRUE(s.code() == StatusCode::kUnsupported || s.code() == StatusCode::kCudaError)
         << s.to_string();
     EXPECT_EQ(dec, nullptr);
+  }
+}
+
+// The GPU Prefiller's configuration, checked before any device query, as the Decoder's.
+TEST(ValidationTable, PrefillerConfig) {
+  struct Case {
+    std::string name;
+    std::function<void(cpidx::PrefillConfig&)> edit;
+    Expected e;
+  };
+  using C = cpidx::PrefillConfig;
+  const std::vector<Case> cases = {
+      {"heads 0", [](C& c) { c.num_heads = 0; }, {kInv, {"num_heads", "[1, 8]", "got 0"}}},
+      {"heads 9", [](C& c) { c.num_heads = 9; }, {kInv, {"num_heads", "[1, 8]", "got 9"}}},
+      {"topk 0", [](C& c) { c.sel.topk = 0; }, {kInv, {"topk", "[1, 64]", "got 0"}}},
+      {"topk 65", [](C& c) { c.sel.topk = 65; }, {kUnsup, {"topk", "[1, 64]", "got 65"}}},
+      {"init -1", [](C& c) { c.sel.init_blocks = -1; }, {kInv, {"init_blocks", ">= 0"}}},
+      {"local -1", [](C& c) { c.sel.local_blocks = -1; }, {kInv, {"local_blocks", ">= 0"}}},
+      {"max_tokens 0", [](C& c) { c.max_tokens = 0; }, {kInv, {"max_tokens", ">= 1", "got 0"}}},
+      {"max_seq_len 0",
+       [](C& c) { c.max_seq_len = 0; },
+       {kInv, {"max_seq_len", ">= 1", "got 0"}}},
+      {"dtype 5",
+       [](C& c) { c.cache_dtype = static_cast<cpidx::DType>(5); },
+       {kUnsup, {"cache_dtype", "bf16 or fp8_e4m3", "5"}}},
+      {"kernel 7",
+       [](C& c) { c.kernel = static_cast<cpidx::PrefillKernel>(7); },
+       {kInv, {"kernel", "auto, mma or wgmma", "code 7"}}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    C config;
+    config.max_tokens = 64;
+    config.max_seq_len = 4096;
+    c.edit(config);
+    std::unique_ptr<cpidx::Prefiller> pre;
+    const Status s = cpidx::Prefiller::create(config, 0, &pre);
+#if defined(CPIDX_WITH_CUDA)
+    EXPECT_TRUE(failed_as(s, c.e));
+#else
+    EXPECT_TRUE(failed_as(s, {kUnsup, {"built without CUDA"}}));
+#endif
+    EXPECT_EQ(pre, nullptr);
   }
 }
 
