@@ -96,7 +96,9 @@ Status abandon_peer_communicator(std::unique_ptr<Communicator>* comm);
 //    in another process, the destructor is collective: it closes the IPC mappings, then waits in
 //    bootstrap.barrier() before freeing its buffers, so every rank must destroy its communicator
 //    (each from its own thread or process) while the bootstrap is still alive. Ranks of one
-//    process destroy theirs without a collective. abandon_peer_communicator (above) is the
-//    non-collective alternative in either case.
+//    process destroy theirs without a collective, after synchronising the other ranks' devices
+//    (their kernels may still store into this rank's buffer), so not while any of those devices
+//    captures a graph. abandon_peer_communicator (above) is the non-collective alternative in
+//    either case.
 
 }  // namespace cpidx

@@ -329,8 +329,8 @@ class PeerCommunicator final : public Communicator {
   // Every rank calls it (the barrier is collective when cross_process, which all ranks agree on).
   static void release(Communicator& bootstrap, Parts& parts) {
     int prev = 0;
-    const bool on_device =
-        cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(parts.device) == cudaSuccess;
+    const bool got_prev = cudaGetDevice(&prev) == cudaSuccess;
+    const bool on_device = got_prev && cudaSetDevice(parts.device) == cudaSuccess;
     if (on_device) {
       cudaDeviceSynchronize();  // no gather of this rank may still be writing to its peers
       for (void* p : parts.opened) cudaIpcCloseMemHandle(p);
@@ -350,12 +350,12 @@ class PeerCommunicator final : public Communicator {
         cudaGetLastError();
       }
     }
-    if (on_device && !parts.peer_devices.empty()) cudaSetDevice(parts.device);
     if (on_device) {
+      if (!parts.peer_devices.empty()) cudaSetDevice(parts.device);
       if (parts.buffer != nullptr) cudaFree(parts.buffer);
       if (parts.words != nullptr) cudaFree(parts.words);
-      cudaSetDevice(prev);
     }
+    if (got_prev) cudaSetDevice(prev);
     parts.buffer = parts.words = nullptr;
   }
 
