@@ -2,6 +2,8 @@
 // are exact, a swap of two equal-score blocks is a near tie, and a weak or repeated block fails.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "cpidx/reference.h"
 #include "test_util.h"
 
@@ -40,6 +42,43 @@ TEST(CompareIds, ExactNearTieAndBad) {
   row[2] = row[1];
   EXPECT_EQ(cmp().bad_rows, 1);
   EXPECT_NE(cmp().first_bad.find("head 0, row 0"), std::string::npos);
+
+  // Two selected blocks whose scores differ (small integers: by >= 1, far past the 1e-3
+  // tolerance) swapped: bad. Position 0 holds the forced local block, so from 1 on.
+  got = want;
+  row = got.ids.data();
+  int unequal = 0;
+  for (int i = 1; i + 1 < sel.topk && !unequal; ++i) {
+    if (s[row[i]] != s[row[i + 1]]) { std::swap(row[i], row[i + 1]); unequal = 1; }
+  }
+  ASSERT_TRUE(unequal);
+  EXPECT_EQ(cmp().bad_rows, 1);
+  EXPECT_EQ(cmp().near_tie_rows, 0);
+
+  // The K-th block replaced by an unselected one: a near tie when its score equals the K-th
+  // score, bad when lower.
+  const int64_t V = (4000 - 1) / 128 + 1;  // head 0, row 0: request 0's visible blocks
+  const int32_t kth = want.ids[static_cast<size_t>(sel.topk - 1)];
+  auto selected = [&](int64_t b) {
+    return std::find(want.ids.begin(), want.ids.begin() + sel.topk, b) !=
+           want.ids.begin() + sel.topk;
+  };
+  int tied = 0, lower = 0;
+  for (int64_t b = 0; b + 1 < V; ++b) {  // the last visible block is the forced local one
+    if (selected(b) || (s[b] == s[kth] ? tied : lower) || s[b] > s[kth]) continue;
+    got = want;
+    got.ids[static_cast<size_t>(sel.topk - 1)] = static_cast<int32_t>(b);
+    const cpidx::ref::IdsComparison r = cmp();
+    if (s[b] == s[kth]) {
+      EXPECT_EQ(r.near_tie_rows, 1) << "block " << b;
+      EXPECT_EQ(r.bad_rows, 0) << "block " << b;
+      tied = 1;
+    } else {
+      EXPECT_EQ(r.bad_rows, 1) << "block " << b;
+      lower = 1;
+    }
+  }
+  EXPECT_TRUE(lower) << "no unselected block below the K-th score";
 }
 
 }  // namespace

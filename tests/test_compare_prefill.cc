@@ -2,6 +2,9 @@
 // in first_bad, and a swapped pair is judged by its scores (never counted exact).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <string>
 #include <vector>
 
 #include "cpidx/reference.h"
@@ -18,6 +21,8 @@ TEST(ComparePrefill, ExactWrongAndTiedRows) {
   std::vector<uint16_t> query(3 * kD);
   std::mt19937_64 rng(32);
   for (auto& q : query) q = bf16_of(static_cast<float>(static_cast<int>(rng() % 5) - 2));
+  // Blocks 0 and 1 read the same page: equal scores for every token, a tie by construction.
+  cache.block_table[1] = cache.block_table[0];
   const std::vector<int32_t> cu = {0, 3}, ctx = {300}, seq = {303};
   cpidx::PrefillInputs in;
   in.query = query.data();
@@ -47,12 +52,44 @@ TEST(ComparePrefill, ExactWrongAndTiedRows) {
   EXPECT_EQ(r.bad_rows, 1);
   EXPECT_NE(r.first_bad.find("row 0"), std::string::npos) << r.first_bad;
 
-  // Swapping two positions is accepted exactly when their scores are within the tolerance.
-  got = want;
-  std::swap(got.ids[3], got.ids[4]);
-  r = cpidx::ref::compare_ids(in, sel, got.out(), want.out());
-  EXPECT_EQ(r.exact_rows + r.near_tie_rows + r.bad_rows, 3);
-  EXPECT_EQ(r.exact_rows, 2);
+  // Swapping two positions is accepted exactly when their scores are equal (small integers:
+  // unequal scores differ by >= 1, far past the 1e-3 tolerance). Token t sits at 300 + t; its
+  // block b's score is the max of q . k over the block's tokens up to it.
+  auto block_score = [&](int t, int32_t b) {
+    float best = -INFINITY;
+    for (int p = b * kBS; p < (b + 1) * kBS && p <= 300 + t; ++p) {
+      const int64_t page = cache.block_table[static_cast<size_t>(p / kBS)];
+      float dot = 0.0f;
+      for (int j = 0; j < kD; ++j) {
+        dot += cpidx::ref::bf16_to_float(query[static_cast<size_t>(t * kD + j)]) *
+               cpidx::ref::cache_value(in.cache, page, p % kBS, j);
+      }
+      best = std::max(best, dot);
+    }
+    return best;
+  };
+  int unequal = 0, ties = 0;
+  for (int t = 0; t < 3; ++t) {
+    for (int i = 0; i < 3; ++i) {
+      for (int j = i + 1; j < 3; ++j) {
+        got = want;
+        int32_t* ids = got.ids.data() + t * 3;
+        const bool tie = block_score(t, ids[i]) == block_score(t, ids[j]);
+        std::swap(ids[i], ids[j]);
+        r = cpidx::ref::compare_ids(in, sel, got.out(), want.out());
+        const std::string where =
+            "token " + std::to_string(t) + ", positions " + std::to_string(i) + ", " +
+            std::to_string(j);
+        EXPECT_EQ(r.exact_rows, 2) << where;
+        EXPECT_EQ(r.near_tie_rows, tie ? 1 : 0) << where;
+        EXPECT_EQ(r.bad_rows, tie ? 0 : 1) << where;
+        unequal += tie ? 0 : 1;
+        ties += tie ? 1 : 0;
+      }
+    }
+  }
+  EXPECT_GT(unequal, 0) << "every swap was between equal scores: the rule was not exercised";
+  EXPECT_GE(ties, 3) << "blocks 0 and 1 should tie for every token";
 }
 
 }  // namespace

@@ -219,10 +219,14 @@ TEST(Golden, SparseTable) {
     EXPECT_EQ(table, want_table);
     EXPECT_EQ(ctx, (*c)["context_lens"].ints());
 
-    const int world = d.total_heads;  // L == 1 on every rank
-    std::vector<std::vector<int32_t>> tables(static_cast<size_t>(world), table);
-    std::vector<std::vector<int32_t>> ctxs(static_cast<size_t>(world), ctx);
-    std::vector<cpidx::Status> status(static_cast<size_t>(world));
+    // Every rank owns one head (L == 1): its ids are the golden ids of that head, and its table
+    // is built from them (the standalone builder above, checked against the golden table).
+    const int world = d.total_heads;
+    const auto size = static_cast<size_t>(world);
+    std::vector<std::vector<int32_t>> tables(size, std::vector<int32_t>(table.size(), kPoison));
+    std::vector<std::vector<int32_t>> ctxs(size, std::vector<int32_t>(ctx.size(), kPoison));
+    std::vector<std::vector<int32_t>> got_ids(size);
+    std::vector<cpidx::Status> status(size);
     run_ranks(world, [&](int r, cpidx::Communicator& comm) {
       cpidx::Geometry g;
       cpidx::make_geometry(d.total_heads, world, r, &g);
@@ -232,10 +236,30 @@ TEST(Golden, SparseTable) {
       IdsBuffer rank_ids(1, rows, topk);
       status[static_cast<size_t>(r)] = cpidx::ref::cp_decode(
           comm, g, d.inputs(g.head_offset, 1), selection_of(dc), rank_ids.out(), &mine, nullptr);
+      got_ids[static_cast<size_t>(r)] = rank_ids.ids;
     });
-    ASSERT_TRUE(status[0].is_ok()) << status[0].to_string();
-    EXPECT_EQ(tables[0], want_table);  // rank 0 owns head 0
-    EXPECT_EQ(ctxs[0], (*c)["context_lens"].ints());
+    for (int r = 0; r < world; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(world));
+      const auto rank = static_cast<size_t>(r);
+      ASSERT_TRUE(status[rank].is_ok()) << status[rank].to_string();
+      std::vector<int32_t> want_ids;
+      for (int64_t row = 0; row < rows; ++row) {
+        const std::vector<int32_t> v = dc["ids"][rank][static_cast<size_t>(row)].ints();
+        want_ids.insert(want_ids.end(), v.begin(), v.end());
+      }
+      EXPECT_EQ(got_ids[rank], want_ids);
+      std::vector<int32_t> want_rank_table(table.size(), kPoison);
+      std::vector<int32_t> want_rank_ctx(ctx.size(), kPoison);
+      cpidx::SparseTableOutput built = out;
+      built.table = want_rank_table.data();
+      built.context_lens = want_rank_ctx.data();
+      ASSERT_TRUE(cpidx::ref::sparse_table(want_ids.data(), topk, d.seq_lens.data(), d.num_reqs(),
+                                           d.query_len, d.max_seq_len, topk, built)
+                      .is_ok());
+      EXPECT_EQ(tables[rank], want_rank_table);
+      EXPECT_EQ(ctxs[rank], want_rank_ctx);
+      if (r == 0) EXPECT_EQ(tables[0], want_table);  // head 0's: the golden table itself
+    }
   }
 }
 

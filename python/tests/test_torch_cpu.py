@@ -226,7 +226,10 @@ def test_indexer_cp_decode_names_its_own_arguments():
         cp(q, k, bt, sl, 1, out[:2], scale=b.scale)
     out.fill_(-7)
     cp(q, k, bt, sl, 1, out, scale=b.scale)
-    assert (out != -7).all()
+    want = torch.zeros_like(out)
+    cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=16, init_blocks=0,
+                      local_blocks=1, max_seq_len=1024)
+    assert torch.equal(out, want)
 
 
 def test_shared_cp_decode_registry():
@@ -307,11 +310,21 @@ def test_cpidx_communicator_as_group_is_checked():
 
 
 def _one_step(cp):
+    """A step of the world-one instance, checked against the plain decode when it runs."""
     rng = np.random.default_rng(9)
     b = random_decode(rng, 4, 2, [1500, 129, 0, 640], max_seq_len=1536)
     q, k, bt, sl = as_torch(b)
-    out = torch.full((4, b.rows, 6), 77, dtype=torch.int32)
-    return lambda: cp(q, k, bt, sl, 2, out, scale=b.scale)
+    want = torch.zeros((4, b.rows, 6), dtype=torch.int32)
+    cpidx.decode_topk(q, k, bt, sl, 2, want, scale=b.scale, topk=cp.topk,
+                      init_blocks=cp.init_blocks, local_blocks=cp.local_blocks,
+                      max_seq_len=cp.max_seq_len)
+
+    def step():
+        out = torch.full((4, b.rows, 6), 77, dtype=torch.int32)
+        cp(q, k, bt, sl, 2, out, scale=b.scale)
+        assert torch.equal(out, want)
+
+    return step
 
 
 def test_close_is_idempotent_and_a_later_call_raises_naming_the_instance():

@@ -510,20 +510,34 @@ TEST(GpuPrefill, GraphReplayFollowsNewContextsAndTables) {
     });
     ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
     std::mt19937 rng(5);
+    std::vector<int64_t> valid_blocks;  // each row's real pages (garbage past them)
+    for (int32_t len : c.seq_lens) valid_blocks.push_back(cpidx::cdiv(len, kBS));
     for (int step = 0; step < 3; ++step) {
-      // Shorter contexts (the table and cache stay valid) and a re-split of the same tokens.
+      // Shorter contexts (the cache stays valid), a re-split of the same tokens, and each
+      // request's real pages shuffled within its table row (its blocks read other pages).
       c.context_lens = {static_cast<int32_t>(rng() % 29600), static_cast<int32_t>(rng() % 2700)};
       const int32_t first = static_cast<int32_t>(1 + rng() % (c.tokens - 1));
       c.cu = {0, first, static_cast<int32_t>(c.tokens)};
       c.seq_lens = {c.context_lens[0] + first, c.context_lens[1] + static_cast<int32_t>(c.tokens) - first};
+      for (int req = 0; req < c.num_reqs(); ++req) {
+        const auto row = c.block_table.begin() + req * c.bt_row_stride;
+        std::shuffle(row, row + valid_blocks[static_cast<size_t>(req)], rng);
+      }
       d.ctx.upload(c.context_lens);
       d.cu.upload(c.cu);
       d.seq.upload(c.seq_lens);
+      d.table.upload(c.block_table);
       ids.poison();
       CUDA_OK(graph.replay());
       const std::vector<int32_t> replayed = ids.download();
       std::vector<int32_t> eager = gpu_prefill(c, sel);
       EXPECT_EQ(replayed, eager) << "graph replay != eager at step " << step;
+      int32_t err = 0;
+      const std::vector<int32_t> cpu = cpu_prefill(c, sel, &err);
+      const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(
+          c.host(), sel, cpidx::TopkOutput{const_cast<int32_t*>(replayed.data()), c.tokens * K, K},
+          cpidx::TopkOutput{const_cast<int32_t*>(cpu.data()), c.tokens * K, K});
+      EXPECT_EQ(r.bad_rows, 0) << "step " << step << ": " << r.first_bad;
     }
   });
 }

@@ -287,8 +287,13 @@ TEST(GpuValidation, SparseTableArgumentsOnDecodeMergeAndCp) {
   // A table with several heads.
   T t{attn.ptr, G, table.ptr, kK * 8, ctx.ptr, 8};
   DeviceVec<int32_t> ids4(static_cast<size_t>(kT * n * kK));
+  ids4.poison();
   EXPECT_TRUE(failed_as(dec->decode(b.all_heads(), {ids4.ptr, n * kK, kK}, &t, nullptr),
                         {kInv, {"local_heads == 1", "got 4"}}));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (const DeviceVec<int32_t>* v : {&table, &ctx, &ids4}) {
+    for (int32_t x : v->download()) ASSERT_EQ(x, cpidx_test::kPoison) << "a table with 4 heads";
+  }
 }
 
 TEST(GpuValidation, ShardKeysAndMerge) {

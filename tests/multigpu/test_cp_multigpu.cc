@@ -229,9 +229,13 @@ TEST_F(MultiGpu, RefusedInputsOnOneRankFailEveryRank) {
     cpidx::DecodeInputs in = b.inputs(geo.head_offset, geo.local_heads);
     if (r == 1) in.scale = -1.0f;  // refused by validation on rank 1 only
     DeviceVec<int32_t> ids(static_cast<size_t>(geo.local_heads * d.rows() * sel.topk));
+    ids.poison();
     st[r] = dec->cp_decode(comm, in, cpidx::TopkOutput{ids.ptr, d.rows() * sel.topk, sel.topk},
                            nullptr, nullptr);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int32_t x : ids.download()) {
+      ASSERT_EQ(x, cpidx_test::kPoison) << "rank " << r << ": a refused step wrote ids";
+    }
   });
   EXPECT_EQ(st[0].code(), StatusCode::kCommError) << st[0].to_string();
   EXPECT_EQ(st[1].code(), StatusCode::kInvalidArgument) << st[1].to_string();
@@ -284,6 +288,8 @@ TEST_F(MultiGpu, OneWorkspaceServesSixtyLayers) {
     // Warm-up (NCCL connects on first use), then 60 layers back to back on one stream.
     Status s = dec->cp_decode(comm, layer_in(0), out(ids, 0), nullptr, stream);
     EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ids.poison();  // layer 0's slot too: only the loop below may write it
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     size_t total = 0;
     EXPECT_EQ(cudaMemGetInfo(&free_before[r], &total), cudaSuccess);
     for (int l = 0; l < layers; ++l) {
