@@ -7,7 +7,8 @@ or each patch's name when the run had several).
       per (config, shape): every run's microseconds of each build, each build's slowest replay
       over its runs (`max_us`, where the rows have it) and, run by run, how far each run's
       slowest replay lies above its median, the change of the means, and `*` where the two
-      builds' runs do not overlap (a move beyond the runs' spread).
+      builds' runs do not overlap (a move beyond the runs' spread). Runs whose `check` is not
+      "ok" (an error, wrong ids) are left out of the times and named in the last column.
   ab_summary.py --trace trace_base.txt trace_new.txt
       one line per shape and build from `cpidx bench --trace`: the medians over the CTAs of the
       scoring grid's milestones (PDL wait, first copy issued, first page landed, last copy issued,
@@ -56,7 +57,10 @@ def _ab_table(runs, build):
         for row in run["results"] or []:
             key = (run["config"],) + tuple(row.get(k) for k in SHAPE_KEYS)
             by = table.setdefault(key, {"base": [], "new": [], "base_max": [], "new_max": [],
-                                        "base_over": [], "new_over": []})
+                                        "base_over": [], "new_over": [], "failed": []})
+            if row.get("check", "ok") != "ok":  # an error or wrong ids: no time to average
+                by["failed"].append(f"{which}: {row.get('check')}")
+                continue
             by[which].append(row["us"])
             if "max_us" in row:
                 by[which + "_max"].append(row["max_us"])
@@ -66,8 +70,10 @@ def _ab_table(runs, build):
              "|---|---|---|---|---|---|---|"]
     for key, by in table.items():
         base, new = by["base"], by["new"]
+        failed = "; ".join(dict.fromkeys(by["failed"]))  # runs left out, by build and check
         if not base or not new:
-            lines.append(f"| {shape_name(key)} | {base} | {new} | - | - | - | missing runs |")
+            why = f"check failed ({failed})" if failed else "missing runs"
+            lines.append(f"| {shape_name(key)} | {base} | {new} | - | - | - | {why} |")
             continue
         change = sum(new) / len(new) - sum(base) / len(base)
         apart = max(new) < min(base) or min(new) > max(base)
@@ -77,7 +83,8 @@ def _ab_table(runs, build):
         lines.append(f"| {shape_name(key)} | {fmt(base)} | {fmt(new)} | "
                      f"{slow(by['base_max'])} / {slow(by['new_max'])} | "
                      f"{over(by['base_over'])} / {over(by['new_over'])} | {change:+.2f} "
-                     f"({100 * change / (sum(base) / len(base)):+.1f}%) | {'*' if apart else ''} |")
+                     f"({100 * change / (sum(base) / len(base)):+.1f}%) | "
+                     f"{'*' if apart else ''}{f' check failed ({failed})' if failed else ''} |")
     return "\n".join(lines)
 
 

@@ -567,7 +567,8 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
   // Enough sets that one graph replay reads >= 480 MiB per GPU (past the 60 MiB L2 8 times),
   // at most 128: each set's step holds two captured NCCL collectives, and a few thousand of them
   // made the 1 x 8K set-up outlast its time box on the 2-GPU machine (docs/perf/README.md).
-  // Small shapes then rotate >= 128 x their bytes, still past the L2 for B*L >= 64K tokens.
+  // So B*L = 8K rotates only 128 shards: 127 MiB at P = 2 in bf16 (2.1 x the L2), 64 at P = 4
+  // or fp8, 32 at both; its rows' rotated_mb says so (compare_peer.py marks them off-method).
   res.sets = static_cast<int>(
       std::min(128.0, std::max<double>(1, std::ceil(480.0 * (1 << 20) / shard_bytes))));
   const int calls_per_set = res.sets == 1 ? 2 : 1;

@@ -109,6 +109,46 @@ compare_peer = importlib.util.module_from_spec(_peer_spec)
 _peer_spec.loader.exec_module(compare_peer)
 
 
+def test_ab_summary_leaves_out_runs_whose_check_failed(tmp_path):
+    # An errored run reports 0 us and a wrong one a time for wrong ids: neither is averaged.
+    runs = [{"build": "base", "rep": 1, "config": "", "results": [_row(8.4), _row(9.0, reqs=1)]},
+            {"build": "new", "rep": 1, "config": "",
+             "results": [dict(_row(0.0), check="create: cudaErrorInvalidConfiguration"),
+                         dict(_row(8.1, reqs=1), check="FAIL(12)")]},
+            {"build": "base", "rep": 2, "config": "", "results": [_row(8.5), _row(9.1, reqs=1)]},
+            {"build": "new", "rep": 2, "config": "", "results": [_row(8.3), _row(8.9, reqs=1)]}]
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps({"runs": runs}))
+    lines = ab_summary.summarise_ab(str(path)).splitlines()
+    big = next(l for l in lines if l.startswith("| plain h4 8 x 256K Q=1 "))
+    assert "| 8.40, 8.50 | 8.30 |" in big and "-0.15 (-1.8%)" in big
+    assert big.rstrip().endswith("check failed (new: create: cudaErrorInvalidConfiguration) |")
+    one = next(l for l in lines if l.startswith("| plain h4 1 x 256K Q=1 "))
+    assert "| 9.00, 9.10 | 8.90 |" in one and "check failed (new: FAIL(12))" in one
+    only_failed = [{"build": "base", "rep": 1, "config": "",
+                    "results": [dict(_row(0.0), check="create: out of memory")]},
+                   {"build": "new", "rep": 1, "config": "", "results": [_row(8.0)]}]
+    path.write_text(json.dumps({"runs": only_failed}))
+    line = ab_summary.summarise_ab(str(path)).splitlines()[2]  # no division by zero
+    assert "check failed (base: create: out of memory)" in line
+
+
+def test_compare_peer_never_judges_a_failed_or_off_method_row(capsys):
+    small = dict(_row(0.0, reqs=1, context=8192), check="create: cudaErrorInvalidConfiguration",
+                 gbps=0.0)
+    wrong = dict(_row(5.0, reqs=1, context=8192), check="FAIL(12)", gbps=420.0)
+    in_l2 = dict(_row(4.0, reqs=1, context=8192), rotated_mb=16.0, gbps=520.0)
+    fine = dict(_row(5.0, reqs=1, context=8192), rotated_mb=512.0, gbps=420.0)
+    compare_peer.report({"results": [small, wrong, in_l2, fine], "replays": 10})
+    lines = capsys.readouterr().out.splitlines()[2:]
+    assert lines[0].endswith("| <= 0.6x peer | check: create: cudaErrorInvalidConfiguration |")
+    assert lines[1].endswith("| check: FAIL(12) |")
+    assert lines[2].endswith("| off-method: 16 MiB rotated |")
+    assert lines[3].endswith("| <= 0.6x peer | met |")  # 5.0 us against the peer's 8.9
+    compare_peer.report({"results": [fine], "replays": 3})
+    assert capsys.readouterr().out.splitlines()[2].endswith("| off-method: 3 replays |")
+
+
 def test_fp8_rows_are_judged_against_the_same_bf16_shapes():
     bf16 = [_row(130.0), _row(8.0, reqs=1, context=8192), _row(40.0, reqs=8, context=65536)]
     fp8 = [dict(_row(70.0), gbps=3800.0), dict(_row(8.5, reqs=1, context=8192), gbps=120.0),
