@@ -372,6 +372,24 @@ Result Bench::run(const Shape& sh, int replays) {
       print_trace(slowest, static_cast<double>(page_bytes_));
     }
   }
+  // The timed calls run back to back, each overlapping the one before (PDL), where the check
+  // above ran one call alone: the last timed call's ids, read back after the replays, must be
+  // the same set's ids from an eager call, bit for bit.
+  if (res.check == "ok") {
+    const size_t count = static_cast<size_t>((sh.mode == "plain" ? T : L) * n * K);
+    std::vector<int32_t> replayed(count), eager(count);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CUDA(cudaMemcpy(replayed.data(), ids, count * 4, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemset(ids, 0x7B, count * 4));
+    const Status st = one_call(in_sets[(calls - 1) % sets]);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CUDA(cudaMemcpy(eager.data(), ids, count * 4, cudaMemcpyDeviceToHost));
+    if (!st.is_ok()) {
+      res.check = "eager rerun: " + st.message();
+    } else if (replayed != eager) {
+      res.check = "replayed != eager (last call)";
+    }
+  }
   res.neighbour_us = neighbour_ms * 1e3 / calls;
   res.us = (median_ms - neighbour_ms) * 1e3 / calls;
   res.max_us = (max_ms - neighbour_ms) * 1e3 / calls;
