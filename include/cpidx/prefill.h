@@ -26,6 +26,9 @@ inline const char* to_string(PrefillKernel k) {
   return k == PrefillKernel::kMmaSync ? "mma" : k == PrefillKernel::kWgmma ? "wgmma" : "auto";
 }
 
+// Requests a prefill call may carry (padding requests without tokens included).
+inline constexpr int kMaxPrefillRequests = 1 << 30;
+
 struct PrefillConfig {
   int num_heads = 4;             // heads scored per call (the rank's L), 1..kMaxHeads
   int max_tokens = 0;            // bound on prefill tokens per call (PrefillInputs::num_tokens)

@@ -33,6 +33,7 @@ from . import _C
 from ._api import (
     BLOCK_SIZE,
     HEAD_DIM,
+    MAX_HEADS,
     MAX_QUERY_LEN,
     MAX_TOPK,
     Registry,
@@ -46,6 +47,7 @@ from ._api import (
 __all__ = [
     "BLOCK_SIZE",
     "HEAD_DIM",
+    "MAX_HEADS",
     "MAX_QUERY_LEN",
     "MAX_TOPK",
     "Registry",

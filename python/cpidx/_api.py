@@ -15,6 +15,7 @@ BLOCK_SIZE = 128  # tokens per sparse block = index-cache page
 HEAD_DIM = 128  # index head dim (the only compiled value)
 MAX_TOPK = 64
 MAX_QUERY_LEN = 8
+MAX_HEADS = 8  # index heads T
 
 
 # ---- bf16 on the host ---------------------------------------------------------------------

@@ -9,13 +9,15 @@ CUDA graph and replayed with new lengths. The exchange (the two all-gathers of a
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _C
-from ._api import BLOCK_SIZE, MAX_QUERY_LEN, MAX_TOPK, _as_bits, _refuse_during_capture, registry
+from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, _as_bits,
+                   _refuse_during_capture, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
@@ -62,21 +64,22 @@ class IndexerCPDecode:
       it open.
     * ``world_size == 1``: the plain decode, no exchange (``"none"``; ``group`` may be None).
 
-    Agreement (``check_agreement``, on by default): before its first collective, every step
-    checks this rank's arguments (all that the step would refuse) and agrees with the other
-    ranks, through a host group, on the decode rows ``n``. A rank with bad arguments raises its
-    own error and the others raise ``ValueError`` naming ``local_q`` (a peer's arguments were
-    refused), and ranks that disagree on ``n`` (0 included) all raise it, instead of some waiting
-    forever in a collective. The host group is the ``cpu_group`` of a vLLM GroupCoordinator (any
-    ``group`` with ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo
-    group (``device="cpu"``). It costs one gloo all-reduce of two integers per eager step (0.44-0.49
-    ms between two processes on a 2-core machine; per layer, since layers call it in turn) and
-    nothing on replays of a captured graph (it runs while capturing); an engine that runs
-    decode steps eagerly and gives every rank the same batch by construction may set
-    ``check_agreement=False``. Without a host group (an NCCL-only ProcessGroup or a
-    :class:`cpidx.Communicator` as ``group``) there is no agreement: every rank must then pass
-    valid arguments of the same batch, as with the C++ NCCL communicator without a host
-    channel.
+    Agreement (``check_agreement``): before its first collective, a step can check this rank's
+    arguments (all that the step would refuse) and agree with the other ranks, through a host
+    group, on the decode rows ``n``. Then a rank with bad arguments raises its own error and the
+    others a ``ValueError`` naming ``local_q`` (a peer's arguments were refused), and ranks that
+    disagree on ``n`` all raise one, instead of some waiting forever in a collective. Every rank
+    must make the call, with 0 rows when it has none. The check is one gloo all-reduce of two
+    integers, 0.44-0.49 ms between two processes on a 2-core machine, paid by every layer's
+    call, so by default (``None``) it runs only while a CUDA graph is captured: nothing on its
+    replays, and every captured batch size checked once. ``True`` checks every step, eager ones
+    too (for debugging, as ``TORCH_DISTRIBUTED_DEBUG`` does for torch's collectives); ``False``
+    never. The host group is the ``cpu_group`` of a vLLM GroupCoordinator (any ``group`` with
+    ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo group. Without
+    one (an NCCL-only ProcessGroup, or a :class:`cpidx.Communicator` as ``group``) there is no
+    check, as with the C++ NCCL communicator without a host channel; ``check_agreement=True``
+    then warns once. ``cp.check_agreement`` says what applies: ``"every step"``,
+    ``"captures"`` or ``None``.
 
     A peer exchange never hangs: a rank whose peer stops sending gives up after the
     communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in its error bits;
@@ -109,10 +112,12 @@ class IndexerCPDecode:
                  max_seq_len: int, topk: int, init_blocks: int, local_blocks: int, group: Any,
                  device: Any, head_dim: int = 128, cache_dtype: Any = "bf16",
                  max_query_len: int = 8, exchange: str = "auto",
-                 check_agreement: bool = True) -> None:
+                 check_agreement: Optional[bool] = None) -> None:
         if total_heads < 1 or world_size < 1:
             raise ValueError(f"total_heads and world_size must be >= 1, got {total_heads} and "
                              f"{world_size}")
+        if total_heads > MAX_HEADS:
+            raise ValueError(f"total_heads: expected 1 to {MAX_HEADS}, got {total_heads}")
         if total_heads >= world_size:
             if total_heads % world_size:
                 raise ValueError(f"index heads must divide evenly across TP ranks: total_heads "
@@ -179,11 +184,17 @@ class IndexerCPDecode:
         self._closed = False
         self.exchange = "none"
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
+        self._agree_always = check_agreement is True
         if world_size > 1:
             self._setup_exchange(group, exchange)
-            if check_agreement:
+            if check_agreement is not False:
                 self._agree_group = self._host_group(group)
-        self.check_agreement = self._agree_group is not None
+            if check_agreement and self._agree_group is None:
+                warnings.warn(f"IndexerCPDecode(check_agreement=True): group {group!r} has no "
+                              f"host (gloo) group to agree through: steps are not checked",
+                              stacklevel=2)
+        self.check_agreement: Optional[str] = None if self._agree_group is None else (
+            "every step" if self._agree_always else "captures")
 
     # ---- construction helpers -------------------------------------------------------------
     def _setup_exchange(self, group: Any, exchange: str) -> None:
@@ -300,7 +311,7 @@ class IndexerCPDecode:
                      block_page_stride=block_page_stride)
         n, refused = self._check_step(local_q, kv_cache, block_table, seq_lens, query_len, out,
                                       scale, table)
-        if self._agree_group is not None:
+        if self._agree_group is not None and (self._agree_always or self._capturing()):
             self._agree(n, refused)
         elif refused is not None:
             raise refused
@@ -371,12 +382,20 @@ class IndexerCPDecode:
             if self._cuda:
                 self._decoder.check_cp_decode(*args, scale=scale, **table)
             else:
+                if not 1 <= query_len <= self.max_query_len:
+                    raise ValueError(f"query_len: expected 1 to max_query_len "
+                                     f"{self.max_query_len}, got {query_len}")
                 _C.ref_check_cp_decode(*args, scale=scale, max_seq_len=self.max_seq_len,
                                        local_heads=self.local_heads, max_tokens=self.max_tokens,
                                        **self._sel(), **table)
             return n, None
         except Exception as e:  # the peers must hear of it before anyone enters a collective
             return -1, e
+
+    def _capturing(self) -> bool:
+        """Whether this step is being captured into a CUDA graph (the same on every rank: the
+        engine captures each batch size on all of them)."""
+        return self._cuda and torch.cuda.is_current_stream_capturing()
 
     def _agree(self, n: int, refused: Optional[BaseException]) -> None:
         """All ranks reach the same verdict on this step: one all-reduce of (n, -n), -1 from a
@@ -403,7 +422,9 @@ class IndexerCPDecode:
         n, L, T, P, R = local_q.shape[0], self.local_heads, self.total_heads, \
             self.world_size, self.replicas
         D = local_q.shape[-1]
-        if local_q.is_contiguous() and local_q.dtype == torch.bfloat16:
+        if local_q.dtype != torch.bfloat16:  # uint16 holding bf16 bits (checked before)
+            local_q = local_q.view(torch.bfloat16)
+        if local_q.is_contiguous():
             q = local_q  # gathered in place, as cp_decode does
         else:
             q = self._q_local[: n * L * D].view(n, L, D)

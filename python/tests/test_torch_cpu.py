@@ -136,7 +136,8 @@ def _gloo_agreement_rank(rank, world, port, results):
         q, k, bt, sl = as_torch(b)
         cp = cpidx.IndexerCPDecode(total_heads=T, rank=rank, world_size=world, max_tokens=16,
                                    max_seq_len=1536, topk=K, init_blocks=1, local_blocks=1,
-                                   group=dist.group.WORLD, device="cpu")
+                                   group=dist.group.WORLD, device="cpu", check_agreement=True,
+                                   max_query_len=Q)
         off = cp.head_offset
 
         def step(reqs, seq_lens=None):
@@ -146,10 +147,15 @@ def _gloo_agreement_rank(rank, world, port, results):
             cp(q[:rows, off: off + 1].contiguous(), k, bt[:reqs], lens, Q, out, scale=b.scale)
             return out
 
+        def beyond_q():  # Q = 4 rows of one request, past the instance's max_query_len 2
+            out = torch.zeros((1, 4, K), dtype=torch.int32)
+            cp(q[:4, off: off + 1].contiguous(), k, bt[:1], sl[:1], 4, out, scale=b.scale)
+
         cases = [
             ("rows differ", lambda: step(2 if rank == 0 else 3)),
             ("bad argument on rank 1", lambda: step(3, sl[:3].long() if rank == 1 else None)),
             ("no rows on rank 0", lambda: step(0 if rank == 0 else 2)),
+            ("query_len past the bound on rank 1", lambda: step(2) if rank == 0 else beyond_q()),
         ]
         for name, run in cases:
             try:
@@ -162,6 +168,19 @@ def _gloo_agreement_rank(rank, world, port, results):
                           local_blocks=1, max_seq_len=1536)
         seen.append(("good step", None, str(bool(torch.equal(step(4)[0], plain[off])))))
         seen.append(("agreement on", None, str(cp.check_agreement)))
+        # bf16 bits as uint16 on one rank: the same ids (the torch exchange gathers
+        # them as bits, not as numbers).
+        bits = torch.zeros((T, 4 * Q, K), dtype=torch.int32)
+        mine = q[:, off: off + 1].contiguous()
+        cp(mine.view(torch.uint16) if rank == 1 else mine, k, bt, sl, Q, bits[off: off + 1],
+           scale=b.scale)
+        seen.append(("bits", None, str(bool(torch.equal(bits[off], plain[off])))))
+        # By default the ranks agree only while capturing (none on the CPU): a good step runs.
+        default = cpidx.IndexerCPDecode(total_heads=T, rank=rank, world_size=world,
+                                        max_tokens=16, max_seq_len=1536, topk=K, init_blocks=1,
+                                        local_blocks=1, group=dist.group.WORLD, device="cpu")
+        seen.append(("default", None, str(default.check_agreement)))
+        default.close()
         cp.close()
         results[rank] = seen
     finally:
@@ -193,22 +212,27 @@ def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
         assert "the ranks have 4 to 6" in msg, msg
         kind, msg = r["no rows on rank 0"]
         assert kind == "ValueError" and "the ranks have 0 to 4" in msg, msg
-        assert r["good step"] == (None, "True") and r["agreement on"] == (None, "True")
+        assert r["good step"] == (None, "True") and r["agreement on"] == (None, "every step")
+        assert r["bits"] == (None, "True") and r["default"] == (None, "captures")
     kind, msg = r1["bad argument on rank 1"]
     assert kind == "TypeError" and msg.startswith("seq_lens"), msg
     kind, msg = r0["bad argument on rank 1"]
     assert kind == "ValueError" and "another rank's arguments for this step were refused" in msg
+    kind, msg = r1["query_len past the bound on rank 1"]
+    assert kind == "ValueError" and msg.startswith("query_len: expected 1 to max_query_len 2")
+    kind, msg = r0["query_len past the bound on rank 1"]
+    assert kind == "ValueError" and "another rank's arguments" in msg
 
 
 def test_indexer_cp_decode_checks_its_bounds_by_name():
     base = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=16,
                 init_blocks=0, local_blocks=1, group=None, device="cpu")
     for name, bad in (("topk", 0), ("topk", 10**6), ("max_tokens", 0), ("max_query_len", 9),
-                      ("max_seq_len", 2**31)):
+                      ("max_seq_len", 2**31), ("total_heads", 16)):
         with pytest.raises(ValueError, match=f"^{name}: "):
             cpidx.IndexerCPDecode(**dict(base, **{name: bad}))
     cp = cpidx.IndexerCPDecode(**base)
-    assert cp.check_agreement is False  # one rank: nothing to agree on
+    assert cp.check_agreement is None  # one rank: nothing to agree on
 
 
 def test_indexer_cp_decode_names_its_own_arguments():

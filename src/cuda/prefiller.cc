@@ -152,6 +152,9 @@ Status Prefiller::validate(const PrefillInputs& in, const TopkOutput& out) const
   CPIDX_CHECK(in.num_tokens <= c.max_tokens, "num_tokens (" << in.num_tokens
                                                              << ") exceeds max_tokens ("
                                                              << c.max_tokens << ")");
+  // The plan kernel walks the requests in int32 passes of 1023: far from wrapping below 2^30.
+  CPIDX_CHECK(in.num_reqs <= kMaxPrefillRequests,
+              "num_reqs must be <= 2^30, got " << in.num_reqs);
   CPIDX_RETURN_IF_ERROR(cuda_host::check_kernel_inputs(
       in.query, in.q_row_stride, in.q_head_stride, in.cache, in.max_seq_len, c.max_seq_len,
       c.cache_dtype, "Prefiller"));

@@ -676,6 +676,10 @@ TEST(GpuPrefill, HostErrorsBeforeAnyKernel) {
     in.q_row_stride += 4;  // not a multiple of 8 elements
     st = pre->prefill(in, out, nullptr);
     EXPECT_NE(st.message().find("index_query"), std::string::npos) << st.message();
+    in = d.inputs(c);
+    in.num_reqs = cpidx::kMaxPrefillRequests + 1;  // the plan kernel's int32 loop would wrap
+    st = pre->prefill(in, out, nullptr);
+    EXPECT_NE(st.message().find("num_reqs must be <= 2^30"), std::string::npos) << st.message();
     st = pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, 16, 16}, nullptr);  // heads overlap
     EXPECT_NE(st.message().find("ids strides"), std::string::npos) << st.message();
     CUDA_OK(cudaDeviceSynchronize());
