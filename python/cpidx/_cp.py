@@ -395,7 +395,10 @@ class IndexerCPDecode:
     def _capturing(self) -> bool:
         """Whether this step is being captured into a CUDA graph (the same on every rank: the
         engine captures each batch size on all of them)."""
-        return self._cuda and torch.cuda.is_current_stream_capturing()
+        if not self._cuda:
+            return False
+        with torch.cuda.device(self.device):  # this instance's stream is its device's current
+            return torch.cuda.is_current_stream_capturing()
 
     def _agree(self, n: int, refused: Optional[BaseException]) -> None:
         """All ranks reach the same verdict on this step: one all-reduce of (n, -n), -1 from a
