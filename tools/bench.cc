@@ -809,7 +809,8 @@ int run_bench(int argc, char** argv) {
                    r.shape.mode.c_str(), r.shape.heads, r.shape.world, r.shape.reqs,
                    static_cast<long long>(r.shape.context), r.shape.qlen, r.sets, r.calls, r.cache_mb,
                    r.us, r.gbps, r.gpu_us, r.max_us, r.max_at, r.neighbour_us, r.floor_us, r.grid, r.stages, r.offset_stride,
-                   rotated_mb(r.sets, r.cache_mb / r.shape.world), r.check.c_str(), i + 1 < results.size() ? "," : "");
+                   rotated_mb(r.sets, r.cache_mb / r.shape.world), r.check.c_str(),
+                   i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "], \"step_results\": [\n");
     for (size_t i = 0; i < step_results.size(); ++i) {
@@ -818,7 +819,8 @@ int run_bench(int argc, char** argv) {
                    "  {\"mode\": \"step\", \"exchange\": \"%s\", \"world\": %d, \"reqs\": %d, \"context\": %lld, "
                    "\"qlen\": %d, \"sets\": %d, \"calls\": %d, \"cache_mb\": %.3f, "
                    "\"us\": %.3f, \"floor_us\": %.3f, \"exchange_us\": %.3f, \"gbps\": %.1f, "
-                   "\"q_bytes\": %lld, \"k_bytes\": %lld, \"rotated_mb\": %.1f, \"check\": \"%s\"}%s\n",
+                   "\"q_bytes\": %lld, \"k_bytes\": %lld, \"rotated_mb\": %.1f, "
+                   "\"check\": \"%s\"}%s\n",
                    ss.exchange.c_str(), ss.world, ss.reqs, static_cast<long long>(ss.context), ss.qlen, r.sets,
                    r.calls, r.cache_mb, r.us, r.floor_us, r.exchange_us, r.gbps,
                    static_cast<long long>(r.q_bytes), static_cast<long long>(r.k_bytes),
