@@ -994,14 +994,62 @@ TEST(ValidationTable, RanksDisagreeOnSettings) {
 
 // ---- The GPU Decoder's configuration (what can be checked without a GPU) ---------------------
 
-TEST(ValidationTable, DecoderConfig) {
-  struct Case {
-    std::string name;
-    std::function<void(cpidx::DecodeConfig&, int& device)> edit;
-    Expected e;
+// A configuration case: an edit of a valid one (64 tokens, 4096-token requests) and the Status
+// that Object::create must return. The configuration is checked before any device query or
+// allocation, so the cases hold without a GPU; a build without CUDA refuses them all as such.
+template <typename Config>
+struct ConfigCase {
+  std::string name;
+  std::function<void(Config&, int& device)> edit;
+  Expected e;
+};
+
+// The fields both configurations share (selection, maxima, dtype), refused alike, after `own`.
+template <typename Config>
+std::vector<ConfigCase<Config>> with_shared_config_cases(std::vector<ConfigCase<Config>> own) {
+  using C = Config;
+  const std::vector<ConfigCase<C>> shared = {
+      {"topk 0", [](C& c, int&) { c.sel.topk = 0; }, {kInv, {"topk", "[1, 64]", "got 0"}}},
+      {"topk 65", [](C& c, int&) { c.sel.topk = 65; }, {kUnsup, {"topk", "[1, 64]", "got 65"}}},
+      {"init -1", [](C& c, int&) { c.sel.init_blocks = -1; }, {kInv, {"init_blocks", ">= 0"}}},
+      {"local -1", [](C& c, int&) { c.sel.local_blocks = -1; }, {kInv, {"local_blocks", ">= 0"}}},
+      {"max_tokens 0",
+       [](C& c, int&) { c.max_tokens = 0; },
+       {kInv, {"max_tokens", ">= 1", "got 0"}}},
+      {"max_seq_len 0",
+       [](C& c, int&) { c.max_seq_len = 0; },
+       {kInv, {"max_seq_len", ">= 1", "got 0"}}},
+      {"dtype 5",
+       [](C& c, int&) { c.cache_dtype = static_cast<cpidx::DType>(5); },
+       {kUnsup, {"cache_dtype", "bf16 or fp8_e4m3", "5"}}},
   };
+  own.insert(own.end(), shared.begin(), shared.end());
+  return own;
+}
+
+template <typename Object, typename Config>
+void expect_configs_refused(const std::vector<ConfigCase<Config>>& cases) {
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    Config config;
+    config.max_tokens = 64;
+    config.max_seq_len = 4096;
+    int device = 0;
+    c.edit(config, device);
+    std::unique_ptr<Object> made;
+    const Status s = Object::create(config, device, &made);
+#if defined(CPIDX_WITH_CUDA)
+    EXPECT_TRUE(failed_as(s, c.e));
+#else
+    EXPECT_TRUE(failed_as(s, {kUnsup, {"built without CUDA"}}));
+#endif
+    EXPECT_EQ(made, nullptr);
+  }
+}
+
+TEST(ValidationTable, DecoderConfig) {
   using C = cpidx::DecodeConfig;
-  const std::vector<Case> cases = {
+  const std::vector<ConfigCase<C>> cases = {
       {"T 3 P 2",
        [](C& c, int&) { c.total_heads = 3, c.world_size = 2; },
        {kInv, {"total_heads (3)", "world_size (2)"}}},
@@ -1015,43 +1063,14 @@ TEST(ValidationTable, DecoderConfig) {
        [](C& c, int&) { c.world_size = 16, c.total_heads = 8; },
        {kInv, {"world_size", "<= 8", "got 16"}}},
       {"head_dim 64", [](C& c, int&) { c.head_dim = 64; }, {kUnsup, {"head_dim", "128", "got 64"}}},
-      {"topk 0", [](C& c, int&) { c.sel.topk = 0; }, {kInv, {"topk", "[1, 64]", "got 0"}}},
-      {"topk 65", [](C& c, int&) { c.sel.topk = 65; }, {kUnsup, {"topk", "[1, 64]", "got 65"}}},
-      {"init -1", [](C& c, int&) { c.sel.init_blocks = -1; }, {kInv, {"init_blocks", ">= 0"}}},
-      {"local -1", [](C& c, int&) { c.sel.local_blocks = -1; }, {kInv, {"local_blocks", ">= 0"}}},
-      {"max_tokens 0",
-       [](C& c, int&) { c.max_tokens = 0; },
-       {kInv, {"max_tokens", ">= 1", "got 0"}}},
-      {"max_seq_len 0",
-       [](C& c, int&) { c.max_seq_len = 0; },
-       {kInv, {"max_seq_len", ">= 1", "got 0"}}},
       {"max_query_len 0",
        [](C& c, int&) { c.max_query_len = 0; },
        {kInv, {"max_query_len", "[1, 8]", "got 0"}}},
       {"max_query_len 9",
        [](C& c, int&) { c.max_query_len = 9; },
        {kInv, {"max_query_len", "[1, 8]", "got 9"}}},
-      {"dtype 5",
-       [](C& c, int&) { c.cache_dtype = static_cast<cpidx::DType>(5); },
-       {kUnsup, {"cache_dtype", "bf16 or fp8_e4m3", "5"}}},
   };
-  for (const auto& c : cases) {
-    SCOPED_TRACE(c.name);
-    C config;
-    config.max_tokens = 64;
-    config.max_seq_len = 4096;
-    int device = 0;
-    c.edit(config, device);
-    std::unique_ptr<cpidx::Decoder> dec;
-    const Status s = cpidx::Decoder::create(config, device, &dec);
-#if defined(CPIDX_WITH_CUDA)
-    // The configuration is checked before any device query or allocation.
-    EXPECT_TRUE(failed_as(s, c.e));
-#else
-    EXPECT_TRUE(failed_as(s, {kUnsup, {"built without CUDA"}}));
-#endif
-    EXPECT_EQ(dec, nullptr);
-  }
+  expect_configs_refused<cpidx::Decoder>(with_shared_config_cases(cases));
   C config;
   config.max_tokens = 64;
   config.max_seq_len = 4096;
@@ -1068,45 +1087,15 @@ TEST(ValidationTable, DecoderConfig) {
 
 // The GPU Prefiller's configuration, checked before any device query, as the Decoder's.
 TEST(ValidationTable, PrefillerConfig) {
-  struct Case {
-    std::string name;
-    std::function<void(cpidx::PrefillConfig&)> edit;
-    Expected e;
-  };
   using C = cpidx::PrefillConfig;
-  const std::vector<Case> cases = {
-      {"heads 0", [](C& c) { c.num_heads = 0; }, {kInv, {"num_heads", "[1, 8]", "got 0"}}},
-      {"heads 9", [](C& c) { c.num_heads = 9; }, {kInv, {"num_heads", "[1, 8]", "got 9"}}},
-      {"topk 0", [](C& c) { c.sel.topk = 0; }, {kInv, {"topk", "[1, 64]", "got 0"}}},
-      {"topk 65", [](C& c) { c.sel.topk = 65; }, {kUnsup, {"topk", "[1, 64]", "got 65"}}},
-      {"init -1", [](C& c) { c.sel.init_blocks = -1; }, {kInv, {"init_blocks", ">= 0"}}},
-      {"local -1", [](C& c) { c.sel.local_blocks = -1; }, {kInv, {"local_blocks", ">= 0"}}},
-      {"max_tokens 0", [](C& c) { c.max_tokens = 0; }, {kInv, {"max_tokens", ">= 1", "got 0"}}},
-      {"max_seq_len 0",
-       [](C& c) { c.max_seq_len = 0; },
-       {kInv, {"max_seq_len", ">= 1", "got 0"}}},
-      {"dtype 5",
-       [](C& c) { c.cache_dtype = static_cast<cpidx::DType>(5); },
-       {kUnsup, {"cache_dtype", "bf16 or fp8_e4m3", "5"}}},
+  const std::vector<ConfigCase<C>> cases = {
+      {"heads 0", [](C& c, int&) { c.num_heads = 0; }, {kInv, {"num_heads", "[1, 8]", "got 0"}}},
+      {"heads 9", [](C& c, int&) { c.num_heads = 9; }, {kInv, {"num_heads", "[1, 8]", "got 9"}}},
       {"kernel 7",
-       [](C& c) { c.kernel = static_cast<cpidx::PrefillKernel>(7); },
+       [](C& c, int&) { c.kernel = static_cast<cpidx::PrefillKernel>(7); },
        {kInv, {"kernel", "auto, mma or wgmma", "code 7"}}},
   };
-  for (const auto& c : cases) {
-    SCOPED_TRACE(c.name);
-    C config;
-    config.max_tokens = 64;
-    config.max_seq_len = 4096;
-    c.edit(config);
-    std::unique_ptr<cpidx::Prefiller> pre;
-    const Status s = cpidx::Prefiller::create(config, 0, &pre);
-#if defined(CPIDX_WITH_CUDA)
-    EXPECT_TRUE(failed_as(s, c.e));
-#else
-    EXPECT_TRUE(failed_as(s, {kUnsup, {"built without CUDA"}}));
-#endif
-    EXPECT_EQ(pre, nullptr);
-  }
+  expect_configs_refused<cpidx::Prefiller>(with_shared_config_cases(cases));
 }
 
 }  // namespace
