@@ -557,6 +557,7 @@ def _two_gpu_rank(rank, world, port, results):
             except RuntimeError as e:
                 refused = "is closed" in str(e)
             log[exchange] = (cp.exchange, same, refused, cp.peer_unavailable_reason)
+            log["agreement"] = cp.check_agreement  # the gloo world group: while capturing
         try:
             with cpidx.IndexerCPDecode(**kw) as cp:
                 raise KeyError("leave without a collective")
@@ -594,5 +595,6 @@ def test_indexer_cp_decode_two_processes_each_exchange():
             assert log["peer"][:3] == ("peer", True, True), log
             assert (chosen, reason) == ("peer", None), log
         assert log["nccl"][:3] == ("nccl", True, True), log
-        assert log["nccl_graph"] is True, log
+        assert log["nccl_graph"] is True, log  # its capture ran the agreement too
+        assert log["agreement"] == "captures", log
         assert log["abandoned"], log
