@@ -113,9 +113,9 @@ def print_steps(rows, processes):
         text, bound = step_target(r)
         mark = "" if bound is None or r["check"] != "ok" else ("met" if r["us"] <= bound else
                                                                f"missed by {r['us'] - bound:.1f}")
-        rotated = r.get("rotated_mb")
-        if bound is not None and rotated is not None and rotated < L2_ROTATION_MB:
-            mark = f"off-method: {rotated:.0f} MiB rotated"
+        why = off_method(r, {}) if bound is not None else None
+        if why:
+            mark = why
         if r["check"] != "ok":
             mark = f"check: {r['check']}"
         print(f"| {r['exchange']} | {r['world']} | {r['reqs']} | {context_text(r['context'])} | "

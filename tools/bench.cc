@@ -295,6 +295,7 @@ Result Bench::run(const Shape& sh, int replays) {
   };
 
   // Correctness on set 0 (eager): plain ids, or the full simulated context-parallel step.
+  const size_t id_count = static_cast<size_t>((sh.mode == "plain" ? T : L) * n * K);
   {
     Status st = Status::ok();
     DecodeInputs in = inputs(sh, in_sets[0], T, G);
@@ -307,8 +308,8 @@ Result Bench::run(const Shape& sh, int replays) {
     }
     BENCH_CUDA(cudaStreamSynchronize(stream));
     if (!st.is_ok()) { res.check = "run: " + st.message(); return res; }
-    std::vector<int32_t> h(static_cast<size_t>((sh.mode == "plain" ? T : L) * n * K));
-    BENCH_CUDA(cudaMemcpy(h.data(), ids, h.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<int32_t> h(id_count);
+    BENCH_CUDA(cudaMemcpy(h.data(), ids, id_count * 4, cudaMemcpyDeviceToHost));
     res.check = check(sh, in_sets[0], G, h, 0, sh.mode == "plain" ? T : L);
   }
 
@@ -376,14 +377,13 @@ Result Bench::run(const Shape& sh, int replays) {
   // above ran one call alone: the last timed call's ids, read back after the replays, must be
   // the same set's ids from an eager call, bit for bit.
   if (res.check == "ok") {
-    const size_t count = static_cast<size_t>((sh.mode == "plain" ? T : L) * n * K);
-    std::vector<int32_t> replayed(count), eager(count);
+    std::vector<int32_t> replayed(id_count), eager(id_count);
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    BENCH_CUDA(cudaMemcpy(replayed.data(), ids, count * 4, cudaMemcpyDeviceToHost));
-    BENCH_CUDA(cudaMemset(ids, 0x7B, count * 4));
+    BENCH_CUDA(cudaMemcpy(replayed.data(), ids, id_count * 4, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemset(ids, 0x7B, id_count * 4));
     const Status st = one_call(in_sets[(calls - 1) % sets]);
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    BENCH_CUDA(cudaMemcpy(eager.data(), ids, count * 4, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(eager.data(), ids, id_count * 4, cudaMemcpyDeviceToHost));
     if (!st.is_ok()) {
       res.check = "eager rerun: " + st.message();
     } else if (replayed != eager) {

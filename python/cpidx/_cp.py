@@ -8,6 +8,7 @@ CUDA graph and replayed with new lengths. The exchange (the two all-gathers of a
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any, Optional
@@ -26,12 +27,6 @@ _EXCHANGES = ("auto", "peer", "nccl", "torch")
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _nvls_off_unless_set() -> None:
-    """NCCL_NVLS_ENABLE=0 unless the environment says otherwise (the library's NCCL factories
-    refuse any other value, naming it)."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 class IndexerCPDecode:
@@ -255,7 +250,8 @@ class IndexerCPDecode:
         """Rank 0 of the group makes the NCCL unique id; every rank joins with it."""
         # NVLS off on every rank before anything below can create an NCCL communicator (the
         # broadcast over an NCCL group creates torch's): NCCL reads the setting once per process.
-        _nvls_off_unless_set()
+        # Another value set by the user stays, and the library's NCCL factories refuse it.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         bcast_group = cpu_group if cpu_group is not None else device_group
         src = dist.get_global_rank(bcast_group, 0)
         box = [_C.nccl_unique_id() if self.rank == 0 else None]
@@ -309,23 +305,24 @@ class IndexerCPDecode:
                      sparse_block_table_out=sparse_block_table_out,
                      sparse_context_lens_out=sparse_context_lens_out,
                      block_page_stride=block_page_stride)
-        agree = self._agree_group is not None and (self._agree_always or self._capturing())
-        # The library's cp_decode checks its own arguments before its first collective; the
-        # other paths (and an agreement) need them checked here, all of them (~10-15 us).
-        n, refused = self._check_step(local_q, kv_cache, block_table, seq_lens, query_len, out,
-                                      scale, table, full=agree or self._comm is None)
-        if agree:
-            self._agree(n, refused)
-        elif refused is not None:
-            raise refused
-        if n == 0:
-            return out
-        if self._cuda:
-            with torch.cuda.device(self.device):  # the kernels go to this device's stream
-                return self._step(n, local_q, _as_bits(kv_cache), block_table, seq_lens,
-                                  query_len, out, scale, table)
-        return self._step(n, local_q, _as_bits(kv_cache), block_table, seq_lens, query_len, out,
-                          scale, table)
+        # This instance's device current: its kernels go to that device's stream, and a capture
+        # is seen there. The ranks agree while capturing (each batch size an engine captures, on
+        # every rank), or every step when asked.
+        with torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext():
+            agree = self._agree_group is not None and (
+                self._agree_always or (self._cuda and torch.cuda.is_current_stream_capturing()))
+            # The library's cp_decode checks its own arguments before its first collective; the
+            # other paths (and an agreement) need them checked here, all of them (~10-15 us).
+            n, refused = self._check_step(local_q, kv_cache, block_table, seq_lens, query_len,
+                                          out, scale, table, full=agree or self._comm is None)
+            if agree:
+                self._agree(n, refused)
+            elif refused is not None:
+                raise refused
+            if n == 0:
+                return out
+            return self._step(n, local_q, _as_bits(kv_cache), block_table, seq_lens, query_len,
+                              out, scale, table)
 
     def _step(self, n: int, local_q: torch.Tensor, kv_cache: torch.Tensor,
               block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int,
@@ -387,23 +384,12 @@ class IndexerCPDecode:
             if self._cuda:
                 self._decoder.check_cp_decode(*args, scale=scale, **table)
             else:
-                if not 1 <= query_len <= self.max_query_len:
-                    raise ValueError(f"query_len: expected 1 to max_query_len "
-                                     f"{self.max_query_len}, got {query_len}")
                 _C.ref_check_cp_decode(*args, scale=scale, max_seq_len=self.max_seq_len,
                                        local_heads=self.local_heads, max_tokens=self.max_tokens,
-                                       **self._sel(), **table)
+                                       max_query_len=self.max_query_len, **self._sel(), **table)
             return n, None
         except Exception as e:  # the peers must hear of it before anyone enters a collective
             return -1, e
-
-    def _capturing(self) -> bool:
-        """Whether this step is being captured into a CUDA graph (the same on every rank: the
-        engine captures each batch size on all of them)."""
-        if not self._cuda:
-            return False
-        with torch.cuda.device(self.device):  # this instance's stream is its device's current
-            return torch.cuda.is_current_stream_capturing()
 
     def _agree(self, n: int, refused: Optional[BaseException]) -> None:
         """All ranks reach the same verdict on this step: one all-reduce of (n, -n), -1 from a

@@ -118,12 +118,13 @@ void ref_check_cp_decode(const InArray& local_q, const InArray& kv_cache,
                          const InArray& block_table, const InArray& seq_lens, int query_len,
                          const OutArray& out, double scale, int topk, int init_blocks,
                          int local_blocks, int64_t max_seq_len, int local_heads,
-                         int64_t max_tokens,
+                         int64_t max_tokens, int max_query_len,
                          const std::optional<InArray>& attention_block_table,
                          const std::optional<OutArray>& sparse_block_table_out,
                          const std::optional<OutArray>& sparse_context_lens_out,
                          std::optional<int> block_page_stride) {
   const Selection sel = selection(topk, init_blocks, local_blocks);
+  check_range("query_len", query_len, 1, "max_query_len", max_query_len);
   const DecodeBatch b = decode_batch(local_q, kv_cache, block_table, seq_lens, query_len, scale,
                                      max_seq_len, kHost, DecodeArgNames{"local_q", "kv_cache"});
   if (b.in.num_heads != local_heads) {
@@ -160,7 +161,7 @@ void bind_reference(nb::module_& m) {
   m.def("ref_check_cp_decode", &ref_check_cp_decode, "local_q"_a, "kv_cache"_a,
         "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
         "topk"_a, "init_blocks"_a, "local_blocks"_a, "max_seq_len"_a, "local_heads"_a,
-        "max_tokens"_a, "attention_block_table"_a = nb::none(),
+        "max_tokens"_a, "max_query_len"_a, "attention_block_table"_a = nb::none(),
         "sparse_block_table_out"_a = nb::none(), "sparse_context_lens_out"_a = nb::none(),
         "block_page_stride"_a = nb::none(),
         "Raises what this rank's context-parallel step would refuse before its first "

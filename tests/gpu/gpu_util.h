@@ -335,7 +335,7 @@ class ScriptedComm final : public cpidx::Communicator {
   }
   cpidx::Status check_agree(long long value, const char* what) override {
     offered.push_back(value);
-    labels.emplace_back(what);
+    labels.emplace_back(what != nullptr ? what : "");
     if (!peer_offers_ || value == *peer_offers_) return cpidx::Status::ok();
     return cpidx::Status(cpidx::StatusCode::kCommError, "the ranks disagree");
   }

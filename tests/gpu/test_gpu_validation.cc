@@ -55,7 +55,6 @@ struct Expected {
   return ::testing::AssertionSuccess();
 }
 
-// A device communicator that records collectives (none may start on bad input).
 // 4 heads, Q = 2, 3 requests (one padding), max_seq_len 1024.
 const cpidx_test::DecodeData& batch() {
   static const cpidx_test::DecodeData d = random_decode(5151, kT, 2, {300, 0, 700}, 1024);
