@@ -6,6 +6,9 @@ Functional API (destination passing: the caller allocates every output):
   CPU tensors) run the C++ reference; torch CUDA tensors run the GPU decoder on the current
   stream (no allocation, no sync, capturable in a CUDA graph after one warm-up call).
 * :func:`prefill_topk` -- the same selection for prefill tokens.
+* ``error_flag=`` (both): a one-element int32 array or tensor into which a call ORs
+  ``ERR_SEQ_LEN_OUT_OF_RANGE`` / ``ERR_PAGE_OUT_OF_RANGE`` when it clamped bad values instead of
+  reading out of bounds (on the device, stream-ordered, for CUDA tensors).
 * :class:`IndexerCPDecode` / :func:`get_shared_cp_decode` -- the context-parallel decode of the
   seed (vLLM's MiniMax-M3 indexer), drop-in: ``__call__`` writes ``[local_heads, n, topk]``.
 * :data:`registry` -- the one documented cache: GPU decoders of the functional API and the
@@ -21,7 +24,8 @@ wrappers, a copy). fp8 e4m3 caches are ``uint8`` bit patterns (or torch ``float8
 
 With torch importable, the ops are also registered as ``torch.ops.cpidx.decode_topk``,
 ``torch.ops.cpidx.decode_topk_sparse_table`` and ``torch.ops.cpidx.prefill_topk`` (with fake
-implementations, so they work under ``torch.compile``).
+implementations, so they work under ``torch.compile``). Their arguments are all positional and
+required, ``error_flag`` last (``None`` for none).
 """
 try:  # torch is optional (the numpy path needs only numpy). Imported before _C so that the
     # CUDA runtime and NCCL it loads are the ones _C binds to (same sonames).
@@ -32,6 +36,8 @@ except ImportError:  # pragma: no cover - torch is optional
 from . import _C
 from ._api import (
     BLOCK_SIZE,
+    ERR_PAGE_OUT_OF_RANGE,
+    ERR_SEQ_LEN_OUT_OF_RANGE,
     HEAD_DIM,
     MAX_HEADS,
     MAX_QUERY_LEN,
@@ -46,6 +52,8 @@ from ._api import (
 
 __all__ = [
     "BLOCK_SIZE",
+    "ERR_PAGE_OUT_OF_RANGE",
+    "ERR_SEQ_LEN_OUT_OF_RANGE",
     "HEAD_DIM",
     "MAX_HEADS",
     "MAX_QUERY_LEN",

@@ -16,6 +16,10 @@ HEAD_DIM = 128  # index head dim (the only compiled value)
 MAX_TOPK = 64
 MAX_QUERY_LEN = 8
 MAX_HEADS = 8  # index heads T
+# Bits of an error flag (``error_flag=``, ``Decoder.error_flag()``): values the device clamped
+# instead of reading out of bounds (CONTRACT.md section 8).
+ERR_SEQ_LEN_OUT_OF_RANGE = _C.ERR_SEQ_LEN_OUT_OF_RANGE  # seq_len < 0 or > max_seq_len
+ERR_PAGE_OUT_OF_RANGE = _C.ERR_PAGE_OUT_OF_RANGE  # a block-table entry outside the cache
 
 
 # ---- bf16 on the host ---------------------------------------------------------------------
@@ -87,6 +91,36 @@ def _refuse_during_capture(what: str) -> None:
         raise RuntimeError(f"{what}: a CUDA graph is being captured on the current stream, and "
                            f"this allocates and synchronises, which a capture forbids; do it "
                            f"before capturing (the capture is still valid)")
+
+
+def _check_error_flag(error_flag: Any, index_query: Any) -> None:
+    """``error_flag``: one int32 element, where the inputs live (a numpy array or CPU tensor for
+    host inputs, a tensor on the query's device for CUDA inputs)."""
+    if error_flag is None:
+        return
+    if _is_torch(error_flag):
+        torch = _torch_module()
+        where = error_flag.device
+        ok = error_flag.dtype == torch.int32 and error_flag.numel() == 1
+        kind = f"{error_flag.dtype} tensor of {error_flag.numel()} elements on {where}"
+    elif isinstance(error_flag, np.ndarray):
+        where = "cpu"
+        ok = error_flag.dtype == np.int32 and error_flag.size == 1 and error_flag.flags.writeable
+        kind = f"{error_flag.dtype} array of {error_flag.size} elements" + (
+            "" if error_flag.flags.writeable else " (read-only)")
+    else:
+        raise TypeError(f"error_flag: expected a one-element int32 array or tensor, got "
+                        f"{type(error_flag).__name__}")
+    want = index_query.device if _is_cuda(index_query) else "cpu"
+    if not ok or str(where) != str(want):
+        raise ValueError(f"error_flag: expected one writable int32 element on {want} (the "
+                         f"inputs' device), got a {kind}")
+
+
+def _or_host_error_bits(error_flag: Any, bits: int) -> None:
+    if error_flag is not None and bits:
+        flat = error_flag.reshape(-1)  # a view: one element
+        flat[0] = int(flat[0]) | int(bits)
 
 
 def _token_bucket(n: int) -> int:
@@ -220,7 +254,7 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                 attention_block_table: Any = None, sparse_block_table_out: Any = None,
                 sparse_context_lens_out: Any = None, block_page_stride: Optional[int] = None,
                 max_tokens: Optional[int] = None, decoder: Any = None,
-                registry: Optional[Registry] = None) -> Any:
+                registry: Optional[Registry] = None, error_flag: Any = None) -> Any:
     """Top-K block ids of every head of ``index_query`` for decode rows (CONTRACT.md 3-4).
 
     index_query ``[n, heads, 128]`` bf16 (rows request-major: ``row = req * query_len + t``),
@@ -234,24 +268,32 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     ``decoder`` if given (its topk, init_blocks, local_blocks and max_seq_len must be the
     call's), else the registry's decoder for this shape (``max_tokens`` fixes its size; default:
     the next power of two >= n).
+
+    ``error_flag``: optional one-element int32 array or tensor on the inputs' device. The call
+    ORs into it the bits of the values it clamped instead of reading out of bounds
+    (``ERR_SEQ_LEN_OUT_OF_RANGE``: a seq_len < 0 or > max_seq_len; ``ERR_PAGE_OUT_OF_RANGE``: a
+    block-table entry outside the cache), and the ids are those of the clamped values. On CUDA
+    tensors it is stream-ordered (read it after the step; nothing syncs, and it can be captured)
+    and the decoder's own flag (``Decoder.error_flag()``) is cleared first.
     """
     if _is_torch(index_query):
         torch = _torch_module()
+        op_flag = error_flag is None or _is_torch(error_flag)  # else named by _decode_now
         if attention_block_table is None and sparse_block_table_out is None and \
                 sparse_context_lens_out is None and block_page_stride is None and decoder is None \
-                and registry is None:
+                and registry is None and op_flag:
             torch.ops.cpidx.decode_topk(index_query, _as_bits(index_cache), block_table, seq_lens,
                                         out, query_len, float(scale), topk, init_blocks,
-                                        local_blocks, max_seq_len, max_tokens or 0)
+                                        local_blocks, max_seq_len, max_tokens or 0, error_flag)
             return out
-        if decoder is None and registry is None and None not in (
+        if decoder is None and registry is None and op_flag and None not in (
                 attention_block_table, sparse_block_table_out, sparse_context_lens_out,
                 block_page_stride):
             torch.ops.cpidx.decode_topk_sparse_table(
                 index_query, _as_bits(index_cache), block_table, seq_lens, out, query_len,
                 float(scale), topk, init_blocks, local_blocks, max_seq_len, max_tokens or 0,
                 attention_block_table, sparse_block_table_out, sparse_context_lens_out,
-                int(block_page_stride))
+                int(block_page_stride), error_flag)
             return out
     # Not a registered-op case (host arrays, an explicit decoder, or an incomplete table
     # argument set that the binding will name): call the implementation directly.
@@ -261,7 +303,7 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                 sparse_block_table_out=sparse_block_table_out,
                 sparse_context_lens_out=sparse_context_lens_out,
                 block_page_stride=block_page_stride, max_tokens=max_tokens, decoder=decoder,
-                registry=registry)
+                registry=registry, error_flag=error_flag)
     return out
 
 
@@ -280,8 +322,10 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                 local_blocks: int, max_seq_len: int, attention_block_table: Any = None,
                 sparse_block_table_out: Any = None, sparse_context_lens_out: Any = None,
                 block_page_stride: Optional[int] = None, max_tokens: Optional[int] = None,
-                decoder: Any = None, registry: Optional[Registry] = None) -> None:
+                decoder: Any = None, registry: Optional[Registry] = None,
+                error_flag: Any = None) -> None:
     """The eager implementation behind decode_topk and its torch op."""
+    _check_error_flag(error_flag, index_query)
     table = dict(attention_block_table=attention_block_table,
                  sparse_block_table_out=sparse_block_table_out,
                  sparse_context_lens_out=sparse_context_lens_out,
@@ -298,21 +342,29 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                                   local_blocks=local_blocks,
                                   cache_dtype=_cache_dtype_name(index_cache))
         with _torch_module().cuda.device(index_query.device):  # its stream's device is current
+            stream = _current_stream(index_query.device)
+            if error_flag is not None:
+                decoder.clear_error_flag(stream=stream)
             decoder.decode(index_query, _as_bits(index_cache), block_table, seq_lens, query_len,
-                           out, scale=scale, stream=_current_stream(index_query.device), **table)
+                           out, scale=scale, stream=stream, **table)
+            if error_flag is not None:  # on the current stream, after the step's kernels
+                error_flag.view(1).bitwise_or_(decoder.error_flag())
         return
     if decoder is not None:
         raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
-    _C.ref_decode_topk(_host_bf16(index_query, "index_query"),
-                       _as_bits(_host_bf16(index_cache, "index_cache")), block_table, seq_lens,
-                       query_len, out, scale=scale, topk=topk, init_blocks=init_blocks,
-                       local_blocks=local_blocks, max_seq_len=max_seq_len, **table)
+    bits = _C.ref_decode_topk(_host_bf16(index_query, "index_query"),
+                              _as_bits(_host_bf16(index_cache, "index_cache")), block_table,
+                              seq_lens, query_len, out, scale=scale, topk=topk,
+                              init_blocks=init_blocks, local_blocks=local_blocks,
+                              max_seq_len=max_seq_len, **table)
+    _or_host_error_bits(error_flag, bits)
 
 
 def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlens_q: Any,
                  context_lens: Any, seq_lens: Any, out: Any, *, scale: float, topk: int,
                  init_blocks: int = 0, local_blocks: int = 1, max_seq_len: int,
-                 max_tokens: Optional[int] = None, registry: Optional[Registry] = None) -> Any:
+                 max_tokens: Optional[int] = None, registry: Optional[Registry] = None,
+                 error_flag: Any = None) -> Any:
     """Top-K block ids for prefill tokens (CONTRACT.md section 7): query ``i`` of request ``req``
     (rows ``cu_seqlens_q[req] <= row < cu_seqlens_q[req + 1]``) sits at
     ``context_lens[req] + i``. Writes int32 ``[heads, tokens, topk]`` into ``out``, returns it.
@@ -321,33 +373,39 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     (``torch.ops.cpidx.prefill_topk`` on the current stream) through the registry's
     :class:`cpidx.Prefiller` for this shape (``max_tokens`` fixes its size; default: the next
     power of two >= tokens; with ``registry`` given, that registry's, called directly rather
-    than through the op). Allocation-free after the first call of a shape.
+    than through the op). Allocation-free after the first call of a shape. ``error_flag``: as
+    for :func:`decode_topk` (the prefiller's own flag is cleared first on CUDA tensors).
     """
-    if _is_torch(index_query) and registry is None:
+    if _is_torch(index_query) and registry is None and (error_flag is None or
+                                                         _is_torch(error_flag)):
         _torch_module().ops.cpidx.prefill_topk(
             index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
             seq_lens, out, float(scale), topk, init_blocks, local_blocks, max_seq_len,
-            max_tokens or 0)
+            max_tokens or 0, error_flag)
         return out
     _prefill_now(index_query, index_cache, block_table, cu_seqlens_q, context_lens, seq_lens, out,
                  scale=scale, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
-                 max_seq_len=max_seq_len, max_tokens=max_tokens, registry=registry)
+                 max_seq_len=max_seq_len, max_tokens=max_tokens, registry=registry,
+                 error_flag=error_flag)
     return out
 
 
 def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlens_q: Any,
                  context_lens: Any, seq_lens: Any, out: Any, *, scale: float, topk: int,
                  init_blocks: int, local_blocks: int, max_seq_len: int,
-                 max_tokens: Optional[int] = None, registry: Optional[Registry] = None) -> None:
+                 max_tokens: Optional[int] = None, registry: Optional[Registry] = None,
+                 error_flag: Any = None) -> None:
+    _check_error_flag(error_flag, index_query)
     tokens = index_query.shape[0]
     if tokens == 0:  # nothing to check or write, on either path
         return
     if not _is_cuda(index_query):
-        _C.ref_prefill_topk(_host_bf16(index_query, "index_query"),
-                            _as_bits(_host_bf16(index_cache, "index_cache")), block_table,
-                            cu_seqlens_q, context_lens, seq_lens, out, scale=scale, topk=topk,
-                            init_blocks=init_blocks, local_blocks=local_blocks,
-                            max_seq_len=max_seq_len)
+        bits = _C.ref_prefill_topk(_host_bf16(index_query, "index_query"),
+                                   _as_bits(_host_bf16(index_cache, "index_cache")), block_table,
+                                   cu_seqlens_q, context_lens, seq_lens, out, scale=scale,
+                                   topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                                   max_seq_len=max_seq_len)
+        _or_host_error_bits(error_flag, bits)
         return
     reg = registry if registry is not None else globals()["registry"]
     pre = reg.prefiller(device=index_query.device.index, heads=index_query.shape[1],
@@ -355,5 +413,10 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                         topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                         cache_dtype=_cache_dtype_name(index_cache))
     with _torch_module().cuda.device(index_query.device):  # its stream's device is current
+        stream = _current_stream(index_query.device)
+        if error_flag is not None:
+            pre.clear_error_flag(stream=stream)
         pre.prefill(index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
-                    seq_lens, out, scale=scale, stream=_current_stream(index_query.device))
+                    seq_lens, out, scale=scale, stream=stream)
+        if error_flag is not None:  # on the current stream, after the step's kernels
+            error_flag.view(1).bitwise_or_(pre.error_flag())

@@ -4,8 +4,14 @@ Destination passing: each op writes into its ``out`` tensors (``mutates_args``) 
 nothing, so it is allocation-free on the decode path, works inside ``torch.cuda.graph`` (after a
 warm-up call has created the decoder) and under ``torch.compile`` (the fake implementations
 below only describe that nothing new is returned).
+
+Every argument is positional and required, ``error_flag`` last (``None``: no flag): torch 2.11
+drops a trailing optional argument left at its default before its in-place bookkeeping, which
+then fails on a mutable one.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -14,31 +20,33 @@ from ._api import _decode_now, _prefill_now
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("cpidx::decode_topk", mutates_args=("out",))
+@torch.library.custom_op("cpidx::decode_topk", mutates_args=("out", "error_flag"))
 def decode_topk(index_query: Tensor, index_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                 out: Tensor, query_len: int, scale: float, topk: int, init_blocks: int,
-                local_blocks: int, max_seq_len: int, max_tokens: int) -> None:
+                local_blocks: int, max_seq_len: int, max_tokens: int,
+                error_flag: Optional[Tensor]) -> None:
     """ids [heads, n, topk] into out (see cpidx.decode_topk); max_tokens 0: automatic."""
     _decode_now(index_query, index_cache, block_table, seq_lens, query_len, out, scale=scale,
                 topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
-                max_seq_len=max_seq_len, max_tokens=max_tokens or None)
+                max_seq_len=max_seq_len, max_tokens=max_tokens or None, error_flag=error_flag)
 
 
 @decode_topk.register_fake
 def _decode_topk_fake(index_query, index_cache, block_table, seq_lens, out, query_len, scale,
-                      topk, init_blocks, local_blocks, max_seq_len, max_tokens) -> None:
+                      topk, init_blocks, local_blocks, max_seq_len, max_tokens,
+                      error_flag) -> None:
     return None
 
 
 @torch.library.custom_op(
     "cpidx::decode_topk_sparse_table",
-    mutates_args=("out", "sparse_block_table_out", "sparse_context_lens_out"))
+    mutates_args=("out", "sparse_block_table_out", "sparse_context_lens_out", "error_flag"))
 def decode_topk_sparse_table(index_query: Tensor, index_cache: Tensor, block_table: Tensor,
                              seq_lens: Tensor, out: Tensor, query_len: int, scale: float,
                              topk: int, init_blocks: int, local_blocks: int, max_seq_len: int,
                              max_tokens: int, attention_block_table: Tensor,
                              sparse_block_table_out: Tensor, sparse_context_lens_out: Tensor,
-                             block_page_stride: int) -> None:
+                             block_page_stride: int, error_flag: Optional[Tensor]) -> None:
     """decode_topk plus the fused page-16 sparse table (one head; CONTRACT.md section 6)."""
     _decode_now(index_query, index_cache, block_table, seq_lens, query_len, out, scale=scale,
                 topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
@@ -46,30 +54,31 @@ def decode_topk_sparse_table(index_query: Tensor, index_cache: Tensor, block_tab
                 attention_block_table=attention_block_table,
                 sparse_block_table_out=sparse_block_table_out,
                 sparse_context_lens_out=sparse_context_lens_out,
-                block_page_stride=block_page_stride)
+                block_page_stride=block_page_stride, error_flag=error_flag)
 
 
 @decode_topk_sparse_table.register_fake
 def _decode_topk_sparse_table_fake(index_query, index_cache, block_table, seq_lens, out,
                                    query_len, scale, topk, init_blocks, local_blocks, max_seq_len,
                                    max_tokens, attention_block_table, sparse_block_table_out,
-                                   sparse_context_lens_out, block_page_stride) -> None:
+                                   sparse_context_lens_out, block_page_stride,
+                                   error_flag) -> None:
     return None
 
 
-@torch.library.custom_op("cpidx::prefill_topk", mutates_args=("out",))
+@torch.library.custom_op("cpidx::prefill_topk", mutates_args=("out", "error_flag"))
 def prefill_topk(index_query: Tensor, index_cache: Tensor, block_table: Tensor,
                  cu_seqlens_q: Tensor, context_lens: Tensor, seq_lens: Tensor, out: Tensor,
                  scale: float, topk: int, init_blocks: int, local_blocks: int, max_seq_len: int,
-                 max_tokens: int) -> None:
+                 max_tokens: int, error_flag: Optional[Tensor]) -> None:
     """ids [heads, tokens, topk] into out (see cpidx.prefill_topk)."""
     _prefill_now(index_query, index_cache, block_table, cu_seqlens_q, context_lens, seq_lens, out,
                  scale=scale, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
-                 max_seq_len=max_seq_len, max_tokens=max_tokens or None)
+                 max_seq_len=max_seq_len, max_tokens=max_tokens or None, error_flag=error_flag)
 
 
 @prefill_topk.register_fake
 def _prefill_topk_fake(index_query, index_cache, block_table, cu_seqlens_q, context_lens,
                        seq_lens, out, scale, topk, init_blocks, local_blocks, max_seq_len,
-                       max_tokens) -> None:
+                       max_tokens, error_flag) -> None:
     return None

@@ -144,6 +144,9 @@ void ref_check_cp_decode(const InArray& local_q, const InArray& kv_cache,
 
 void bind_reference(nb::module_& m) {
   using namespace nb::literals;
+  // DeviceError bits (cpidx/contract.h): what an error flag holds after clamped device values.
+  m.attr("ERR_SEQ_LEN_OUT_OF_RANGE") = static_cast<int>(kErrSeqLenOutOfRange);
+  m.attr("ERR_PAGE_OUT_OF_RANGE") = static_cast<int>(kErrPageOutOfRange);
   m.def("ref_decode_topk", &ref_decode_topk, "index_query"_a, "index_cache"_a, "block_table"_a,
         "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a, "topk"_a,
         "init_blocks"_a, "local_blocks"_a, "max_seq_len"_a,

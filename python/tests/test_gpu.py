@@ -286,6 +286,76 @@ def test_objects_collected_inside_a_capture_leave_it_valid():
     assert torch.equal(out, eager)
 
 
+def test_error_flag_of_the_functional_calls_eager_and_captured():
+    # Bad device values through decode_topk / prefill_topk on CUDA tensors: the flag gets the
+    # bits the host reference returns and the ids are the host's, eager and in a replayed graph
+    # (the flag is cleared and OR-ed on the stream, no sync).
+    rng = np.random.default_rng(41)
+    b = random_decode(rng, 4, 2, [4096] * 3, max_seq_len=4096)  # every page of every request
+    b.seq_lens[:] = [3000, 129, 4096]
+    pages = b.cache.shape[0]
+    q, k, bt, sl = to_dev(b)
+    kw = dict(scale=b.scale, topk=16, max_seq_len=4096)
+
+    def host(seq_lens, table):
+        out, flag = np.zeros((4, b.rows, 16), np.int32), np.zeros(1, np.int32)
+        cpidx.decode_topk(b.query, b.cache, table, np.array(seq_lens, np.int32), 2, out,
+                          error_flag=flag, **kw)
+        return out, int(flag[0])
+
+    bad_table = b.block_table.copy()
+    bad_table[0, 5], bad_table[2, 0] = pages + 4, -1
+    cases = [([3000, 129, 4096], b.block_table, 0),
+             ([3000, 5000, -3], b.block_table, cpidx.ERR_SEQ_LEN_OUT_OF_RANGE),
+             ([3000, 129, 4096], bad_table, cpidx.ERR_PAGE_OUT_OF_RANGE),
+             ([9999, 129, 4096], bad_table,
+              cpidx.ERR_SEQ_LEN_OUT_OF_RANGE | cpidx.ERR_PAGE_OUT_OF_RANGE)]
+    out = torch.full((4, b.rows, 16), -5, dtype=torch.int32, device=DEV)
+    flag = torch.full((1,), 0x40, dtype=torch.int32, device=DEV)
+    for lens, table, bits in cases:  # eager; the flag keeps its earlier bits
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        bt.copy_(torch.from_numpy(table))
+        out.fill_(-5)
+        flag.fill_(0x40)
+        cpidx.decode_topk(q, k, bt, sl, 2, out, error_flag=flag, **kw)
+        want, want_bits = host(lens, table)
+        assert want_bits == bits
+        np.testing.assert_array_equal(out.cpu().numpy(), want, err_msg=str(lens))
+        assert int(flag.item()) == 0x40 | bits
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side):
+            cpidx.decode_topk(q, k, bt, sl, 2, out, error_flag=flag, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    for lens, table, bits in cases[::-1]:
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        bt.copy_(torch.from_numpy(table))
+        out.fill_(-5)
+        flag.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(out.cpu().numpy(), host(lens, table)[0], err_msg=str(lens))
+        assert int(flag.item()) == bits
+    with pytest.raises(ValueError, match="^error_flag: .*the inputs' device"):
+        cpidx.decode_topk(q, k, bt, sl, 2, out, error_flag=torch.zeros(1, dtype=torch.int32),
+                          **kw)
+
+    hp, dp, tokens = random_prefill(rng, 2, [64, 3], [1000, 20], 2048)
+    hp["block_table"][0, 2] = 1 << 20
+    dp["block_table"][0, 2] = 1 << 20
+    want, want_flag = np.zeros((2, tokens, 16), np.int32), np.zeros(1, np.int32)
+    cpidx.prefill_topk(**hp, out=want, error_flag=want_flag, scale=0.5, topk=16,
+                       max_seq_len=2048)
+    got = torch.full((2, tokens, 16), -5, dtype=torch.int32, device=DEV)
+    pflag = torch.zeros(1, dtype=torch.int32, device=DEV)
+    cpidx.prefill_topk(**dp, out=got, error_flag=pflag, scale=0.5, topk=16, max_seq_len=2048)
+    torch.cuda.synchronize()
+    assert int(want_flag[0]) == int(pflag.item()) == cpidx.ERR_PAGE_OUT_OF_RANGE
+    np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
 def test_torch_compile_calls_ops():
     rng = np.random.default_rng(13)
     b = random_decode(rng, 4, 1, [1000, 3000], max_seq_len=4096)
@@ -295,7 +365,7 @@ def test_torch_compile_calls_ops():
 
     def f(q, k, bt, sl):
         out = torch.empty((4, q.shape[0], 16), dtype=torch.int32, device=q.device)
-        torch.ops.cpidx.decode_topk(q, k, bt, sl, out, 1, 0.5, 16, 0, 1, 4096, 0)
+        torch.ops.cpidx.decode_topk(q, k, bt, sl, out, 1, 0.5, 16, 0, 1, 4096, 0, None)
         return out.long() + 1
 
     got = torch.compile(f, fullgraph=True)(q, k, bt, sl)

@@ -3,6 +3,7 @@ and the context-parallel halves; every bad argument raises an error naming it. N
 no torch."""
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -479,3 +480,94 @@ def test_an_explicit_decoder_must_match_the_call():
         with pytest.raises(ValueError, match=rf"^{name}: {value} differs from the decoder's "
                                              rf"\({name}="):
             _check_decoder_matches(dec, **dict(same, **{name: value}))
+
+
+def test_error_flag_reports_clamped_values_and_ids_follow_the_clamp():
+    """Bad device-side values are clamped (CONTRACT.md section 8): the call ORs their bits into
+    error_flag, and its ids are those of the clamped inputs."""
+    rng = np.random.default_rng(71)
+    b = random_decode(rng, 2, 2, [300, 768, 129], max_seq_len=768)  # request 1: every page
+    b.seq_lens[1] = 500
+    pages = b.cache.shape[0]
+    sel = (6, 1, 1)
+
+    def ids_and_bits(batch, preset=0, sel=sel):
+        flag = np.full(1, preset, np.int32)
+        return run_decode(batch, *sel, error_flag=flag), int(flag[0])
+
+    clean, bits = ids_and_bits(b)
+    assert bits == 0
+
+    def with_(seq_lens=None, table=None):
+        c = copy.copy(b)
+        c.seq_lens = b.seq_lens.copy() if seq_lens is None else np.array(seq_lens, np.int32)
+        c.block_table = b.block_table.copy() if table is None else table
+        return c
+
+    # A seq_len past max_seq_len reads as max_seq_len, a negative one as 0.
+    ids, bits = ids_and_bits(with_(seq_lens=[300, 768 + 5, 129]))
+    assert bits == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    np.testing.assert_array_equal(ids, run_decode(with_(seq_lens=[300, 768, 129]), *sel))
+    assert not np.array_equal(ids, clean)
+    ids, bits = ids_and_bits(with_(seq_lens=[-4, 500, 129]))
+    assert bits == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    np.testing.assert_array_equal(ids, run_decode(with_(seq_lens=[0, 500, 129]), *sel))
+    assert not np.array_equal(ids, clean)
+    # A block-table entry past the cache reads as its last page, a negative one as page 0; the
+    # flag's earlier bits stay. Two blocks chosen by score alone, so the pages read decide them.
+    by_score = (2, 0, 0)
+    table, clamped = b.block_table.copy(), b.block_table.copy()
+    table[0, 1], clamped[0, 1] = pages + 10, pages - 1
+    table[1, 3], clamped[1, 3] = -2, 0
+    ids, bits = ids_and_bits(with_(table=table), preset=0x100, sel=by_score)
+    assert bits == 0x100 | cpidx.ERR_PAGE_OUT_OF_RANGE
+    np.testing.assert_array_equal(ids, run_decode(with_(table=clamped), *by_score))
+    assert not np.array_equal(ids, run_decode(b, *by_score))
+    swapped = b.block_table.copy()  # each bad entry clamped to the other end of the cache
+    swapped[0, 1], swapped[1, 3] = 0, pages - 1
+    assert not np.array_equal(ids, run_decode(with_(table=swapped), *by_score))
+    ids, bits = ids_and_bits(with_(seq_lens=[300, 900, 129], table=table))
+    assert bits == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE | cpidx.ERR_PAGE_OUT_OF_RANGE
+
+
+def test_prefill_error_flag_reports_clamped_pages():
+    case = golden_cases("prefill")[0]
+    q_lens = case["q_lens"]
+    query, cache, bt, msl = golden_inputs(case["seed"], case["T"], sum(q_lens), case["seq_lens"])
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    ctx = np.array(case["context_lens"], np.int32)
+    sl = np.array(case["seq_lens"], np.int32)
+    common = dict(scale=case["scale"], topk=case["K"], init_blocks=case["init"],
+                  local_blocks=case["local"], max_seq_len=msl)
+
+    def run(table):
+        out = np.full((case["T"], sum(q_lens), case["K"]), 9, np.int32)
+        flag = np.zeros(1, np.int32)
+        cpidx.prefill_topk(query, cache, table, cu, ctx, sl, out, error_flag=flag, **common)
+        return out, int(flag[0])
+
+    ids, bits = run(bt)
+    assert bits == 0
+    np.testing.assert_array_equal(ids, np.array(case["ids"], dtype=np.int32))
+    bad, clamped = bt.copy(), bt.copy()
+    bad[0, 0], clamped[0, 0] = cache.shape[0] + 3, cache.shape[0] - 1
+    ids, bits = run(bad)
+    assert bits == cpidx.ERR_PAGE_OUT_OF_RANGE
+    np.testing.assert_array_equal(ids, run(clamped)[0])
+
+
+@pytest.mark.parametrize("flag, exc, text", [
+    (np.zeros(1, np.int64), ValueError, "int64 array of 1 elements"),
+    (np.zeros(2, np.int32), ValueError, "int32 array of 2 elements"),
+    (np.zeros(1, np.int32).view(), ValueError, "read-only"),
+    ([0], TypeError, "got list"),
+])
+def test_bad_error_flag_is_named(flag, exc, text):
+    if text == "read-only":
+        flag.flags.writeable = False
+    kw = _valid()
+    kw["out"].fill(-5)  # poison: a call that ran would overwrite it
+    before = kw["out"].copy()
+    with pytest.raises(exc, match=f"^error_flag: .*{text}"):
+        cpidx.decode_topk(**kw, error_flag=flag)
+    np.testing.assert_array_equal(kw["out"], before)  # refused before anything ran

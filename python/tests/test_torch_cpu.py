@@ -43,7 +43,7 @@ def test_opcheck_decode_topk():
     q, k, bt, sl = as_torch(b)
     out = torch.zeros((2, b.rows, 4), dtype=torch.int32)
     torch.library.opcheck(torch.ops.cpidx.decode_topk.default,
-                          (q, k, bt, sl, out, 2, 0.5, 4, 0, 1, 512, 0),
+                          (q, k, bt, sl, out, 2, 0.5, 4, 0, 1, 512, 0, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -55,12 +55,41 @@ def test_compile_calls_op_on_cpu():
     cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=8, max_seq_len=768)
 
     def f(q, k, bt, sl, out):
-        torch.ops.cpidx.decode_topk(q, k, bt, sl, out, 1, 0.5, 8, 0, 1, 768, 0)
+        torch.ops.cpidx.decode_topk(q, k, bt, sl, out, 1, 0.5, 8, 0, 1, 768, 0, None)
         return out + 0
 
     got = torch.compile(f, fullgraph=True, backend="eager")(q, k, bt, sl,
                                                             torch.zeros_like(want))
     assert torch.equal(got, want)
+
+
+def test_error_flag_through_the_op_and_compile():
+    rng = np.random.default_rng(3)
+    b = random_decode(rng, 2, 2, [600, 40], max_seq_len=512)  # 600 > max_seq_len: clamped
+    q, k, bt, sl = as_torch(b)
+    want = torch.zeros((2, b.rows, 4), dtype=torch.int32)
+    clamped = sl.clone()
+    clamped[0] = 512
+    cpidx.decode_topk(q, k, bt, clamped, 2, want, scale=b.scale, topk=4, max_seq_len=512)
+    out, flag = torch.full_like(want, -3), torch.zeros(1, dtype=torch.int32)
+    cpidx.decode_topk(q, k, bt, sl, 2, out, scale=b.scale, topk=4, max_seq_len=512,
+                      error_flag=flag)
+    assert torch.equal(out, want) and int(flag) == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    args = (q, k, bt, sl, torch.zeros_like(want), 2, 0.5, 4, 0, 1, 512, 0)
+    torch.library.opcheck(torch.ops.cpidx.decode_topk.default, args + (flag,),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def f(q, k, bt, sl, out, flag):
+        torch.ops.cpidx.decode_topk(q, k, bt, sl, out, 2, 0.5, 4, 0, 1, 512, 0, flag)
+        return out + 0, flag + 0
+
+    flag.zero_()
+    got, bits = torch.compile(f, fullgraph=True, backend="eager")(q, k, bt, sl,
+                                                                  torch.zeros_like(want), flag)
+    assert torch.equal(got, want) and int(bits) == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    with pytest.raises(ValueError, match="^error_flag: .*torch.int64 tensor"):
+        cpidx.decode_topk(q, k, bt, sl, 2, out, scale=b.scale, topk=4, max_seq_len=512,
+                          error_flag=torch.zeros(1, dtype=torch.int64))
 
 
 def _free_port() -> int:
