@@ -110,10 +110,14 @@ struct DecodePlan {
 };
 
 // What cp_decode agrees on with its peers (Communicator::check_agree) before its first
-// collective: this rank's decode rows, or -1 when its own arguments failed. A rank that skips a
-// step's cp_decode for a reason of its own offers -1 (no decode rows at all: 0) under this name,
-// so that its peers' cp_decode fails instead of waiting for it in a collective.
-inline constexpr const char* kCpRowsAgreement = "decode rows (num_reqs * query_len)";
+// collective: this rank's decode rows, plus kCpFusedRouteTag when its keys go through the
+// communicator's device channel (fused_exchange; a rank configured otherwise would wait in
+// another collective until the channel's timeout), or -1 when its own arguments failed. A rank
+// that skips a step's cp_decode for a reason of its own offers -1 (no decode rows at all: 0)
+// under this name, so that its peers' cp_decode fails instead of waiting for it in a collective.
+inline constexpr const char* kCpRowsAgreement =
+    "decode rows (num_reqs * query_len; + 2^40 when the keys go through the fused exchange)";
+inline constexpr long long kCpFusedRouteTag = 1LL << 40;
 
 // A Decoder's workspace is scratch for one step at a time: steps (of any layer) must run in
 // order on one stream, as a model's layers do. Use one Decoder per stream otherwise.

@@ -359,12 +359,22 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
                 "communicator must exchange device memory for the GPU decode");
     return check_cp_decode(local, out, table);
   }();
-  // 0. Every rank must gather the same byte counts, or the collectives below hang or read past
-  // the buffers: agree on the batch rows first (host side only; nothing is captured). A rank
-  // whose own checks failed offers -1, so its peers fail here too instead of waiting for it.
+  // The key gather's route: the communicator's device channel (select_topk stores, merge_topk
+  // polls: no gather kernel) when it has one that fits, else all_gather.
+  const CpGatherBytes gather = cp_gather_bytes(im.geo, n, im.cfg.sel.topk);
+  const int64_t k_lines = static_cast<int64_t>(gather.keys / sizeof(Key));
+  const DeviceChannel* channel = im.cfg.fused_exchange ? comm.device_channel() : nullptr;
+  if (channel != nullptr && (channel->world != P || channel->rank != im.cfg.rank ||
+                             k_lines > channel->capacity)) {
+    channel = nullptr;
+  }
+  // 0. Every rank must gather the same byte counts by the same route, or the collectives below
+  // hang or read past the buffers: agree on the batch rows and the route first (host side only;
+  // nothing is captured). A rank whose own checks failed offers -1, so its peers fail here too
+  // instead of waiting for it.
   if (P > 1 && im.cfg.check_agreement) {
-    const Status agree =
-        comm.check_agree(valid.is_ok() ? n : -1, kCpRowsAgreement);
+    const long long rows = valid.is_ok() ? n + (channel != nullptr ? kCpFusedRouteTag : 0) : -1;
+    const Status agree = comm.check_agree(rows, kCpRowsAgreement);
     CPIDX_RETURN_IF_ERROR(valid);
     CPIDX_RETURN_IF_ERROR(agree);
   }
@@ -384,7 +394,6 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
                                              packed, stream));
     q_send = packed;
   }
-  const CpGatherBytes gather = cp_gather_bytes(im.geo, n, im.cfg.sel.topk);
   CPIDX_RETURN_IF_ERROR(comm.all_gather(q_send, q_recv, gather.queries, stream));
 
   // 2-3. Score all T heads on this rank's shard; keep ordered top-K keys. Global head h comes
@@ -401,14 +410,7 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   Key* keys_recv = im.at<Key>(im.layout.keys_recv);
   p.keys = keys_send;
 
-  // 4. Gather the keys; 5. merge the owned heads. Through the communicator's device channel when
-  // it has one (select_topk stores, merge_topk polls: no gather kernel), else all_gather.
-  const int64_t k_lines = static_cast<int64_t>(gather.keys / sizeof(Key));
-  const DeviceChannel* channel = im.cfg.fused_exchange ? comm.device_channel() : nullptr;
-  if (channel != nullptr && (channel->world != P || channel->rank != im.cfg.rank ||
-                             k_lines > channel->capacity)) {
-    channel = nullptr;
-  }
+  // 4. Gather the keys (by the route agreed above); 5. merge the owned heads.
   if (channel != nullptr) p.channel = *channel;
   CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
   if (channel == nullptr) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cpidx/device_channel.h"
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
 #include "test_util.h"
@@ -320,7 +321,9 @@ inline void expect_exact_on_both_paths(const DecodeData& d, const cpidx::Selecti
 
 // A communicator that runs no collective: all_gather only counts its calls, and check_agree
 // records what this rank offers and answers as its peers would: ok, or, when they are scripted
-// to offer `peer_offers`, kCommError unless this rank offered the same.
+// to offer `peer_offers`, kCommError unless this rank offered the same. `channel`, when set, is
+// offered as its device channel (its pointers are never valid: script the peers so that no
+// kernel runs).
 class ScriptedComm final : public cpidx::Communicator {
  public:
   ScriptedComm(int rank, int world, cpidx::MemorySpace space = cpidx::MemorySpace::kDevice,
@@ -340,9 +343,13 @@ class ScriptedComm final : public cpidx::Communicator {
     return cpidx::Status(cpidx::StatusCode::kCommError, "the ranks disagree");
   }
   cpidx::Status barrier() override { return cpidx::Status::ok(); }
+  const cpidx::DeviceChannel* device_channel() const override {
+    return channel ? &*channel : nullptr;
+  }
   int gathers = 0;
   std::vector<long long> offered;
   std::vector<std::string> labels;
+  std::optional<cpidx::DeviceChannel> channel;
 
  private:
   int rank_, world_;

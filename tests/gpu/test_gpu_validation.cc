@@ -426,6 +426,53 @@ TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
   }
 }
 
+// The key gather's route joins the agreed rows (kCpFusedRouteTag): a rank whose keys would go
+// through the device channel and a peer that gathers them (fused_exchange off, or a channel too
+// small for the step) fail together instead of waiting for each other until the timeout.
+TEST(GpuValidation, CpDecodeAgreesOnTheKeyRoute) {
+  SKIP_WITHOUT_GPU();
+  Fixture f(2, 0);
+  ASSERT_NE(f.dec, nullptr);
+  ASSERT_TRUE(f.dec->config().fused_exchange);
+  cpidx::DecodeConfig gathered_cfg = f.dec->config();
+  gathered_cfg.fused_exchange = false;
+  std::unique_ptr<cpidx::Decoder> gathered;
+  ASSERT_TRUE(cpidx::Decoder::create(gathered_cfg, 0, &gathered).is_ok());
+  const long long rows = f.d.rows();
+  const int64_t key_lines = kT * rows * kK;  // one 8-byte key a line
+  cpidx::DeviceChannel fits;
+  fits.world = 2;
+  fits.rank = 0;
+  fits.capacity = key_lines;
+  cpidx::DeviceChannel small = fits;
+  small.capacity = key_lines - 1;
+  struct RouteCase {
+    std::string name;
+    cpidx::Decoder* dec;
+    std::optional<cpidx::DeviceChannel> channel;
+    long long offers;
+  };
+  const std::vector<RouteCase> cases = {
+      {"fused, the peer gathers", f.dec.get(), fits, rows + cpidx::kCpFusedRouteTag},
+      {"fused_exchange off, the peer fuses", gathered.get(), fits, rows},
+      {"channel too small, the peer fuses", f.dec.get(), small, rows},
+      {"no channel, the peer fuses", f.dec.get(), std::nullopt, rows},
+  };
+  for (const RouteCase& c : cases) {
+    f.poison();
+    const long long peer = c.offers == rows ? rows + cpidx::kCpFusedRouteTag : rows;
+    ScriptedComm comm(0, 2, cpidx::MemorySpace::kDevice, peer);
+    comm.channel = c.channel;
+    EXPECT_TRUE(failed_as(c.dec->cp_decode(comm, f.b.inputs(0, 2), f.dense(), nullptr, nullptr),
+                          {cpidx::StatusCode::kCommError, {"disagree"}}))
+        << c.name;
+    EXPECT_EQ(comm.offered, std::vector<long long>{c.offers}) << c.name;
+    EXPECT_EQ(comm.labels, std::vector<std::string>{cpidx::kCpRowsAgreement}) << c.name;
+    EXPECT_EQ(comm.gathers, 0) << c.name;
+    f.expect_untouched("cp_decode: " + c.name);
+  }
+}
+
 // step_plan is a query of any int arguments: products past the bound (even past INT_MAX) read
 // as the bound's plan, fewer than one column as the narrowest instance's.
 TEST(GpuValidation, StepPlanReadsAnyArgumentsAsDocumented) {

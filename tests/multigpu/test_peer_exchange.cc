@@ -445,6 +445,25 @@ TEST_F(PeerExchange, AbandonIsLocalAndKeepsTheBufferPeersStoreInto) {
   EXPECT_EQ(peers[1], nullptr);
 }
 
+// One rank with fused_exchange off, its peer with it on: the route is part of the agreed rows,
+// so both fail at once (kCommError) instead of each waiting out the 5 s timeout in a collective
+// the other never joins; the error words stay clear and the next step goes through.
+TEST_F(PeerExchange, RanksOnDifferentKeyRoutesFailTogether) {
+  DecodeData d = random_decode(5300, 4, 2, {3000, 500, 7000}, 8192);
+  std::vector<RankResult> res(kWorld);
+  on_threads(kWorld, [&](int r) {
+    res[r] = cp_rank(*peers_[static_cast<size_t>(r)], r, d, sel_of(16), -1, r == 0);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(res[r].status.code(), StatusCode::kCommError) << res[r].status.to_string();
+    EXPECT_NE(res[r].status.message().find("fused exchange"), std::string::npos)
+        << res[r].status.message();
+    for (int32_t x : res[r].ids) ASSERT_EQ(x, cpidx_test::kPoison) << "rank " << r;
+  }
+  expect_error_words_clear("ranks on different routes");
+  expect_threads_cp_equals_plain(peer_ptrs(), d, sel_of(16), "after the refused step");
+}
+
 TEST_F(PeerExchange, RanksThatDisagreeFailTogether) {
   Comms boot = cpidx::make_thread_communicators(kWorld);
   std::vector<Status> st(kWorld);
