@@ -83,7 +83,9 @@ class IndexerCPDecode:
     Teardown: ``close()`` is collective: every rank calls it, in the same order for all of its
     instances. It closes the peer communicator (which waits for every rank before freeing its
     buffers) and then the NCCL one, and frees the workspace; it is idempotent, and any later
-    use raises. ``with IndexerCPDecode(...) as cp:`` closes on a normal exit. An instance
+    use raises; with a host group the ranks agree first, and when one cannot close (a live
+    CUDA graph holds its NCCL gathers) every rank raises and none closes anything.
+    ``with IndexerCPDecode(...) as cp:`` closes on a normal exit. An instance
     dropped without ``close()``, or a ``with`` block left by an exception, never waits for
     other ranks: its peer communicator is abandoned (this rank's buffers stay allocated until
     the process exits, since a peer may still map them), so garbage collection and interpreter
@@ -176,14 +178,16 @@ class IndexerCPDecode:
         self._owned: list = []  # communicators this instance made, in closing order
         self._pg = None  # the torch ProcessGroup of the torch exchange
         self._agree_group = None  # the host (gloo) group each step agrees through
+        self._host = None  # the host group, also for close()'s agreement
         self._closed = False
         self.exchange = "none"
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
         self._agree_always = check_agreement is True
         if world_size > 1:
             self._setup_exchange(group, exchange)
+            self._host = self._host_group(group)
             if check_agreement is not False:
-                self._agree_group = self._host_group(group)
+                self._agree_group = self._host
             if check_agreement and self._agree_group is None:
                 warnings.warn(f"IndexerCPDecode(check_agreement=True): group {group!r} has no "
                               f"host (gloo) group to agree through: steps are not checked",
@@ -468,16 +472,39 @@ class IndexerCPDecode:
         peer communicator, then the NCCL one (those this instance made; a Communicator passed as
         ``group`` stays open), and frees the buffers. Idempotent; any later use raises. Destroy
         the CUDA graphs that captured its steps first: with the NCCL exchange it raises while
-        one lives, and can be called again once they are gone (see the class docstring)."""
+        one lives, and can be called again once they are gone (see the class docstring). With a
+        host group the ranks agree first: when one cannot close, every rank raises and none
+        closes anything."""
         if self._closed:
             return
         if self._closes_collectively():
             _refuse_during_capture(f"{self!r}.close() (collective: it closes its "
                                    f"communicators)")
+            self._agree_to_close()
         while self._owned:
             self._owned[0].close()  # raises before anything is dropped if it cannot close yet
             self._owned.pop(0)
         self._drop()
+
+    def _agree_to_close(self) -> None:
+        """With a host group, every rank closes or none does: each asks its communicators why
+        they could not close (a live CUDA graph holding an NCCL gather, a call in flight on
+        another thread) and the ranks all-reduce the answer before anything is closed. Otherwise
+        one rank could close while another raised, and the next collective (a new instance
+        for the same key, say) would find them out of step."""
+        if self._host is None:
+            return
+        blocker = next((why for why in (c._close_blocker(ignore_dependents=True)
+                                        for c in self._owned) if why), None)
+        any_blocked = torch.tensor([0 if blocker is None else 1], dtype=torch.int64)
+        dist.all_reduce(any_blocked, op=dist.ReduceOp.MAX, group=self._host)
+        if blocker is not None:
+            raise RuntimeError(f"{self!r}.close(): {blocker}; nothing was closed, on any rank: "
+                               f"call close() again on every rank")
+        if int(any_blocked):
+            raise RuntimeError(f"{self!r}.close(): another rank cannot close yet (it raised the "
+                               f"reason); nothing was closed, on any rank: call close() again on "
+                               f"every rank")
 
     def _closes_collectively(self) -> bool:
         """Whether close() closes communicators this instance made (collective, synchronising)."""

@@ -4,6 +4,7 @@
 // id that Python broadcasts over its own process group, the peer one (cpidx/comm_peer.h, when
 // built) over another cpidx Communicator, usually that NCCL one.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -74,15 +75,14 @@ Communicator& PyCommunicator::get(const char* arg) {
   return *comm_;
 }
 
-void PyCommunicator::close() {
-  if (comm_ == nullptr) return;
-  if (dependents_ > 0) {
-    throw std::runtime_error(describe() + " is the bootstrap of " + std::to_string(dependents_) +
-                             " open peer communicator(s): close those first");
+std::optional<std::string> PyCommunicator::close_blocker(bool ignore_dependents) {
+  if (comm_ == nullptr) return std::nullopt;
+  if (dependents_ > 0 && !ignore_dependents) {
+    return describe() + " is the bootstrap of " + std::to_string(dependents_) +
+           " open peer communicator(s): close those first";
   }
   if (in_use_ > 0) {
-    throw std::runtime_error(describe() +
-                             " is in use by a call on another thread; close it after that call");
+    return describe() + " is in use by a call on another thread; close it after that call";
   }
 #if defined(CPIDX_PY_NCCL)
   long long held = 0;
@@ -91,12 +91,17 @@ void PyCommunicator::close() {
     held = nccl_gathers_in_live_graphs(*comm_, 1.0);
   }
   if (held > 0) {
-    throw std::runtime_error(describe() + ": " + std::to_string(held) +
-                             " of its gathers are in CUDA graphs that are still alive (captured "
-                             "steps); delete those graphs first: NCCL's destroy would wait for "
-                             "them forever");
+    return describe() + ": " + std::to_string(held) +
+           " of its gathers are in CUDA graphs that are still alive (captured steps); delete "
+           "those graphs first: NCCL's destroy would wait for them forever";
   }
 #endif
+  return std::nullopt;
+}
+
+void PyCommunicator::close() {
+  if (comm_ == nullptr) return;
+  if (const std::optional<std::string> why = close_blocker(false)) throw std::runtime_error(*why);
   std::unique_ptr<Communicator> comm = std::move(comm_);  // closed for every other thread now
   {
     nb::gil_scoped_release release;  // collective: waits for every rank
@@ -138,6 +143,9 @@ void bind_comm(nb::module_& m) {
            "Collective teardown: every rank calls it, in the same order for every communicator. "
            "A peer communicator closes its mappings, waits for every rank (through its "
            "bootstrap) and frees its buffers; close it before its bootstrap. Idempotent.")
+      .def("_close_blocker", &PyCommunicator::close_blocker, "ignore_dependents"_a = false,
+           "Why close() would raise now, or None; local, closes nothing. ignore_dependents: the "
+           "open peer communicators built over it are about to close first.")
       .def(
           "read_error_flag",
           [](PyCommunicator& c) -> nb::object {

@@ -7,6 +7,7 @@
 #include <nanobind/nanobind.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "cpidx/comm.h"
@@ -33,6 +34,10 @@ class PyCommunicator {
   // that captured one of its gathers lives: NCCL's destroy would wait for it forever. (A
   // finalizer destroys it anyway: the C++ destructor then leaves the ncclComm_t to the process.)
   void close();
+  // Why close() would raise now (the same checks, NCCL's wait for live graphs included), or
+  // nothing; closes nothing. ignore_dependents: the open peer communicators built over this one
+  // are about to close first (a teardown that agrees with its peers before closing anything).
+  std::optional<std::string> close_blocker(bool ignore_dependents);
   // Process exit: lets go of the communicator without destroying it (its memory, threads and
   // mappings go with the process). A destroy could wait forever there: NCCL's waits for every
   // live CUDA graph that captured one of its kernels, and an engine's graphs usually outlive

@@ -253,6 +253,78 @@ def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
     assert kind == "ValueError" and "another rank's arguments" in msg
 
 
+class _ClosableComm:
+    """Stands in for a library communicator an instance made: close() refuses while `blocked`
+    (as an NCCL one does while a live CUDA graph holds its gathers)."""
+
+    def __init__(self, blocked):
+        self.blocked, self.closes = blocked, 0
+
+    def _close_blocker(self, ignore_dependents=False):
+        return "a CUDA graph still holds 2 of its gathers" if self.blocked else None
+
+    def close(self):
+        if self.blocked:
+            raise RuntimeError("a CUDA graph still holds 2 of its gathers")
+        self.closes += 1
+
+
+def _gloo_close_rank(rank, world, port, results):
+    """registry.clear() where one rank's communicator cannot close yet: every rank raises and
+    keeps its instance (none closes), so the ranks stay in step; once it can, every rank closes."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen = {}
+    try:
+        reg = cpidx.Registry()
+        kw = dict(total_heads=2, rank=rank, world_size=world, max_tokens=16, max_seq_len=1536,
+                  topk=6, init_blocks=1, local_blocks=1, group=dist.group.WORLD, device="cpu",
+                  check_agreement=False)  # steps unchecked; close() agrees all the same
+        cp = reg.cp_decode(**kw)
+        comm = _ClosableComm(blocked=rank == 1)
+        cp._owned = [comm]
+        try:
+            reg.clear()
+            seen["first"] = None
+        except RuntimeError as e:
+            seen["first"] = str(e)
+        seen["kept"] = (len(reg), cp.closed, comm.closes, reg.cp_decode(**kw) is cp)
+        comm.blocked = False
+        reg.clear()
+        seen["second"] = (len(reg), cp.closed, comm.closes)
+        results[rank] = seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_registry_clear_closes_on_every_rank_or_on_none():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_close_rank, args=(r, 2, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, "a rank hung"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    r0, r1 = results[0], results[1]
+    assert "another rank cannot close yet" in r0["first"], r0["first"]
+    assert "a CUDA graph still holds 2 of its gathers" in r1["first"], r1["first"]
+    for r in (r0, r1):
+        assert "nothing was closed, on any rank" in r["first"], r["first"]
+        assert r["kept"] == (1, False, 0, True), r["kept"]
+        assert r["second"] == (0, True, 1), r["second"]
+
+
 def test_indexer_cp_decode_checks_its_bounds_by_name():
     base = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=16,
                 init_blocks=0, local_blocks=1, group=None, device="cpu")
