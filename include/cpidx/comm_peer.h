@@ -37,6 +37,10 @@ constexpr int32_t kPeerErrorTimeout = 1;
 //  - Fails on every rank with kUnsupported (world > kPeerMaxRanks, a pair of GPUs without peer
 //    access, ranks on different hosts, IPC refused) or kInvalidArgument (bad device, sizes that
 //    differ between ranks), naming the rank and the reason: fall back to NCCL then.
+//  - A device-memory bootstrap (NCCL) gathers the set-up messages through a few KB staged on
+//    `device`, or, where this rank cannot allocate there (a bad device), on the caller's current
+//    device (its NCCL device, usually), so the failing rank still joins the gathers. A rank that
+//    can stage on neither returns at once and leaves its peers in the bootstrap's gather.
 // Allocates, once, peer-mapped receive buffers (2 parities x P ranks x the payload in 16-byte
 // lines of 8 payload bytes: about 4 x P x max_bytes_per_rank), the same again for its device
 // channel (below), and a few device words. A waiting

@@ -238,37 +238,91 @@ struct PeerInfo {
 };
 
 // The verdict of each rank after mapping its peers.
+constexpr int32_t kVerdictMagic = 0x76657264;  // "verd"
 struct Verdict {
-  int32_t code;  // StatusCode (0: every peer mapped)
-  int32_t reserved;
+  int32_t code;   // StatusCode (0: every peer mapped)
+  int32_t magic;  // kVerdictMagic: a verdict that lacks it (a rank that could not stage its
+                  // own) reads as a failure
   char message[504];
 };
 
-// all_gather of host `mine` (bytes) into host `all` ([world, bytes]) through the bootstrap,
-// staged through device memory of `device` when the bootstrap gathers device memory.
-Status bootstrap_gather(Communicator& boot, int device, const void* mine, void* all, size_t bytes) {
-  if (boot.memory_space() == MemorySpace::kHost) return boot.all_gather(mine, all, bytes, nullptr);
-  const size_t world = static_cast<size_t>(boot.world_size());
-  void *d_send = nullptr, *d_recv = nullptr;
-  cudaStream_t stream = nullptr;
-  Status st = [&]() -> Status {
-    PEER_CUDA(cudaSetDevice(device));
-    PEER_CUDA(cudaMalloc(&d_send, bytes));
-    PEER_CUDA(cudaMalloc(&d_recv, bytes * world));
-    PEER_CUDA(cudaMemcpy(d_send, mine, bytes, cudaMemcpyHostToDevice));
-    // A pageable copy may return before its DMA lands; the gather runs on another stream.
-    PEER_CUDA(cudaDeviceSynchronize());
-    PEER_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    CPIDX_RETURN_IF_ERROR(boot.all_gather(d_send, d_recv, bytes, stream));
-    PEER_CUDA(cudaStreamSynchronize(stream));
-    PEER_CUDA(cudaMemcpy(all, d_recv, bytes * world, cudaMemcpyDeviceToHost));
-    return Status::ok();
-  }();
-  if (stream != nullptr) cudaStreamDestroy(stream);
-  if (d_send != nullptr) cudaFree(d_send);
-  if (d_recv != nullptr) cudaFree(d_recv);
-  return st;
+// Text of a fixed-size field received from a peer, NUL or not.
+template <size_t N>
+std::string text_of(const char (&field)[N]) {
+  return std::string(field, strnlen(field, N));
 }
+
+// Device memory a device-memory bootstrap gathers the set-up messages through. Staged once,
+// before this rank's own set-up, on `device` or, when this rank cannot use it (a bad device, no
+// memory left there), on `fallback` (the caller's current device): a rank whose set-up fails
+// must still join the gathers its peers wait in, its message carrying the failure.
+class BootstrapStage {
+ public:
+  BootstrapStage(Communicator& boot, int device, int fallback, size_t bytes)
+      : boot_(boot), bytes_(bytes) {
+    if (boot.memory_space() == MemorySpace::kHost) return;
+    status_ = stage(device);
+    if (!status_.is_ok() && fallback >= 0 && fallback != device) {
+      release();
+      status_ = stage(fallback);
+    }
+  }
+  ~BootstrapStage() { release(); }
+  BootstrapStage(const BootstrapStage&) = delete;
+  BootstrapStage& operator=(const BootstrapStage&) = delete;
+
+  // all_gather of host `mine` (bytes <= the staged bytes) into host `all` ([world, bytes]).
+  // Once staged, the gather runs even when the copy in failed (the peers then read a message
+  // without its magic, a failure), so no peer is left waiting for this rank.
+  Status gather(const void* mine, void* all, size_t bytes) {
+    if (boot_.memory_space() == MemorySpace::kHost) {
+      return boot_.all_gather(mine, all, bytes, nullptr);
+    }
+    CPIDX_RETURN_IF_ERROR(status_);  // nothing staged: the peers wait (comm_peer.h)
+    const size_t world = static_cast<size_t>(boot_.world_size());
+    Status copied = [&]() -> Status {
+      PEER_CUDA(cudaSetDevice(device_));
+      PEER_CUDA(cudaMemset(send_, 0, bytes_));
+      PEER_CUDA(cudaMemcpy(send_, mine, bytes, cudaMemcpyHostToDevice));
+      // A pageable copy may return before its DMA lands; the gather runs on another stream.
+      return cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    }();
+    CPIDX_RETURN_IF_ERROR(boot_.all_gather(send_, recv_, bytes, stream_));
+    PEER_CUDA(cudaStreamSynchronize(stream_));
+    CPIDX_RETURN_IF_ERROR(copied);
+    PEER_CUDA(cudaMemcpy(all, recv_, bytes * world, cudaMemcpyDeviceToHost));
+    return Status::ok();
+  }
+
+ private:
+  Status stage(int device) {
+    const size_t world = static_cast<size_t>(boot_.world_size());
+    device_ = device;
+    const Status st = [&]() -> Status {
+      PEER_CUDA(cudaSetDevice(device));
+      PEER_CUDA(cudaMalloc(&send_, bytes_));
+      PEER_CUDA(cudaMalloc(&recv_, bytes_ * world));
+      PEER_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      return Status::ok();
+    }();
+    if (!st.is_ok()) cudaGetLastError();  // not sticky: the next attempt starts clean
+    return st;
+  }
+  void release() {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (send_ != nullptr) cudaFree(send_);
+    if (recv_ != nullptr) cudaFree(recv_);
+    stream_ = nullptr;
+    send_ = recv_ = nullptr;
+  }
+
+  Communicator& boot_;
+  size_t bytes_;
+  int device_ = -1;
+  void *send_ = nullptr, *recv_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  Status status_;
+};
 
 std::string boot_id() {
   std::ifstream f("/proc/sys/kernel/random/boot_id");
@@ -559,6 +613,10 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   parts.timeout_ns = static_cast<unsigned long long>(timeout_seconds * 1e9);
   parts.peers.assign(static_cast<size_t>(world), nullptr);
 
+  // 0. The bootstrap's staging memory first, so that a failing set-up below still joins the
+  // gathers (a device bootstrap; a host one needs none).
+  BootstrapStage stage(bootstrap, device, prev, std::max(sizeof(PeerInfo), sizeof(Verdict)));
+
   // 1. Local set-up; its failure is exchanged rather than returned, so no rank is left waiting.
   PeerInfo mine;
   std::memset(&mine, 0, sizeof(mine));
@@ -577,7 +635,7 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
 
   // 2. Exchange; map every peer's buffer unless some rank failed already.
   std::vector<PeerInfo> infos(static_cast<size_t>(world));
-  Status mapped = bootstrap_gather(bootstrap, device, &mine, infos.data(), sizeof(PeerInfo));
+  Status mapped = stage.gather(&mine, infos.data(), sizeof(PeerInfo));
   for (int q = 0; q < world && mapped.is_ok(); ++q) {
     if (infos[static_cast<size_t>(q)].magic != kInfoMagic) {
       mapped = Status(StatusCode::kCommError,
@@ -596,7 +654,7 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
     const PeerInfo& o = infos[static_cast<size_t>(q)];
     if (o.code != 0) {
       mapped = Status(static_cast<StatusCode>(o.code),
-                      "rank " + std::to_string(q) + ": " + std::string(o.message));
+                      "rank " + std::to_string(q) + ": " + text_of(o.message));
     }
   }
   for (int q = 0; q < world && mapped.is_ok(); ++q) {
@@ -608,16 +666,22 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   Verdict verdict;
   std::memset(&verdict, 0, sizeof(verdict));
   verdict.code = static_cast<int32_t>(mapped.code());
+  verdict.magic = kVerdictMagic;
   copy_text(verdict.message, mapped.message());
   std::vector<Verdict> verdicts(static_cast<size_t>(world));
-  Status agreed = bootstrap_gather(bootstrap, device, &verdict, verdicts.data(), sizeof(Verdict));
+  Status agreed = stage.gather(&verdict, verdicts.data(), sizeof(Verdict));
   if (agreed.is_ok()) {
     for (int q = 0; q < world; ++q) {
       const Verdict& v = verdicts[static_cast<size_t>(q)];
+      if (v.magic != kVerdictMagic) {
+        agreed = Status(StatusCode::kCommError, "peer communicator unavailable: rank " +
+                                                    std::to_string(q) + " sent no verdict");
+        break;
+      }
       if (v.code == 0) continue;
-      agreed =
-          Status(static_cast<StatusCode>(v.code), "peer communicator unavailable (seen by rank " +
-                                                      std::to_string(q) + "): " + v.message);
+      agreed = Status(static_cast<StatusCode>(v.code),
+                      "peer communicator unavailable (seen by rank " + std::to_string(q) +
+                          "): " + text_of(v.message));
       break;
     }
   }

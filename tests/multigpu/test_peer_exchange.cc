@@ -328,6 +328,27 @@ TEST_F(PeerExchange, NcclCommunicatorAsBootstrap) {
   peers.clear();
 }
 
+// A bad device on one rank over an NCCL bootstrap: that rank cannot stage its set-up message
+// there, so it stages on its current device and still joins the gathers; every rank fails,
+// naming rank 1, instead of rank 0 waiting in NCCL for it. The bootstrap stays in step.
+TEST_F(PeerExchange, BadDeviceOverAnNcclBootstrapFailsEveryRank) {
+  std::vector<Status> st(kWorld);
+  Comms peers(kWorld);
+  on_threads(kWorld, [&](int r) {
+    DeviceScope scope(r);  // the caller's current device is its NCCL device
+    peers[r] = cpidx::make_peer_communicator(*nccl_[static_cast<size_t>(r)], r == 1 ? 999 : r,
+                                             4096, &st[r]);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(peers[r], nullptr);
+    EXPECT_EQ(st[r].code(), StatusCode::kInvalidArgument) << st[r].to_string();
+    EXPECT_NE(st[r].message().find("rank 1"), std::string::npos) << st[r].message();
+  }
+  peers = make_peers(nccl_, 4096, &st);
+  for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(st[r].is_ok()) << st[r].to_string();
+  peers.clear();
+}
+
 TEST_F(PeerExchange, MissingPeerRaisesTheErrorWordInsteadOfHanging) {
   Comms boot = cpidx::make_thread_communicators(kWorld);
   std::vector<Status> st;
