@@ -564,13 +564,17 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
   const double shard_bytes = cache_bytes / P;
   res.cache_mb = cache_bytes / 1e6;
   res.floor_us = shard_bytes / 4.5e12 * 1e6;
-  // Enough sets that one graph replay reads >= 480 MiB per GPU (past the 60 MiB L2 8 times),
-  // at most 128: each set's step holds two captured NCCL collectives, and a few thousand of them
-  // made the 1 x 8K set-up outlast its time box on the 2-GPU machine (docs/perf/README.md).
-  // So B*L = 8K rotates only 128 shards: 127 MiB at P = 2 in bf16 (2.1 x the L2), 64 at P = 4
-  // or fp8, 32 at both; its rows' rotated_mb says so (compare_peer.py marks them off-method).
+  // Enough sets that one graph replay reads >= 480 MiB per GPU (past the 60 MiB L2 8 times).
+  // Through NCCL at most 128: each set's step holds two captured NCCL collectives, and a few
+  // thousand of them made the 1 x 8K set-up outlast its time box on the 2-GPU machine
+  // (docs/perf/README.md), so B*L = 8K rotates only 128 shards there: 127 MiB at P = 2 in bf16
+  // (2.1 x the L2), 64 at P = 4 or fp8, 32 at both; its rows' rotated_mb says so
+  // (compare_peer.py marks them off-method). The peer exchanges capture the library's own
+  // kernels, no NCCL call: up to 512 sets, the 480 MiB at P = 2 in bf16.
+  const bool peer_exchange = sh.exchange == "peer" || sh.exchange == "peer-gather";
+  const double most_sets = peer_exchange ? 512 : 128;
   res.sets = static_cast<int>(
-      std::min(128.0, std::max<double>(1, std::ceil(480.0 * (1 << 20) / shard_bytes))));
+      std::min(most_sets, std::max<double>(1, std::ceil(480.0 * (1 << 20) / shard_bytes))));
   const int calls_per_set = res.sets == 1 ? 2 : 1;
   res.calls = res.sets * calls_per_set;
 
@@ -607,8 +611,7 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
   }
 
   auto& nccl = im.comms[P];
-  const bool peer = sh.exchange == "peer" || sh.exchange == "peer-gather";
-  if (nccl.empty() && !peer) {
+  if (nccl.empty() && !peer_exchange) {
     std::vector<int> devices;
     for (int r = 0; r < P; ++r) devices.push_back(r);
     Status st;
@@ -619,7 +622,7 @@ StepResult StepBench::run(const StepShape& sh, int replays) {
     }
   }
   std::vector<std::unique_ptr<Communicator>>* comms_of_shape = &nccl;
-  if (peer) {
+  if (peer_exchange) {
 #if defined(CPIDX_WITH_PEER)
     auto& peers = im.peers[P];
     if (peers.empty() || im.peer_max[P] < need) {
