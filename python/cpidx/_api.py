@@ -18,7 +18,9 @@ MAX_QUERY_LEN = 8
 MAX_HEADS = 8  # index heads T
 # Bits of an error flag (``error_flag=``, ``Decoder.error_flag()``): values the device clamped
 # instead of reading out of bounds (CONTRACT.md section 8).
-ERR_SEQ_LEN_OUT_OF_RANGE = _C.ERR_SEQ_LEN_OUT_OF_RANGE  # seq_len < 0 or > max_seq_len
+# A length out of [0, max_seq_len] (decode seq_lens; prefill seq_lens, context_lens, and a
+# cu_seqlens_q entry the clamp to a non-decreasing sequence in [0, tokens] moved).
+ERR_SEQ_LEN_OUT_OF_RANGE = _C.ERR_SEQ_LEN_OUT_OF_RANGE
 ERR_PAGE_OUT_OF_RANGE = _C.ERR_PAGE_OUT_OF_RANGE  # a block-table entry outside the cache
 
 
@@ -79,18 +81,26 @@ def _current_stream(device: Any) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _refuse_during_capture(what: str) -> None:
-    """Raises (before any CUDA call) when the current CUDA stream is capturing a graph. ``what``
-    allocates device memory or synchronises (creating a Decoder, Prefiller or IndexerCPDecode;
-    a collective close), which a capture forbids: CUDA's own refusal would also invalidate the
-    capture, this one leaves it valid."""
+def _capture_refusal(what: str) -> Optional[str]:
+    """Why ``what`` may not run now, when the current CUDA stream is capturing a graph (read
+    without any CUDA call), else None. ``what`` allocates device memory or synchronises
+    (creating a Decoder, Prefiller or IndexerCPDecode; a collective close), which a capture
+    forbids: CUDA's own refusal would also invalidate the capture, this one leaves it valid."""
     torch = _torch_module()
     if torch is None or not torch.cuda.is_available():
-        return
+        return None
     if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{what}: a CUDA graph is being captured on the current stream, and "
-                           f"this allocates and synchronises, which a capture forbids; do it "
-                           f"before capturing (the capture is still valid)")
+        return (f"{what}: a CUDA graph is being captured on the current stream, and this "
+                f"allocates and synchronises, which a capture forbids; do it before capturing "
+                f"(the capture is still valid)")
+    return None
+
+
+def _refuse_during_capture(what: str) -> None:
+    """Raises _capture_refusal's reason, if any."""
+    why = _capture_refusal(what)
+    if why is not None:
+        raise RuntimeError(why)
 
 
 def _check_error_flag(error_flag: Any, index_query: Any) -> None:
@@ -121,6 +131,22 @@ def _or_host_error_bits(error_flag: Any, bits: int) -> None:
     if error_flag is not None and bits:
         flat = error_flag.reshape(-1)  # a view: one element
         flat[0] = int(flat[0]) | int(bits)
+
+
+def _op_takes(error_flag: Any) -> bool:
+    """The registered ops take a tensor flag or none; another one goes to the eager path, which
+    names it."""
+    return error_flag is None or _is_torch(error_flag)
+
+
+def _run_flagged(gpu: Any, error_flag: Any, stream: int, step: Any) -> None:
+    """``step()`` on ``stream``; with a flag, the Decoder's or Prefiller's own flag is cleared
+    before and OR-ed into ``error_flag`` after it, stream-ordered (no sync, capturable)."""
+    if error_flag is not None:
+        gpu.clear_error_flag(stream=stream)
+    step()
+    if error_flag is not None:  # on the current stream, after the step's kernels
+        error_flag.view(1).bitwise_or_(gpu.error_flag())
 
 
 def _token_bucket(n: int) -> int:
@@ -203,11 +229,25 @@ class Registry:
         next ``cp_decode`` of its key), so a later ``clear()`` tries it again."""
         with self._lock:
             shared = list(self._cp.items())
+            refusal = None
             if any(cp._closes_collectively() for _, cp in shared):
-                _refuse_during_capture("Registry.clear() (it closes the shared IndexerCPDecode "
-                                       "instances: collective)")
-            self._decoders.clear()
-            self._prefillers.clear()
+                refusal = _capture_refusal("Registry.clear() (it closes the shared "
+                                           "IndexerCPDecode instances: collective)")
+            if refusal is None:
+                self._decoders.clear()
+                self._prefillers.clear()
+        if refusal is not None:
+            # Nothing is closed or dropped during a capture; each collective close is still
+            # called, and refuses too, after agreeing with the other ranks through its host
+            # group (every rank raises there), so a rank that is not capturing is not left
+            # waiting for this one.
+            for _, cp in shared:
+                if cp._closes_collectively():
+                    try:
+                        cp.close()
+                    except Exception:  # noqa: BLE001 - refused, as expected; reported below
+                        pass
+            raise RuntimeError(refusal)
         error: Optional[BaseException] = None
         for key, cp in shared:
             try:
@@ -278,7 +318,7 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     """
     if _is_torch(index_query):
         torch = _torch_module()
-        op_flag = error_flag is None or _is_torch(error_flag)  # else named by _decode_now
+        op_flag = _op_takes(error_flag)
         if attention_block_table is None and sparse_block_table_out is None and \
                 sparse_context_lens_out is None and block_page_stride is None and decoder is None \
                 and registry is None and op_flag:
@@ -343,12 +383,9 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                                   cache_dtype=_cache_dtype_name(index_cache))
         with _torch_module().cuda.device(index_query.device):  # its stream's device is current
             stream = _current_stream(index_query.device)
-            if error_flag is not None:
-                decoder.clear_error_flag(stream=stream)
-            decoder.decode(index_query, _as_bits(index_cache), block_table, seq_lens, query_len,
-                           out, scale=scale, stream=stream, **table)
-            if error_flag is not None:  # on the current stream, after the step's kernels
-                error_flag.view(1).bitwise_or_(decoder.error_flag())
+            _run_flagged(decoder, error_flag, stream, lambda: decoder.decode(
+                index_query, _as_bits(index_cache), block_table, seq_lens, query_len, out,
+                scale=scale, stream=stream, **table))
         return
     if decoder is not None:
         raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
@@ -374,10 +411,13 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     :class:`cpidx.Prefiller` for this shape (``max_tokens`` fixes its size; default: the next
     power of two >= tokens; with ``registry`` given, that registry's, called directly rather
     than through the op). Allocation-free after the first call of a shape. ``error_flag``: as
-    for :func:`decode_topk` (the prefiller's own flag is cleared first on CUDA tensors).
+    for :func:`decode_topk` (the prefiller's own flag is cleared first on CUDA tensors); here
+    ``ERR_SEQ_LEN_OUT_OF_RANGE`` also stands for a ``context_lens`` or ``seq_lens`` entry out of
+    ``[0, max_seq_len]`` and a ``cu_seqlens_q`` that is not non-decreasing in ``[0, tokens]``
+    (clamped into such a sequence), ``ERR_PAGE_OUT_OF_RANGE`` for a block-table entry outside
+    the cache.
     """
-    if _is_torch(index_query) and registry is None and (error_flag is None or
-                                                         _is_torch(error_flag)):
+    if _is_torch(index_query) and registry is None and _op_takes(error_flag):
         _torch_module().ops.cpidx.prefill_topk(
             index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
             seq_lens, out, float(scale), topk, init_blocks, local_blocks, max_seq_len,
@@ -414,9 +454,6 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                         cache_dtype=_cache_dtype_name(index_cache))
     with _torch_module().cuda.device(index_query.device):  # its stream's device is current
         stream = _current_stream(index_query.device)
-        if error_flag is not None:
-            pre.clear_error_flag(stream=stream)
-        pre.prefill(index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
-                    seq_lens, out, scale=scale, stream=stream)
-        if error_flag is not None:  # on the current stream, after the step's kernels
-            error_flag.view(1).bitwise_or_(pre.error_flag())
+        _run_flagged(pre, error_flag, stream, lambda: pre.prefill(
+            index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens, seq_lens,
+            out, scale=scale, stream=stream))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, _as_bits,
+from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, _as_bits, _capture_refusal,
                    _refuse_during_capture, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
@@ -74,7 +74,8 @@ class IndexerCPDecode:
     one (an NCCL-only ProcessGroup, or a :class:`cpidx.Communicator` as ``group``) there is no
     check, as with the C++ NCCL communicator without a host channel; ``check_agreement=True``
     then warns once. ``cp.check_agreement`` says what applies: ``"every step"``,
-    ``"captures"`` or ``None``.
+    ``"captures"`` or ``None``. ``close()`` agrees through the host group whatever
+    ``check_agreement`` says (below).
 
     A peer exchange never hangs: a rank whose peer stops sending gives up after the
     communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in its error bits;
@@ -478,8 +479,6 @@ class IndexerCPDecode:
         if self._closed:
             return
         if self._closes_collectively():
-            _refuse_during_capture(f"{self!r}.close() (collective: it closes its "
-                                   f"communicators)")
             self._agree_to_close()
         while self._owned:
             self._owned[0].close()  # raises before anything is dropped if it cannot close yet
@@ -487,20 +486,28 @@ class IndexerCPDecode:
         self._drop()
 
     def _agree_to_close(self) -> None:
-        """With a host group, every rank closes or none does: each asks its communicators why
-        they could not close (a live CUDA graph holding an NCCL gather, a call in flight on
-        another thread) and the ranks all-reduce the answer before anything is closed. Otherwise
-        one rank could close while another raised, and the next collective (a new instance
-        for the same key, say) would find them out of step."""
-        if self._host is None:
+        """Raises (closing nothing) when this rank cannot close now: a CUDA graph is being
+        captured (checked before any CUDA call), a live graph holds an NCCL gather, a call is in
+        flight on another thread. With a host group every rank closes or none does: the ranks
+        all-reduce their answers first, each reaching the all-reduce whatever its own, so that
+        no rank closes while another raised (the next collective, a new instance for the same
+        key say, would find them out of step) and none is left waiting in it."""
+        blocker = _capture_refusal(f"{self!r}.close() (collective: it closes its communicators)")
+        if self._host is None:  # alone: the communicators' close() raises their own reasons
+            if blocker is not None:
+                raise RuntimeError(blocker)
             return
-        blocker = next((why for why in (c._close_blocker(ignore_dependents=True)
-                                        for c in self._owned) if why), None)
+        if blocker is None:
+            try:
+                why = (c._close_blocker(ignore_dependents=True) for c in self._owned)
+                blocker = next((f"{self!r}.close(): {w}" for w in why if w), None)
+            except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+                blocker = f"{self!r}.close(): {type(e).__name__}: {e}"
         any_blocked = torch.tensor([0 if blocker is None else 1], dtype=torch.int64)
         dist.all_reduce(any_blocked, op=dist.ReduceOp.MAX, group=self._host)
         if blocker is not None:
-            raise RuntimeError(f"{self!r}.close(): {blocker}; nothing was closed, on any rank: "
-                               f"call close() again on every rank")
+            raise RuntimeError(f"{blocker}; nothing was closed, on any rank: call close() again "
+                               f"on every rank")
         if int(any_blocked):
             raise RuntimeError(f"{self!r}.close(): another rank cannot close yet (it raised the "
                                f"reason); nothing was closed, on any rank: call close() again on "

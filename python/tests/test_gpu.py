@@ -508,10 +508,15 @@ def test_peer_communicator_holds_its_bootstrap_until_closed():
     peer.clear_error_flag(stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert peer.read_error_flag() == 0
+    # What close() would raise, without closing (the close agreement of IndexerCPDecode asks
+    # it with the peer about to close first, so the bootstrap is no blocker there).
+    assert "bootstrap of 1 open peer communicator" in boot._close_blocker()
+    assert boot._close_blocker(ignore_dependents=True) is None and peer._close_blocker() is None
     with pytest.raises(RuntimeError, match="bootstrap of 1 open peer communicator"):
         boot.close()
     assert not boot.closed
     peer.close()
+    assert boot._close_blocker() is None
     peer.close()
     for use in (lambda: peer.rank, peer.read_error_flag):
         with pytest.raises(RuntimeError, match=r"Communicator\(peer, rank 0 of 1\) is closed"):

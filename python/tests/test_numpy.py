@@ -346,8 +346,11 @@ def test_communicator_close_is_idempotent_and_use_after_close_is_named():
     assert a.read_error_flag() is None  # only peer communicators have an error word
     a.clear_error_flag()  # nothing to clear
     assert cpidx.PEER_ERROR_TIMEOUT == 1
+    assert a._close_blocker() is None  # nothing keeps it open (closes nothing)
+    assert not a.closed
     a.close()
     a.close()
+    assert a._close_blocker() is None  # closed: nothing to refuse
     assert a.closed and not b.closed and b.rank == 1
     assert "closed" in repr(a)
     for use in (lambda: a.rank, lambda: a.world_size, lambda: a.device_memory,
@@ -396,6 +399,9 @@ class _CollectiveInstance:
         return True
 
     def close(self):
+        from cpidx._api import _refuse_during_capture
+
+        _refuse_during_capture("the stand-in's close()")  # as IndexerCPDecode.close() does
         self.closes += 1
         self.closed = True
 

@@ -270,8 +270,9 @@ class _ClosableComm:
 
 
 def _gloo_close_rank(rank, world, port, results):
-    """registry.clear() where one rank's communicator cannot close yet: every rank raises and
-    keeps its instance (none closes), so the ranks stay in step; once it can, every rank closes."""
+    """registry.clear() where one rank cannot close yet (its communicator refuses, then it is
+    capturing a graph): every rank raises and keeps its instance (none closes), so the ranks
+    stay in step; once it can, every rank closes."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -292,6 +293,20 @@ def _gloo_close_rank(rank, world, port, results):
             seen["first"] = str(e)
         seen["kept"] = (len(reg), cp.closed, comm.closes, reg.cp_decode(**kw) is cp)
         comm.blocked = False
+        # Rank 1 alone is capturing a CUDA graph (faked: no GPU here): it refuses before any CUDA
+        # call, and rank 0, which is not, raises with it instead of waiting for it.
+        saved = torch.cuda.is_available, torch.cuda.is_current_stream_capturing
+        if rank == 1:
+            torch.cuda.is_available = lambda: True
+            torch.cuda.is_current_stream_capturing = lambda: True
+        try:
+            reg.clear()
+            seen["capture"] = None
+        except RuntimeError as e:
+            seen["capture"] = str(e)
+        finally:
+            torch.cuda.is_available, torch.cuda.is_current_stream_capturing = saved
+        seen["kept again"] = (len(reg), cp.closed, comm.closes)
         reg.clear()
         seen["second"] = (len(reg), cp.closed, comm.closes)
         results[rank] = seen
@@ -319,9 +334,13 @@ def test_registry_clear_closes_on_every_rank_or_on_none():
     r0, r1 = results[0], results[1]
     assert "another rank cannot close yet" in r0["first"], r0["first"]
     assert "a CUDA graph still holds 2 of its gathers" in r1["first"], r1["first"]
+    assert "another rank cannot close yet" in r0["capture"], r0["capture"]
+    assert "Registry.clear() (it closes the shared" in r1["capture"], r1["capture"]
+    assert "capture is still valid" in r1["capture"], r1["capture"]
     for r in (r0, r1):
         assert "nothing was closed, on any rank" in r["first"], r["first"]
         assert r["kept"] == (1, False, 0, True), r["kept"]
+        assert r["kept again"] == (1, False, 0), r["kept again"]
         assert r["second"] == (0, True, 1), r["second"]
 
 

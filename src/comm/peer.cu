@@ -263,6 +263,7 @@ class BootstrapStage {
     if (boot.memory_space() == MemorySpace::kHost) return;
     status_ = stage(device);
     if (!status_.is_ok() && fallback >= 0 && fallback != device) {
+      on_device_ = status_;
       release();
       status_ = stage(fallback);
     }
@@ -271,14 +272,29 @@ class BootstrapStage {
   BootstrapStage(const BootstrapStage&) = delete;
   BootstrapStage& operator=(const BootstrapStage&) = delete;
 
+  // Why staging on `device` failed (ok when it did not): this rank then fails its set-up too,
+  // even where the device itself works (no memory left there), so no rank maps with another
+  // device current.
+  const Status& on_device() const { return on_device_; }
+
   // all_gather of host `mine` (bytes <= the staged bytes) into host `all` ([world, bytes]).
   // Once staged, the gather runs even when the copy in failed (the peers then read a message
-  // without its magic, a failure), so no peer is left waiting for this rank.
+  // without its magic, a failure), so no peer is left waiting for this rank. The current
+  // device is the caller's again on return.
   Status gather(const void* mine, void* all, size_t bytes) {
     if (boot_.memory_space() == MemorySpace::kHost) {
       return boot_.all_gather(mine, all, bytes, nullptr);
     }
     CPIDX_RETURN_IF_ERROR(status_);  // nothing staged: the peers wait (comm_peer.h)
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess) current = -1;
+    const Status st = gather_staged(mine, all, bytes);
+    if (current >= 0) cudaSetDevice(current);
+    return st;
+  }
+
+ private:
+  Status gather_staged(const void* mine, void* all, size_t bytes) {
     const size_t world = static_cast<size_t>(boot_.world_size());
     Status copied = [&]() -> Status {
       PEER_CUDA(cudaSetDevice(device_));
@@ -294,7 +310,6 @@ class BootstrapStage {
     return Status::ok();
   }
 
- private:
   Status stage(int device) {
     const size_t world = static_cast<size_t>(boot_.world_size());
     device_ = device;
@@ -321,7 +336,7 @@ class BootstrapStage {
   int device_ = -1;
   void *send_ = nullptr, *recv_ = nullptr;
   cudaStream_t stream_ = nullptr;
-  Status status_;
+  Status status_, on_device_;
 };
 
 std::string boot_id() {
@@ -535,12 +550,13 @@ Status map_peer(const PeerInfo& me, const PeerInfo& other, int rank, int q,
                             " has " + std::to_string(other.max_bytes));
   }
   if (std::strcmp(other.host, me.host) != 0 || std::strcmp(other.boot_id, me.boot_id) != 0) {
-    return unsupported("rank " + std::to_string(q) + " runs on host '" + other.host +
+    return unsupported("rank " + std::to_string(q) + " runs on host '" + text_of(other.host) +
                        "' and rank " + std::to_string(rank) + " on '" + me.host +
                        "': the peer communicator needs every rank on one host; use NCCL");
   }
+  const std::string other_bus = text_of(other.bus_id);
   const std::string pair = "GPU " + std::string(me.bus_id) + " (rank " + std::to_string(rank) +
-                           ") and GPU " + other.bus_id + " (rank " + std::to_string(q) + ")";
+                           ") and GPU " + other_bus + " (rank " + std::to_string(q) + ")";
   auto check_peer_access = [&](int peer_device) -> Status {
     int can = 0;
     PEER_CUDA(cudaDeviceCanAccessPeer(&can, me.device, peer_device));
@@ -565,7 +581,7 @@ Status map_peer(const PeerInfo& me, const PeerInfo& other, int rank, int q,
   // Another process. When its GPU is visible here, ask for peer access first (a clear message);
   // otherwise the IPC mapping below decides.
   int local = -1;
-  if (cudaDeviceGetByPCIBusId(&local, other.bus_id) == cudaSuccess) {
+  if (cudaDeviceGetByPCIBusId(&local, other_bus.c_str()) == cudaSuccess) {
     if (local != me.device) CPIDX_RETURN_IF_ERROR(check_peer_access(local));
   } else {
     cudaGetLastError();
@@ -626,7 +642,8 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   mine.device = device;
   gethostname(mine.host, sizeof(mine.host) - 1);
   copy_text(mine.boot_id, boot_id());
-  const Status local = set_up_local(device, max_bytes_per_rank, timeout_seconds, &mine, &parts);
+  Status local = set_up_local(device, max_bytes_per_rank, timeout_seconds, &mine, &parts);
+  if (local.is_ok() && !stage.on_device().is_ok()) local = stage.on_device();
   if (!local.is_ok()) {
     mine.code = static_cast<int32_t>(local.code());
     copy_text(mine.message, local.message());
