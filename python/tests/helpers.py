@@ -117,3 +117,34 @@ def oracle_decode(b: Batch, topk: int, init: int, local: int) -> np.ndarray:
             sel = order[: min(topk, V)]
             out[h, row, : len(sel)] = sel
     return out
+
+
+def run_ranks(target, *extra, world: int = 2, timeout: float = 120) -> dict:
+    """Runs ``target(rank, world, port, *extra, results)`` in ``world`` spawned processes (a free
+    local port for their process group) and returns ``{rank: what it stored in results}``. A
+    rank still running after ``timeout`` seconds (left waiting in a collective) is killed and
+    fails the caller's test instead of hanging the suite; so does a rank that exited with an
+    error. Needs torch."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    procs = [ctx.Process(target=target, args=(r, world, port, *extra, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} hung (left waiting in a collective)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return dict(results)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cpidx  # noqa: E402
-from helpers import golden_cases, golden_decode, random_decode  # noqa: E402
+from helpers import golden_cases, golden_decode, random_decode, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and cpidx.cuda_built and cpidx.gpu_available()),
@@ -569,12 +568,6 @@ def test_cp_decode_through_a_closed_communicator_is_named():
     boot.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_gpu_rank(rank, world, port, results):
     """One process per GPU (gloo only hands out the NCCL id): each exchange's step equals the
     plain decode, close() is idempotent and a later call raises; a with-block left by an
@@ -645,21 +638,7 @@ def _two_gpu_rank(rank, world, port, results):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_indexer_cp_decode_two_processes_each_exchange():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().dict()
-    port = _free_port()
-    procs = [ctx.Process(target=_two_gpu_rank, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():  # a rank left waiting in a collective: fail, not hang the suite
-            p.kill()
-            p.join()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = run_ranks(_two_gpu_rank, timeout=240)
     for r in range(2):
         log = results[r]
         chosen, same, refused, reason = log["auto"]

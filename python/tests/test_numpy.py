@@ -4,15 +4,14 @@ no torch."""
 from __future__ import annotations
 
 import copy
-import math
 
 import numpy as np
 import pytest
 
 import cpidx
 from cpidx import _C
-from helpers import BS, D, golden_cases, golden_decode, golden_inputs, oracle_decode, \
-    random_decode, splitmix_values
+from helpers import golden_cases, golden_decode, golden_inputs, oracle_decode, random_decode, \
+    splitmix_values
 
 
 def run_decode(b, topk, init, local, heads=None, **kw):
@@ -252,13 +251,21 @@ def test_bad_argument_is_named(name):
         cpidx.decode_topk(**kw)
 
 
-def test_bad_prefill_arguments_are_named():
+def _golden_prefill_inputs():
+    """The first golden prefill case's inputs: case, query, cache, block_table, cu_seqlens_q,
+    context_lens, seq_lens, max_seq_len."""
     case = golden_cases("prefill")[0]
     q_lens = case["q_lens"]
     query, cache, bt, msl = golden_inputs(case["seed"], case["T"], sum(q_lens), case["seq_lens"])
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     ctx = np.array(case["context_lens"], np.int32)
     sl = np.array(case["seq_lens"], np.int32)
+    return case, query, cache, bt, cu, ctx, sl, msl
+
+
+def test_bad_prefill_arguments_are_named():
+    case, query, cache, bt, cu, ctx, sl, msl = _golden_prefill_inputs()
+    q_lens = case["q_lens"]
     out = np.zeros((case["T"], sum(q_lens), case["K"]), np.int32)
     common = dict(scale=1.0, topk=case["K"], max_seq_len=msl)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
@@ -537,12 +544,8 @@ def test_error_flag_reports_clamped_values_and_ids_follow_the_clamp():
 
 
 def test_prefill_error_flag_reports_clamped_pages():
-    case = golden_cases("prefill")[0]
+    case, query, cache, bt, cu, ctx, sl, msl = _golden_prefill_inputs()
     q_lens = case["q_lens"]
-    query, cache, bt, msl = golden_inputs(case["seed"], case["T"], sum(q_lens), case["seq_lens"])
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    ctx = np.array(case["context_lens"], np.int32)
-    sl = np.array(case["seq_lens"], np.int32)
     common = dict(scale=case["scale"], topk=case["K"], init_blocks=case["init"],
                   local_blocks=case["local"], max_seq_len=msl)
 

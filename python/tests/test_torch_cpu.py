@@ -4,7 +4,6 @@ its teardown (close, context manager, registry). Skips without torch."""
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cpidx  # noqa: E402
-from helpers import golden_cases, golden_decode, random_decode  # noqa: E402
+from helpers import golden_cases, golden_decode, random_decode, run_ranks  # noqa: E402
 
 
 def as_torch(b):
@@ -92,12 +91,6 @@ def test_error_flag_through_the_op_and_compile():
                           error_flag=torch.zeros(1, dtype=torch.int64))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_rank(rank, world, port, T, results):
     import torch.distributed as dist
 
@@ -136,18 +129,7 @@ def _gloo_rank(rank, world, port, T, results):
 
 @pytest.mark.parametrize("T", [4, 1])
 def test_indexer_cp_decode_gloo_two_ranks(T):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().dict()
-    port = _free_port()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, 2, port, T, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    assert dict(results) == {0: True, 1: True}
+    assert run_ranks(_gloo_rank, T) == {0: True, 1: True}
 
 
 def _gloo_agreement_rank(rank, world, port, results):
@@ -217,23 +199,7 @@ def _gloo_agreement_rank(rank, world, port, results):
 
 
 def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().dict()
-    port = _free_port()
-    procs = [ctx.Process(target=_gloo_agreement_rank, args=(r, 2, port, results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, "a rank hung in a collective"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = run_ranks(_gloo_agreement_rank)
     r0, r1 = (dict((name, (kind, msg)) for name, kind, msg in results[r]) for r in (0, 1))
     for r in (r0, r1):
         kind, msg = r["rows differ"]
@@ -315,22 +281,7 @@ def _gloo_close_rank(rank, world, port, results):
 
 
 def test_registry_clear_closes_on_every_rank_or_on_none():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().dict()
-    port = _free_port()
-    procs = [ctx.Process(target=_gloo_close_rank, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, "a rank hung"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = run_ranks(_gloo_close_rank)
     r0, r1 = results[0], results[1]
     assert "another rank cannot close yet" in r0["first"], r0["first"]
     assert "a CUDA graph still holds 2 of its gathers" in r1["first"], r1["first"]
