@@ -71,10 +71,21 @@ class IndexerLayer:
         # prefill tokens (max_tokens bounds the decode rows only).
         self.topk_indices_buffer = torch.empty((self.num_index_heads, max_batched_tokens, topk),
                                                dtype=torch.int32, device=device)
+        # Bad lengths or block-table entries are clamped on the device, never read out of
+        # bounds; the plain calls OR their bits in here (stream-ordered), the context-parallel
+        # step into cp_decode.error_flag(). Read both when convenient (a sync).
+        self.device_errors = torch.zeros(1, dtype=torch.int32, device=device)
 
     def _sel(self):
         return dict(scale=self.scale, topk=self.topk, init_blocks=self.init_blocks,
                     local_blocks=self.local_blocks, max_seq_len=self.max_model_len)
+
+    def read_device_errors(self) -> int:
+        """cpidx.ERR_* bits of every step since the last call (a blocking read), then clears."""
+        bits = int(self.device_errors.item()) | int(self.cp_decode.error_flag().item())
+        self.device_errors.zero_()
+        self.cp_decode.clear_error_flag()
+        return bits
 
     def forward(self, index_query, kv, md: IndexerMeta):
         nd, npf = md.num_decode_tokens, md.num_prefill_tokens
@@ -89,7 +100,7 @@ class IndexerLayer:
             if torch.compiler.is_compiling() or d.max_seq_len == 0 or kv.ndim != 3 or \
                     kv.numel() == 0:
                 cpidx.decode_topk(iq[:nd], kv, d.block_table, d.seq_lens, d.query_len,
-                                  decode_topk, **self._sel())
+                                  decode_topk, error_flag=self.device_errors, **self._sel())
             else:
                 self.cp_decode(iq[:nd], kv, d.block_table, d.seq_lens, d.query_len, decode_topk,
                                scale=self.scale)
@@ -97,7 +108,8 @@ class IndexerLayer:
             p = md.prefill
             prefill_topk = buf[:, nd: nd + npf]
             cpidx.prefill_topk(iq[nd:], kv, p.block_table, p.cu_seqlens_q, p.context_lens,
-                               p.seq_lens, prefill_topk, **self._sel())
+                               p.seq_lens, prefill_topk, error_flag=self.device_errors,
+                               **self._sel())
         return decode_topk, prefill_topk
 
 
@@ -209,6 +221,12 @@ def main() -> int:
             print(f"rank {rank}: graph replay {step} (seq_lens {lens.tolist()}) "
                   f"{'==' if same else '!='} single-GPU", flush=True)
 
+    # The batches were valid: no value was clamped on the device (a blocking read).
+    errors = layer.read_device_errors()
+    if errors:
+        print(f"rank {rank}: device error bits {errors} (cpidx.ERR_*): bad lengths or block "
+              f"tables were clamped", flush=True)
+        ok = False
     # A peer exchange raises PEER_ERROR_TIMEOUT here once a rank gave up waiting for a peer (a
     # blocking read: after the replays, never inside a capture); NCCL and torch report None.
     bits = cp.exchange_error_flag()

@@ -168,6 +168,8 @@ class IndexerCPDecode:
                              f"{str(self.device)!r}; use 'torch' or 'auto'")
 
         self._decoder = None
+        # CPU instances: the reference's bits of clamped values, OR-ed in by each step.
+        self._host_errors = None if self._cuda else torch.zeros(1, dtype=torch.int32)
         if self._cuda:
             _refuse_during_capture("creating an IndexerCPDecode")
             self._decoder = _C.Decoder(
@@ -340,9 +342,9 @@ class IndexerCPDecode:
                 self._decoder.decode(local_q, kv_cache, block_table, seq_lens, query_len, out,
                                      scale=scale, stream=stream, **table)
             else:
-                _C.ref_decode_topk(local_q, kv_cache, block_table, seq_lens, query_len, out,
-                                   scale=scale, max_seq_len=self.max_seq_len, **self._sel(),
-                                   **table)
+                self._host_errors |= _C.ref_decode_topk(
+                    local_q, kv_cache, block_table, seq_lens, query_len, out, scale=scale,
+                    max_seq_len=self.max_seq_len, **self._sel(), **table)
             return out
         if self._comm is not None:
             self._decoder.cp_decode(self._comm, local_q, kv_cache, block_table, seq_lens,
@@ -355,9 +357,9 @@ class IndexerCPDecode:
             self._decoder.shard_keys(full, kv_cache, block_table, seq_lens, query_len, keys,
                                      scale=scale, stream=stream)
         else:
-            _C.ref_shard_topk_keys(full, kv_cache, block_table, seq_lens, query_len, keys,
-                                   scale=scale, max_seq_len=self.max_seq_len,
-                                   world_size=P, rank=self.rank, **self._sel())
+            self._host_errors |= _C.ref_shard_topk_keys(
+                full, kv_cache, block_table, seq_lens, query_len, keys, scale=scale,
+                max_seq_len=self.max_seq_len, world_size=P, rank=self.rank, **self._sel())
         gathered = self._keys_gathered[: P * T * n * K]
         dist.all_gather_into_tensor(gathered, keys.view(-1), group=self._pg)
         gathered = gathered.view(P, T, n, K)
@@ -436,16 +438,20 @@ class IndexerCPDecode:
         full.view(n, P // R, L, D).copy_(owners.permute(1, 0, 2, 3))
         return full
 
-    def error_flag(self) -> Optional[torch.Tensor]:
-        """Device int32 [1]: bits of clamped device-side values (seq_len, page) since the last
-        ``clear_error_flag``; read it when convenient (the library never syncs on it)."""
+    def error_flag(self) -> torch.Tensor:
+        """int32 [1] on the instance's device: ``cpidx.ERR_*`` bits of the values this rank's
+        steps clamped instead of reading out of bounds (a seq_len, a block-table entry of its
+        shard) since the last ``clear_error_flag``; read it when convenient (the library never
+        syncs on it). A CPU instance's steps OR the reference's bits into a CPU tensor."""
         self._check_open()
-        return self._decoder.error_flag() if self._decoder is not None else None
+        return self._decoder.error_flag() if self._decoder is not None else self._host_errors
 
     def clear_error_flag(self) -> None:
         self._check_open()
         if self._decoder is not None:
             self._decoder.clear_error_flag(stream=self._stream())
+        else:
+            self._host_errors.zero_()
 
     def exchange_error_flag(self) -> Optional[int]:
         """The peer exchange's error bits since the last clear: 0 when fine,

@@ -383,6 +383,39 @@ def _world_one(**kw):
     return cpidx.IndexerCPDecode(**args)
 
 
+def test_cpu_instance_reports_clamped_values_in_its_error_flag():
+    # The reference's bits of a CPU step, OR-ed into cp.error_flag() (they were dropped).
+    rng = np.random.default_rng(17)
+    b = random_decode(rng, 4, 1, [1536, 700], max_seq_len=1536)
+    q, k, bt, sl = as_torch(b)
+    cp = _world_one()
+    out = torch.zeros((4, b.rows, 6), dtype=torch.int32)
+    cp(q, k, bt, sl, 1, out, scale=b.scale)
+    assert cp.error_flag().dtype == torch.int32 and int(cp.error_flag()) == 0
+    bad = bt.clone()
+    bad[1, 2] = k.shape[0] + 5  # a page past the cache, in request 1's visible blocks
+    cp(q, k, bad, sl, 1, out, scale=b.scale)
+    assert int(cp.error_flag()) == cpidx.ERR_PAGE_OUT_OF_RANGE
+    cp(q, k, bt, torch.tensor([2000, 700], dtype=torch.int32), 1, out, scale=b.scale)
+    assert int(cp.error_flag()) == cpidx.ERR_PAGE_OUT_OF_RANGE | cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    cp.clear_error_flag()
+    assert int(cp.error_flag()) == 0
+
+
+def test_example_layer_runs_on_the_cpu():
+    # examples/indexer_layer.py, one process on the CPU (its comparisons and its device-error
+    # read; the two-process GPU runs: scripts/device_python.sh).
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    example = os.path.join(ROOT, "examples", "indexer_layer.py")
+    done = subprocess.run([sys.executable, example, "--device", "cpu"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "indexer_layer: OK" in done.stdout, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("exchange", ["peer", "nccl"])
 def test_library_exchanges_on_the_cpu_are_refused_by_name(exchange):
     with pytest.raises(ValueError, match=f"exchange: '{exchange}' needs device='cuda'"):
