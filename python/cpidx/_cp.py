@@ -180,23 +180,21 @@ class IndexerCPDecode:
         self._comm = None  # a cpidx Communicator, when the library runs the exchange
         self._owned: list = []  # communicators this instance made, in closing order
         self._pg = None  # the torch ProcessGroup of the torch exchange
-        self._agree_group = None  # the host (gloo) group each step agrees through
-        self._host = None  # the host group, also for close()'s agreement
+        self._host = None  # the host (gloo) group the steps and close() agree through
         self._closed = False
         self.exchange = "none"
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
-        self._agree_always = check_agreement is True
         if world_size > 1:
             self._setup_exchange(group, exchange)
             self._host = self._host_group(group)
-            if check_agreement is not False:
-                self._agree_group = self._host
-            if check_agreement and self._agree_group is None:
+            if check_agreement and self._host is None:
                 warnings.warn(f"IndexerCPDecode(check_agreement=True): group {group!r} has no "
                               f"host (gloo) group to agree through: steps are not checked",
                               stacklevel=2)
-        self.check_agreement: Optional[str] = None if self._agree_group is None else (
-            "every step" if self._agree_always else "captures")
+        # What the steps agree on (close() agrees whenever there is a host group).
+        self.check_agreement: Optional[str] = None
+        if self._host is not None and check_agreement is not False:
+            self.check_agreement = "every step" if check_agreement else "captures"
 
     # ---- construction helpers -------------------------------------------------------------
     def _setup_exchange(self, group: Any, exchange: str) -> None:
@@ -316,8 +314,9 @@ class IndexerCPDecode:
         # is seen there. The ranks agree while capturing (each batch size an engine captures, on
         # every rank), or every step when asked.
         with torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext():
-            agree = self._agree_group is not None and (
-                self._agree_always or (self._cuda and torch.cuda.is_current_stream_capturing()))
+            agree = self.check_agreement == "every step" or (
+                self.check_agreement == "captures" and self._cuda and
+                torch.cuda.is_current_stream_capturing())
             # The library's cp_decode checks its own arguments before its first collective; the
             # other paths (and an agreement) need them checked here, all of them (~10-15 us).
             n, refused = self._check_step(local_q, kv_cache, block_table, seq_lens, query_len,
@@ -403,7 +402,7 @@ class IndexerCPDecode:
         rank whose arguments were refused. Raises on every rank unless all have the same n."""
         mine = -1 if refused is not None else n
         both = torch.tensor([mine, -mine], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._agree_group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._host)
         most, least = int(both[0]), -int(both[1])
         if refused is not None:
             raise refused
