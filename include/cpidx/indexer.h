@@ -169,8 +169,9 @@ class Decoder {
   Status check_cp_decode(const DecodeInputs& local, const TopkOutput& out,
                          const SparseTableOutput* table) const;
 
-  // Device int32: OR of DeviceError bits raised by bad device-side values since the last clear.
-  // The library never reads it back itself.
+  // Device int32: OR of DeviceError bits raised by bad device-side values since the last clear,
+  // by the steps whose inputs name no flag of their own (DecodeInputs::error_flag). The library
+  // never reads it back itself.
   int32_t* error_flag() const;
   Status clear_error_flag(cudaStream_t stream);
 

@@ -39,6 +39,11 @@ struct DecodeInputs {
   int query_len = 1;                     // Q
   int32_t max_seq_len = 0;               // construction bound; seq_lens are clamped to it
   float scale = 1.0f;                    // > 0, multiplied into every dot in fp32
+  // GPU steps: a device int32 (4-byte aligned) that this call ORs its DeviceError bits into,
+  // in place of the Decoder's own flag (Decoder::error_flag(), then left untouched); null: the
+  // Decoder's. Lets a caller keep one flag per call or per layer without a clear and a copy.
+  // The CPU reference returns its bits instead and ignores this pointer.
+  int32_t* error_flag = nullptr;
 
   int64_t num_rows() const { return static_cast<int64_t>(num_reqs) * query_len; }
   int64_t max_blocks() const { return cdiv(max_seq_len, kBlockSize); }  // G
@@ -78,6 +83,7 @@ struct PrefillInputs {
   int64_t num_tokens = 0;                 // cu_seqlens_q[num_reqs]
   int32_t max_seq_len = 0;
   float scale = 1.0f;
+  int32_t* error_flag = nullptr;  // as DecodeInputs::error_flag, in place of the Prefiller's flag
 };
 
 }  // namespace cpidx

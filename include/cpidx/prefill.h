@@ -66,8 +66,9 @@ class Prefiller {
   // rows no request covers get -1. Rows of `out` past num_tokens are not touched.
   Status prefill(const PrefillInputs& in, const TopkOutput& out, cudaStream_t stream);
 
-  // Device int32: OR of DeviceError bits raised by bad device-side values since the last clear.
-  // The library never reads it back itself.
+  // Device int32: OR of DeviceError bits raised by bad device-side values since the last clear,
+  // by the calls whose inputs name no flag of their own (PrefillInputs::error_flag). The library
+  // never reads it back itself.
   int32_t* error_flag() const;
   Status clear_error_flag(cudaStream_t stream);
 

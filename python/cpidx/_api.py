@@ -139,23 +139,6 @@ def _op_takes(error_flag: Any) -> bool:
     return error_flag is None or _is_torch(error_flag)
 
 
-def _run_flagged(gpu: Any, error_flag: Any, stream: int, step: Any) -> None:
-    """``step()`` on ``stream``; with a flag, the Decoder's or Prefiller's own flag is cleared
-    before and OR-ed into ``error_flag`` after it, stream-ordered (no sync, capturable)."""
-    if error_flag is not None:
-        gpu.clear_error_flag(stream=stream)
-    step()
-    if error_flag is not None:  # on the current stream, after the step's kernels
-        error_flag.view(1).bitwise_or_(gpu.error_flag())
-
-
-def _token_bucket(n: int) -> int:
-    """Decoder size for the functional API when max_tokens is not given: the next power of two
-    (at least 64), so a handful of decoders serve every batch size."""
-    return max(64, 1 << max(0, int(n) - 1).bit_length())
-
-
-# ---- The registry -------------------------------------------------------------------------
 class Registry:
     """The package's one cache, explicit and documented (no other hidden global state).
 
@@ -313,8 +296,9 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     ORs into it the bits of the values it clamped instead of reading out of bounds
     (``ERR_SEQ_LEN_OUT_OF_RANGE``: a seq_len < 0 or > max_seq_len; ``ERR_PAGE_OUT_OF_RANGE``: a
     block-table entry outside the cache), and the ids are those of the clamped values. On CUDA
-    tensors it is stream-ordered (read it after the step; nothing syncs, and it can be captured)
-    and the decoder's own flag (``Decoder.error_flag()``) is cleared first.
+    tensors the kernels OR into it themselves, stream-ordered (read it after the step; nothing
+    syncs, and it can be captured: a replay ORs into the same tensor), and the decoder's own flag
+    (``Decoder.error_flag()``) is left untouched.
     """
     if _is_torch(index_query):
         torch = _torch_module()
@@ -383,9 +367,8 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                                   cache_dtype=_cache_dtype_name(index_cache))
         with _torch_module().cuda.device(index_query.device):  # its stream's device is current
             stream = _current_stream(index_query.device)
-            _run_flagged(decoder, error_flag, stream, lambda: decoder.decode(
-                index_query, _as_bits(index_cache), block_table, seq_lens, query_len, out,
-                scale=scale, stream=stream, **table))
+            decoder.decode(index_query, _as_bits(index_cache), block_table, seq_lens, query_len,
+                           out, scale=scale, error_flag=error_flag, stream=stream, **table)
         return
     if decoder is not None:
         raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
@@ -411,7 +394,7 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     :class:`cpidx.Prefiller` for this shape (``max_tokens`` fixes its size; default: the next
     power of two >= tokens; with ``registry`` given, that registry's, called directly rather
     than through the op). Allocation-free after the first call of a shape. ``error_flag``: as
-    for :func:`decode_topk` (the prefiller's own flag is cleared first on CUDA tensors); here
+    for :func:`decode_topk` (the prefiller's own flag is left untouched on CUDA tensors); here
     ``ERR_SEQ_LEN_OUT_OF_RANGE`` also stands for a ``context_lens`` or ``seq_lens`` entry out of
     ``[0, max_seq_len]`` and a ``cu_seqlens_q`` that is not non-decreasing in ``[0, tokens]``
     (clamped into such a sequence), ``ERR_PAGE_OUT_OF_RANGE`` for a block-table entry outside
@@ -454,6 +437,5 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                         cache_dtype=_cache_dtype_name(index_cache))
     with _torch_module().cuda.device(index_query.device):  # its stream's device is current
         stream = _current_stream(index_query.device)
-        _run_flagged(pre, error_flag, stream, lambda: pre.prefill(
-            index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens, seq_lens,
-            out, scale=scale, stream=stream))
+        pre.prefill(index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
+                    seq_lens, out, scale=scale, error_flag=error_flag, stream=stream)

@@ -38,9 +38,11 @@ struct PyDecoder {
               const std::optional<InArray>& attention_block_table,
               const std::optional<OutArray>& sparse_block_table_out,
               const std::optional<OutArray>& sparse_context_lens_out,
-              std::optional<int> block_page_stride, uintptr_t stream) {
-    const DecodeBatch b = decode_batch(index_query, index_cache, block_table, seq_lens,
-                                       query_len, scale, cfg().max_seq_len, place);
+              std::optional<int> block_page_stride, const std::optional<OutArray>& error_flag,
+              uintptr_t stream) {
+    DecodeBatch b = decode_batch(index_query, index_cache, block_table, seq_lens, query_len,
+                                 scale, cfg().max_seq_len, place);
+    b.in.error_flag = error_flag_arg(error_flag, place);
     const TopkOutput o = topk_output(out, b.in.num_heads, b.rows, cfg().sel.topk, place);
     const SparseTableOutput t = sparse_table_output(
         attention_block_table, sparse_block_table_out, sparse_context_lens_out,
@@ -50,9 +52,11 @@ struct PyDecoder {
 
   void shard_keys(const InArray& index_query, const InArray& index_cache,
                   const InArray& block_table, const InArray& seq_lens, int query_len,
-                  const nb::ndarray<>& keys_out, double scale, uintptr_t stream) {
-    const DecodeBatch b = decode_batch(index_query, index_cache, block_table, seq_lens,
-                                       query_len, scale, cfg().max_seq_len, place);
+                  const nb::ndarray<>& keys_out, double scale,
+                  const std::optional<OutArray>& error_flag, uintptr_t stream) {
+    DecodeBatch b = decode_batch(index_query, index_cache, block_table, seq_lens, query_len,
+                                 scale, cfg().max_seq_len, place);
+    b.in.error_flag = error_flag_arg(error_flag, place);
     Key* keys = key_buffer(keys_out, "keys_out", {b.in.num_heads, b.rows, cfg().sel.topk}, place);
     check_status(decoder->shard_keys(b.in, keys, as_stream(stream)));
   }
@@ -139,10 +143,11 @@ struct PyPrefiller {
 
   void prefill(const InArray& index_query, const InArray& index_cache, const InArray& block_table,
                const InArray& cu_seqlens_q, const InArray& context_lens, const InArray& seq_lens,
-               const OutArray& out, double scale, uintptr_t stream) {
-    const PrefillInputs in = prefill_inputs(index_query, index_cache, block_table, cu_seqlens_q,
-                                            context_lens, seq_lens, scale, cfg().max_seq_len,
-                                            place);
+               const OutArray& out, double scale, const std::optional<OutArray>& error_flag,
+               uintptr_t stream) {
+    PrefillInputs in = prefill_inputs(index_query, index_cache, block_table, cu_seqlens_q,
+                                      context_lens, seq_lens, scale, cfg().max_seq_len, place);
+    in.error_flag = error_flag_arg(error_flag, place);
     const TopkOutput o = topk_output(out, in.num_heads, in.num_tokens, cfg().sel.topk, place);
     check_status(prefiller->prefill(in, o, as_stream(stream)));
   }
@@ -184,8 +189,10 @@ void bind_prefiller(nb::module_& m) {
                    [](const PyPrefiller& p) { return p.prefiller->plan().workspace_bytes; })
       .def("prefill", &PyPrefiller::prefill, "index_query"_a, "index_cache"_a, "block_table"_a,
            "cu_seqlens_q"_a, "context_lens"_a, "seq_lens"_a, "out"_a, nb::kw_only(), "scale"_a,
-           "stream"_a = 0,
-           "ids [heads, tokens, topk] of packed prefill tokens (CONTRACT.md section 7).")
+           "error_flag"_a = nb::none(), "stream"_a = 0,
+           "ids [heads, tokens, topk] of packed prefill tokens (CONTRACT.md section 7). "
+           "error_flag: an int32 tensor of one element that the call ORs its DeviceError bits "
+           "into instead of the prefiller's own flag.")
       .def(
           "error_flag",
           [](PyPrefiller& p) {
@@ -286,11 +293,15 @@ void bind_decoder(nb::module_& m) {
            "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
            "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),
            "sparse_context_lens_out"_a = nb::none(), "block_page_stride"_a = nb::none(),
-           "stream"_a = 0, "Plain decode of every head in index_query: ids [heads, n, topk].")
+           "error_flag"_a = nb::none(), "stream"_a = 0,
+           "Plain decode of every head in index_query: ids [heads, n, topk]. error_flag: an "
+           "int32 tensor of one element that the call ORs its DeviceError bits into instead of "
+           "the decoder's own flag.")
       .def("shard_keys", &PyDecoder::shard_keys, "index_query"_a, "index_cache"_a,
            "block_table"_a, "seq_lens"_a, "query_len"_a, "keys_out"_a, nb::kw_only(), "scale"_a,
-           "stream"_a = 0,
-           "This rank's shard top-K keys [total_heads, n, topk] (int64) from all heads' queries.")
+           "error_flag"_a = nb::none(), "stream"_a = 0,
+           "This rank's shard top-K keys [total_heads, n, topk] (int64) from all heads' queries "
+           "(error_flag: as for decode).")
       .def("merge", &PyDecoder::merge, "gathered"_a, "seq_lens"_a, "query_len"_a, "out"_a,
            nb::kw_only(), "attention_block_table"_a = nb::none(),
            "sparse_block_table_out"_a = nb::none(), "sparse_context_lens_out"_a = nb::none(),

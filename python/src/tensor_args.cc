@@ -366,6 +366,16 @@ SparseTableOutput sparse_table_output(const std::optional<InArray>& attention_bl
   return t;
 }
 
+int32_t* error_flag_arg(const std::optional<OutArray>& error_flag, const Place& place) {
+  if (!error_flag.has_value()) return nullptr;
+  check_place(*error_flag, "error_flag", place);
+  check_int32(*error_flag, "error_flag");
+  if (error_flag->size() != 1) {
+    value_fail(cat("error_flag: expected one element, got shape ", shape_str(*error_flag)));
+  }
+  return static_cast<int32_t*>(error_flag->data());
+}
+
 PrefillInputs prefill_inputs(const InArray& index_query, const InArray& index_cache,
                              const InArray& block_table, const InArray& cu_seqlens_q,
                              const InArray& context_lens, const InArray& seq_lens, double scale,

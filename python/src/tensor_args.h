@@ -83,6 +83,10 @@ PrefillInputs prefill_inputs(const InArray& index_query, const InArray& index_ca
                              const InArray& context_lens, const InArray& seq_lens, double scale,
                              int64_t max_seq_len, const Place& place);
 
+// error_flag: one int32 element (any shape) where the call's tensors live, which the call ORs
+// its DeviceError bits into; null when not given.
+int32_t* error_flag_arg(const std::optional<OutArray>& error_flag, const Place& place);
+
 Selection selection(int topk, int init_blocks, int local_blocks);
 
 // A scalar argument against its range: ValueError "<name>: expected <lo> to <hi_name> <hi>, got

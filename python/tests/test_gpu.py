@@ -288,7 +288,7 @@ def test_objects_collected_inside_a_capture_leave_it_valid():
 def test_error_flag_of_the_functional_calls_eager_and_captured():
     # Bad device values through decode_topk / prefill_topk on CUDA tensors: the flag gets the
     # bits the host reference returns and the ids are the host's, eager and in a replayed graph
-    # (the flag is cleared and OR-ed on the stream, no sync).
+    # (the kernels OR into the flag on the stream, no sync).
     rng = np.random.default_rng(41)
     b = random_decode(rng, 4, 2, [4096] * 3, max_seq_len=4096)  # every page of every request
     b.seq_lens[:] = [3000, 129, 4096]
@@ -353,6 +353,38 @@ def test_error_flag_of_the_functional_calls_eager_and_captured():
     torch.cuda.synchronize()
     assert int(want_flag[0]) == int(pflag.item()) == cpidx.ERR_PAGE_OUT_OF_RANGE
     np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+def test_decoder_error_flag_argument_takes_the_bits_and_leaves_its_own_flag():
+    # Decoder.decode(error_flag=...): the kernels OR into the caller's tensor (any shape of one
+    # element); the decoder's own flag stays clear; a wrong flag is named before any kernel.
+    rng = np.random.default_rng(43)
+    b = random_decode(rng, 4, 1, [3000, 700], max_seq_len=4096)
+    b.seq_lens[:] = [3000, 5000]
+    q, k, bt, sl = to_dev(b)
+    dec = cpidx.Decoder(total_heads=4, world_size=1, rank=0, max_tokens=b.rows, max_seq_len=4096,
+                        topk=16, init_blocks=1, local_blocks=2, device=0)
+    stream = torch.cuda.current_stream().cuda_stream
+    dec.clear_error_flag(stream=stream)
+    flag = torch.full((), 0x40, dtype=torch.int32, device=DEV)
+    out = torch.full((4, b.rows, 16), -5, dtype=torch.int32, device=DEV)
+    dec.decode(q, k, bt, sl, 1, out, scale=b.scale, error_flag=flag, stream=stream)
+    torch.cuda.synchronize()
+    assert int(flag.item()) == 0x40 | cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    assert int(dec.error_flag().item()) == 0
+    plain = torch.full_like(out, -5)
+    dec.decode(q, k, bt, sl, 1, plain, scale=b.scale, stream=stream)
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)
+    assert int(dec.error_flag().item()) == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    for bad, err, match in [(torch.zeros(2, dtype=torch.int32, device=DEV), ValueError,
+                             "^error_flag: expected one element"),
+                            (torch.zeros(1, dtype=torch.int64, device=DEV), TypeError,
+                             "^error_flag: expected int32"),
+                            (torch.zeros(1, dtype=torch.int32), ValueError,
+                             "^error_flag: expected a CUDA tensor")]:
+        with pytest.raises(err, match=match):
+            dec.decode(q, k, bt, sl, 1, out, scale=b.scale, error_flag=bad, stream=stream)
 
 
 def test_torch_compile_calls_ops():

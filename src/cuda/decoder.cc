@@ -100,7 +100,7 @@ struct Decoder::Impl {
                 "query heads (num_heads) must be " << expected_heads << ", got " << in.num_heads);
     CPIDX_RETURN_IF_ERROR(cuda_host::check_kernel_inputs(
         in.query, in.q_row_stride, in.q_head_stride, in.cache, in.max_seq_len, cfg.max_seq_len,
-        cfg.cache_dtype, "Decoder"));
+        cfg.cache_dtype, in.error_flag, "Decoder"));
     CPIDX_CHECK(in.query_len <= cfg.max_query_len,
                 "query_len must be <= max_query_len " << cfg.max_query_len << ", got "
                                                       << in.query_len);
@@ -137,7 +137,7 @@ struct Decoder::Impl {
     const int grid = launch.step_instance(in.num_heads, in.query_len).grid;
     p.num_slots = cuda::partial_slots(grid, in.num_reqs);
     p.fused_grid = grid;
-    p.error_flag = at<int32_t>(layout.error_flag);
+    p.error_flag = in.error_flag != nullptr ? in.error_flag : at<int32_t>(layout.error_flag);
     if (layout.split_max_pages > 0) {
       p.split_keys = at<Key>(layout.split_keys);
       p.split_max_pages = layout.split_max_pages;

@@ -50,7 +50,7 @@ inline Status check_cache_dtype(DType dtype) {
 inline Status check_kernel_inputs(const uint16_t* query, int64_t q_row_stride,
                                   int64_t q_head_stride, const PagedCache& cache,
                                   int32_t max_seq_len, int32_t bound, DType dtype,
-                                  const char* owner) {
+                                  const int32_t* error_flag, const char* owner) {
   CPIDX_CHECK(max_seq_len == bound,
               "max_seq_len must equal the " << owner << "'s bound " << bound << ", got "
                                             << max_seq_len);
@@ -63,6 +63,8 @@ inline Status check_kernel_inputs(const uint16_t* query, int64_t q_row_stride,
                   << q_row_stride << ", head stride " << q_head_stride << ")");
   CPIDX_CHECK(reinterpret_cast<uintptr_t>(cache.data) % 16 == 0,
               "index_cache must be 16-byte aligned");
+  CPIDX_CHECK(reinterpret_cast<uintptr_t>(error_flag) % alignof(int32_t) == 0,
+              "error_flag must be 4-byte aligned (int32), got address " << error_flag);
   return Status::ok();
 }
 

@@ -77,7 +77,7 @@ struct Prefiller::Impl {
     p.tiles = at<cuda::PrefillTile>(layout.tiles);
     p.tiles_capacity = layout.tiles_capacity;
     p.partial = at<Key>(layout.partial);
-    p.error_flag = at<int32_t>(layout.error_flag);
+    p.error_flag = in.error_flag != nullptr ? in.error_flag : at<int32_t>(layout.error_flag);
     // As many splits as the workspace holds for this call's rows, up to what fills the device.
     const int64_t per_split = in.num_tokens * in.num_heads * cfg.sel.topk;
     const int fit = static_cast<int>(
@@ -157,7 +157,7 @@ Status Prefiller::validate(const PrefillInputs& in, const TopkOutput& out) const
               "num_reqs must be <= 2^30, got " << in.num_reqs);
   CPIDX_RETURN_IF_ERROR(cuda_host::check_kernel_inputs(
       in.query, in.q_row_stride, in.q_head_stride, in.cache, in.max_seq_len, c.max_seq_len,
-      c.cache_dtype, "Prefiller"));
+      c.cache_dtype, in.error_flag, "Prefiller"));
   return ref::detail::check_ids(out, in.num_heads, in.num_tokens, c.sel.topk);
 }
 

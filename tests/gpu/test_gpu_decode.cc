@@ -977,6 +977,77 @@ void bad_device_values_are_clamped_and_flagged() {
   EXPECT_EQ(r.bad_rows, 0) << r.first_bad;
 }
 
+// A step whose inputs name a flag of their own ORs its bits there (eager, replayed, a CP rank's
+// shard scoring), never into the Decoder's; a misaligned one is refused before any kernel.
+TEST(GpuDecode, PerCallErrorFlagTakesTheStepsBits) {
+  SKIP_WITHOUT_GPU();
+  DecodeData d = random_decode(902, 4, 1, {5000, 700, 3000}, 4096);
+  d.seq_lens = {5000, -7, 3000};
+  d.block_table[1] = 1 << 30;
+  const Selection sel = sel_of(16);
+  const int32_t bits = cpidx::kErrSeqLenOutOfRange | cpidx::kErrPageOutOfRange;
+  constexpr int32_t kOther = 1 << 20;  // a bit of the caller's, kept (OR, not a store)
+  const int64_t n = d.rows(), K = sel.topk;
+  DeviceBatch b(d);
+  auto read = [](const int32_t* p) {
+    int32_t v = -1;
+    EXPECT_EQ(cudaMemcpy(&v, p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  };
+  for (Path path : kBothPaths) {
+    UsePath use(path);
+    SCOPED_TRACE(path_name(path));
+    std::unique_ptr<cpidx::Decoder> dec;
+    ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+    ASSERT_TRUE(dec->clear_error_flag(nullptr).is_ok());
+    DeviceVec<int32_t> flag(std::vector<int32_t>{kOther});
+    DeviceVec<int32_t> ids(static_cast<size_t>(d.total_heads * n * K));
+    ids.poison();
+    cpidx::DecodeInputs in = b.all_heads();
+    in.error_flag = flag.ptr;
+    ASSERT_TRUE(dec->decode(in, cpidx::TopkOutput{ids.ptr, n * K, K}, nullptr, nullptr).is_ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(read(flag.ptr), kOther | bits);
+    EXPECT_EQ(read(dec->error_flag()), 0);
+    EXPECT_EQ(ids.download(), gpu_decode(d, sel)) << "the flag changed the ids";
+
+    flag.upload({0});  // captured with the pointer: a replay ORs into the same flag
+    CapturedGraph graph([&](cudaStream_t stream) {
+      return dec->decode(in, cpidx::TopkOutput{ids.ptr, n * K, K}, nullptr, stream);
+    });
+    ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
+    ASSERT_EQ(graph.replay(), cudaSuccess);
+    EXPECT_EQ(read(flag.ptr), bits);
+    EXPECT_EQ(read(dec->error_flag()), 0);
+  }
+  {  // a context-parallel rank's scoring
+    std::unique_ptr<cpidx::Decoder> rank1;
+    ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel, 2, 1), 0, &rank1).is_ok());
+    ASSERT_TRUE(rank1->clear_error_flag(nullptr).is_ok());
+    DeviceVec<int32_t> flag(std::vector<int32_t>{0});
+    DeviceVec<cpidx::Key> keys(static_cast<size_t>(d.total_heads * n * K));
+    cpidx::DecodeInputs in = b.all_heads();
+    in.error_flag = flag.ptr;
+    ASSERT_TRUE(rank1->shard_keys(in, keys.ptr, nullptr).is_ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(read(flag.ptr), bits);
+    EXPECT_EQ(read(rank1->error_flag()), 0);
+  }
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+  DeviceVec<int32_t> flag(std::vector<int32_t>{0, 0});
+  DeviceVec<int32_t> ids(static_cast<size_t>(d.total_heads * n * K));
+  ids.poison();
+  cpidx::DecodeInputs in = b.all_heads();
+  in.error_flag = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(flag.ptr) + 2);
+  const cpidx::Status st = dec->decode(in, cpidx::TopkOutput{ids.ptr, n * K, K}, nullptr, nullptr);
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("error_flag"), std::string::npos) << st.message();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(flag.download(), (std::vector<int32_t>{0, 0}));
+  for (int32_t v : ids.download()) ASSERT_EQ(v, cpidx_test::kPoison) << "a kernel ran";
+}
+
 TEST(GpuDecode, HostErrorsBeforeAnyKernel) {
   SKIP_WITHOUT_GPU();
   DecodeData d = random_decode(901, 4, 1, {300, 400}, 4096);

@@ -495,6 +495,47 @@ TEST(GpuPrefill, BadDeviceValuesAreClampedAndFlagged) {
   });
 }
 
+// A call whose inputs name a flag of their own ORs its bits there, never into the Prefiller's;
+// a misaligned one is refused before any kernel.
+TEST(GpuPrefill, PerCallErrorFlagTakesTheCallsBits) {
+  SKIP_WITHOUT_GPU();
+  PrefillCase c = make_case(1502, 2, {40, 40}, {1000, 500}, DType::kBF16);
+  c.block_table[1] = 1 << 30;
+  const Selection sel = sel_of(6);
+  constexpr int32_t kOther = 1 << 20;  // a bit of the caller's, kept (OR, not a store)
+  auto read = [](const int32_t* p) {
+    int32_t v = -1;
+    EXPECT_EQ(cudaMemcpy(&v, p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  };
+  for_each_kernel([&] {
+    DevicePrefill d(c);
+    std::unique_ptr<cpidx::Prefiller> pre;
+    ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel), 0, &pre).is_ok());
+    ASSERT_TRUE(pre->clear_error_flag(nullptr).is_ok());
+    const int64_t K = sel.topk;
+    DeviceVec<int32_t> flag(std::vector<int32_t>{kOther, 0});
+    DeviceVec<int32_t> ids(static_cast<size_t>(c.heads * c.tokens * K));
+    ids.poison();
+    cpidx::PrefillInputs in = d.inputs(c);
+    in.error_flag = flag.ptr;
+    ASSERT_TRUE(pre->prefill(in, cpidx::TopkOutput{ids.ptr, c.tokens * K, K}, nullptr).is_ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(read(flag.ptr), kOther | cpidx::kErrPageOutOfRange);
+    EXPECT_EQ(read(pre->error_flag()), 0);
+    EXPECT_EQ(ids.download(), gpu_prefill(c, sel)) << "the flag changed the ids";
+
+    ids.poison();
+    in.error_flag = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(flag.ptr) + 2);
+    const cpidx::Status st = pre->prefill(in, cpidx::TopkOutput{ids.ptr, c.tokens * K, K}, nullptr);
+    EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("error_flag"), std::string::npos) << st.message();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(flag.download(), (std::vector<int32_t>{kOther | cpidx::kErrPageOutOfRange, 0}));
+    for (int32_t v : ids.download()) ASSERT_EQ(v, cpidx_test::kPoison) << "a kernel ran";
+  });
+}
+
 TEST(GpuPrefill, GraphReplayFollowsNewContextsAndTables) {
   SKIP_WITHOUT_GPU();
   for_each_kernel([&] {
