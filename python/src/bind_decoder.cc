@@ -200,7 +200,8 @@ void bind_prefiller(nb::module_& m) {
                 p.prefiller->error_flag(), {1}, nb::find(&p), {}, nb::dtype<int32_t>(),
                 nb::device::cuda::value, p.place.device);
           },
-          "Device int32 [1]: OR of DeviceError bits since the last clear (a torch tensor view).")
+          "Device int32 [1]: OR of DeviceError bits since the last clear, from the calls given "
+          "no error_flag of their own (a torch tensor view).")
       .def(
           "clear_error_flag",
           [](PyPrefiller& p, uintptr_t stream) {
@@ -328,7 +329,8 @@ void bind_decoder(nb::module_& m) {
                 d.decoder->error_flag(), {1}, nb::find(&d), {}, nb::dtype<int32_t>(),
                 nb::device::cuda::value, d.place.device);
           },
-          "Device int32 [1]: OR of DeviceError bits since the last clear (a torch tensor view).")
+          "Device int32 [1]: OR of DeviceError bits since the last clear, from the calls given "
+          "no error_flag of their own (a torch tensor view).")
       .def(
           "clear_error_flag",
           [](PyDecoder& d, uintptr_t stream) {
