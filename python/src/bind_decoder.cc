@@ -118,10 +118,12 @@ struct PyDecoder {
                  const std::optional<InArray>& attention_block_table,
                  const std::optional<OutArray>& sparse_block_table_out,
                  const std::optional<OutArray>& sparse_context_lens_out,
-                 std::optional<int> block_page_stride, uintptr_t stream) {
-    const CpStep s = cp_step(local_q, kv_cache, block_table, seq_lens, query_len, out, scale,
-                             attention_block_table, sparse_block_table_out,
-                             sparse_context_lens_out, block_page_stride);
+                 std::optional<int> block_page_stride, const std::optional<OutArray>& error_flag,
+                 uintptr_t stream) {
+    CpStep s = cp_step(local_q, kv_cache, block_table, seq_lens, query_len, out, scale,
+                       attention_block_table, sparse_block_table_out, sparse_context_lens_out,
+                       block_page_stride);
+    s.b.in.error_flag = error_flag_arg(error_flag, place);
     Status st;
     {
       PyCommunicator::Use use(comm, "comm");  // not closed by another thread under the call
@@ -312,9 +314,9 @@ void bind_decoder(nb::module_& m) {
            "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
            "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),
            "sparse_context_lens_out"_a = nb::none(), "block_page_stride"_a = nb::none(),
-           "stream"_a = 0,
+           "error_flag"_a = nb::none(), "stream"_a = 0,
            "The whole context-parallel step over a device communicator: ids [local_heads, n, "
-           "topk].")
+           "topk] (error_flag: as for decode; this rank's bits, its shard's pages).")
       .def("check_cp_decode", &PyDecoder::check_cp_decode, "local_q"_a, "kv_cache"_a,
            "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
            "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),

@@ -385,6 +385,20 @@ def test_decoder_error_flag_argument_takes_the_bits_and_leaves_its_own_flag():
                              "^error_flag: expected a CUDA tensor")]:
         with pytest.raises(err, match=match):
             dec.decode(q, k, bt, sl, 1, out, scale=b.scale, error_flag=bad, stream=stream)
+    if not cpidx.has_peer:
+        return
+    (boot,) = cpidx._C._thread_communicators(1)  # cp_decode on one rank: its flag too
+    peer = cpidx._C.make_peer_communicator(boot, 0, 1 << 20)
+    dec.clear_error_flag(stream=stream)
+    flag.zero_()
+    via_cp = torch.full_like(out, -5)
+    dec.cp_decode(peer, q, k, bt, sl, 1, via_cp, scale=b.scale, error_flag=flag, stream=stream)
+    torch.cuda.synchronize()
+    assert int(flag.item()) == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    assert int(dec.error_flag().item()) == 0
+    assert torch.equal(via_cp, plain)
+    peer.close()
+    boot.close()
 
 
 def test_torch_compile_calls_ops():
