@@ -9,6 +9,7 @@ OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 site=/tmp/cpidx_site
+rm -rf "$site"  # pip --target keeps what a warm machine's last call installed there
 CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   python3 -m pip install -q --no-build-isolation --no-deps --no-cache-dir --target "$site" . \
   >/tmp/cpidx_pip_install.log 2>&1 || { tail -40 /tmp/cpidx_pip_install.log; exit 1; }

@@ -24,6 +24,7 @@ cmake --build build-device -j"$(nproc)" --target cpidx_gpu_tests >"$OUT/build.lo
 small='GpuSanitize.*:GpuValidation.*:GpuDecode.BadDeviceValuesAreClampedAndFlagged:GpuDecode.FusedSparseTableMatchesReference'
 small+=':GpuPrefill.GoldenCasesExactly:GpuPrefill.BadDeviceValuesAreClampedAndFlagged'
 small+=':GpuPrefill.RowsOutsideEveryRequestAreMinusOne:GpuPrefill.HostErrorsBeforeAnyKernel'
+small+=':GpuDecode.PerCallErrorFlagTakesTheStepsBits:GpuPrefill.PerCallErrorFlagTakesTheCallsBits'
 declare -A filter=(
   [memcheck]="$small:GpuDecode.GoldenCasesPlainAndContextParallel:GpuEarlyStart.*"
   [racecheck]="$small"

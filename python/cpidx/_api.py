@@ -139,6 +139,13 @@ def _op_takes(error_flag: Any) -> bool:
     return error_flag is None or _is_torch(error_flag)
 
 
+def _token_bucket(n: int) -> int:
+    """Decoder size for the functional API when max_tokens is not given: the next power of two
+    (at least 64), so a handful of decoders serve every batch size."""
+    return max(64, 1 << max(0, int(n) - 1).bit_length())
+
+
+# ---- The registry -------------------------------------------------------------------------
 class Registry:
     """The package's one cache, explicit and documented (no other hidden global state).
 

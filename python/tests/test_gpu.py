@@ -362,6 +362,12 @@ def test_decoder_error_flag_argument_takes_the_bits_and_leaves_its_own_flag():
     b = random_decode(rng, 4, 1, [3000, 700], max_seq_len=4096)
     b.seq_lens[:] = [3000, 5000]
     q, k, bt, sl = to_dev(b)
+    host_flag = np.zeros(1, np.int32)  # the reference's bits (the clamped request reads garbage)
+    cpidx.decode_topk(b.query, b.cache, b.block_table, b.seq_lens, 1,
+                      np.zeros((4, b.rows, 16), np.int32), scale=b.scale, topk=16, init_blocks=1,
+                      local_blocks=2, max_seq_len=4096, error_flag=host_flag)
+    bits = int(host_flag[0])
+    assert bits & cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
     dec = cpidx.Decoder(total_heads=4, world_size=1, rank=0, max_tokens=b.rows, max_seq_len=4096,
                         topk=16, init_blocks=1, local_blocks=2, device=0)
     stream = torch.cuda.current_stream().cuda_stream
@@ -370,13 +376,13 @@ def test_decoder_error_flag_argument_takes_the_bits_and_leaves_its_own_flag():
     out = torch.full((4, b.rows, 16), -5, dtype=torch.int32, device=DEV)
     dec.decode(q, k, bt, sl, 1, out, scale=b.scale, error_flag=flag, stream=stream)
     torch.cuda.synchronize()
-    assert int(flag.item()) == 0x40 | cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    assert int(flag.item()) == 0x40 | bits
     assert int(dec.error_flag().item()) == 0
     plain = torch.full_like(out, -5)
     dec.decode(q, k, bt, sl, 1, plain, scale=b.scale, stream=stream)
     torch.cuda.synchronize()
     assert torch.equal(out, plain)
-    assert int(dec.error_flag().item()) == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    assert int(dec.error_flag().item()) == bits
     for bad, err, match in [(torch.zeros(2, dtype=torch.int32, device=DEV), ValueError,
                              "^error_flag: expected one element"),
                             (torch.zeros(1, dtype=torch.int64, device=DEV), TypeError,
@@ -394,7 +400,7 @@ def test_decoder_error_flag_argument_takes_the_bits_and_leaves_its_own_flag():
     via_cp = torch.full_like(out, -5)
     dec.cp_decode(peer, q, k, bt, sl, 1, via_cp, scale=b.scale, error_flag=flag, stream=stream)
     torch.cuda.synchronize()
-    assert int(flag.item()) == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+    assert int(flag.item()) == bits
     assert int(dec.error_flag().item()) == 0
     assert torch.equal(via_cp, plain)
     peer.close()
