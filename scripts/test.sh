@@ -4,7 +4,8 @@
 # skip themselves without a GPU); then fuzz the reference for 60 s (scripts/fuzz.sh) and run the
 # CPU suite again under ASan + UBSan (asan preset); then pip-install the Python package (CPU-only
 # wheel, in a venv under build-ci/; torch too with CPIDX_TEST_TORCH=1, as CI sets it) and run
-# pytest (GPU tests skip themselves, and torch tests without torch). Extra arguments go to both
+# pyflakes (flake8 --select=F) over the Python sources, then pytest (GPU tests skip
+# themselves, and torch tests without torch). Extra arguments go to both
 # ctest runs. Stops at the first failing step; pytest's summary is the last line.
 set -euo pipefail
 # shellcheck source=scripts/common.sh
@@ -25,6 +26,11 @@ fi
 cpidx_log "testing under ASan + UBSan (ctest --preset asan -j$(nproc))"
 ctest --preset asan -j"$(nproc)" "$@"
 cpidx_install_python
+# Names the Python tests cannot reach (the CUDA-only paths skip here) still fail: pyflakes' checks.
+cpidx_log "pyflakes checks of python/ and examples/ (flake8 --select=F; log in build-ci/pip-flake8.log)"
+build-ci/pyenv/bin/python -m pip install --disable-pip-version-check -q flake8 \
+  >build-ci/pip-flake8.log 2>&1 || { tail -n 20 build-ci/pip-flake8.log; exit 1; }
+build-ci/pyenv/bin/python -m flake8 --select=F python examples
 cpidx_log "testing the Python package (pytest python/tests)"
 rc=0
 build-ci/pyenv/bin/python -m pytest python/tests -q -p no:cacheprovider || rc=$?
