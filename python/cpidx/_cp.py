@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, _as_bits, _capture_refusal,
-                   _refuse_during_capture, registry)
+                   _check_error_flag, _or_host_error_bits, _refuse_during_capture, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
@@ -303,8 +303,14 @@ class IndexerCPDecode:
                  attention_block_table: Optional[torch.Tensor] = None,
                  sparse_block_table_out: Optional[torch.Tensor] = None,
                  sparse_context_lens_out: Optional[torch.Tensor] = None,
-                 block_page_stride: Optional[int] = None) -> torch.Tensor:
-        """Write ``[local_heads, n, topk]`` block ids for this rank's heads; returns ``out``."""
+                 block_page_stride: Optional[int] = None,
+                 error_flag: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Write ``[local_heads, n, topk]`` block ids for this rank's heads; returns ``out``.
+
+        ``error_flag``: optional int32 tensor of one element on the instance's device, into which
+        this step ORs its ``cpidx.ERR_*`` bits (as ``error_flag()`` would get them: this rank's
+        clamped values), stream-ordered and capturable; the instance's own flag is then left
+        untouched (a flag per layer, say, with no clear and no copy between steps)."""
         self._check_open()
         table = dict(attention_block_table=attention_block_table,
                      sparse_block_table_out=sparse_block_table_out,
@@ -320,7 +326,8 @@ class IndexerCPDecode:
             # The library's cp_decode checks its own arguments before its first collective; the
             # other paths (and an agreement) need them checked here, all of them (~10-15 us).
             n, refused = self._check_step(local_q, kv_cache, block_table, seq_lens, query_len,
-                                          out, scale, table, full=agree or self._comm is None)
+                                          out, scale, table, error_flag,
+                                          full=agree or self._comm is None)
             if agree:
                 self._agree(n, refused)
             elif refused is not None:
@@ -328,37 +335,46 @@ class IndexerCPDecode:
             if n == 0:
                 return out
             return self._step(n, local_q, _as_bits(kv_cache), block_table, seq_lens, query_len,
-                              out, scale, table)
+                              out, scale, table, error_flag)
 
     def _step(self, n: int, local_q: torch.Tensor, kv_cache: torch.Tensor,
               block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int,
-              out: torch.Tensor, scale: float, table: dict) -> torch.Tensor:
+              out: torch.Tensor, scale: float, table: dict,
+              error_flag: Optional[torch.Tensor]) -> torch.Tensor:
         """The step after its checks and agreement (``n > 0`` rows, this instance's device
         current)."""
         stream = self._stream()
+
+        def host_bits(bits: int) -> None:  # a CPU step's reference bits
+            if error_flag is not None:
+                _or_host_error_bits(error_flag, bits)
+            else:
+                self._host_errors |= bits
+
         if self.world_size == 1:
             if self._cuda:
                 self._decoder.decode(local_q, kv_cache, block_table, seq_lens, query_len, out,
-                                     scale=scale, stream=stream, **table)
+                                     scale=scale, error_flag=error_flag, stream=stream, **table)
             else:
-                self._host_errors |= _C.ref_decode_topk(
+                host_bits(_C.ref_decode_topk(
                     local_q, kv_cache, block_table, seq_lens, query_len, out, scale=scale,
-                    max_seq_len=self.max_seq_len, **self._sel(), **table)
+                    max_seq_len=self.max_seq_len, **self._sel(), **table))
             return out
         if self._comm is not None:
             self._decoder.cp_decode(self._comm, local_q, kv_cache, block_table, seq_lens,
-                                    query_len, out, scale=scale, stream=stream, **table)
+                                    query_len, out, scale=scale, error_flag=error_flag,
+                                    stream=stream, **table)
             return out
         full = self._full_queries(local_q)
         T, K, P = self.total_heads, self.topk, self.world_size
         keys = self._keys[: T * n * K].view(T, n, K)
         if self._cuda:
             self._decoder.shard_keys(full, kv_cache, block_table, seq_lens, query_len, keys,
-                                     scale=scale, stream=stream)
+                                     scale=scale, error_flag=error_flag, stream=stream)
         else:
-            self._host_errors |= _C.ref_shard_topk_keys(
+            host_bits(_C.ref_shard_topk_keys(
                 full, kv_cache, block_table, seq_lens, query_len, keys, scale=scale,
-                max_seq_len=self.max_seq_len, world_size=P, rank=self.rank, **self._sel())
+                max_seq_len=self.max_seq_len, world_size=P, rank=self.rank, **self._sel()))
         gathered = self._keys_gathered[: P * T * n * K]
         dist.all_gather_into_tensor(gathered, keys.view(-1), group=self._pg)
         gathered = gathered.view(P, T, n, K)
@@ -371,11 +387,13 @@ class IndexerCPDecode:
         return out
 
     def _check_step(self, local_q: Any, kv_cache: Any, block_table: Any, seq_lens: Any,
-                    query_len: int, out: Any, scale: float, table: dict,
+                    query_len: int, out: Any, scale: float, table: dict, error_flag: Any,
                     full: bool) -> tuple[int, Optional[BaseException]]:
         """This rank's decode rows and what the step would refuse in its arguments (None: fine),
-        checked on the host before any collective: the rows only unless ``full``."""
+        checked on the host before any collective: the rows and the error flag only unless
+        ``full``."""
         try:
+            _check_error_flag(error_flag, local_q)
             n = int(local_q.shape[0])
             if n > self.max_tokens:
                 raise ValueError(f"local_q: {n} rows exceed max_tokens {self.max_tokens}")
@@ -440,8 +458,9 @@ class IndexerCPDecode:
     def error_flag(self) -> torch.Tensor:
         """int32 [1] on the instance's device: ``cpidx.ERR_*`` bits of the values this rank's
         steps clamped instead of reading out of bounds (a seq_len, a block-table entry of its
-        shard) since the last ``clear_error_flag``; read it when convenient (the library never
-        syncs on it). A CPU instance's steps OR the reference's bits into a CPU tensor."""
+        shard) since the last ``clear_error_flag``, by the steps given no ``error_flag`` of their
+        own; read it when convenient (the library never syncs on it). A CPU instance's steps OR
+        the reference's bits into a CPU tensor."""
         self._check_open()
         return self._decoder.error_flag() if self._decoder is not None else self._host_errors
 

@@ -356,8 +356,9 @@ def test_error_flag_of_the_functional_calls_eager_and_captured():
 
 
 def test_decoder_error_flag_argument_takes_the_bits_and_leaves_its_own_flag():
-    # Decoder.decode(error_flag=...): the kernels OR into the caller's tensor (any shape of one
-    # element); the decoder's own flag stays clear; a wrong flag is named before any kernel.
+    # Decoder.decode(error_flag=...), an IndexerCPDecode step and Decoder.cp_decode: the kernels
+    # OR into the caller's tensor (any shape of one element); the object's own flag stays clear;
+    # a wrong flag is named before any kernel.
     rng = np.random.default_rng(43)
     b = random_decode(rng, 4, 1, [3000, 700], max_seq_len=4096)
     b.seq_lens[:] = [3000, 5000]
@@ -391,6 +392,17 @@ def test_decoder_error_flag_argument_takes_the_bits_and_leaves_its_own_flag():
                              "^error_flag: expected a CUDA tensor")]:
         with pytest.raises(err, match=match):
             dec.decode(q, k, bt, sl, 1, out, scale=b.scale, error_flag=bad, stream=stream)
+    cp = cpidx.IndexerCPDecode(total_heads=4, rank=0, world_size=1, max_tokens=b.rows,
+                               max_seq_len=4096, topk=16, init_blocks=1, local_blocks=2,
+                               group=None, device=DEV)
+    cp.clear_error_flag()
+    flag.fill_(0x40)  # an instance's step: the same, its own flag left clear
+    via_instance = torch.full_like(out, -5)
+    cp(q, k, bt, sl, 1, via_instance, scale=b.scale, error_flag=flag)
+    torch.cuda.synchronize()
+    assert int(flag.item()) == 0x40 | bits and int(cp.error_flag().item()) == 0
+    assert torch.equal(via_instance, plain)
+    cp.close()
     if not cpidx.has_peer:
         return
     (boot,) = cpidx._C._thread_communicators(1)  # cp_decode on one rank: its flag too

@@ -115,6 +115,15 @@ def _gloo_rank(rank, world, port, T, results):
             out = torch.full((L, b.rows, 6), 77, dtype=torch.int32)
             cp(local_q, k, bt, sl, 2, out, scale=b.scale)
             ok = ok and bool(torch.equal(out, plain[off: off + L]))
+        # A step's own flag through the torch exchange: this rank's bits (a negative length,
+        # clamped to 0 on every rank's shard), a bit of the caller's kept, the instance's flag
+        # left clear.
+        flag = torch.full((1,), 1 << 20, dtype=torch.int32)
+        short = sl.clone()
+        short[0] = -5
+        cp(q[:, off: off + L].contiguous(), k, bt, short, 2, out, scale=b.scale, error_flag=flag)
+        ok = ok and int(flag) == (1 << 20) | cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
+        ok = ok and int(cp.error_flag()) == 0
         cp.close()
         cp.close()
         try:
@@ -399,6 +408,15 @@ def test_cpu_instance_reports_clamped_values_in_its_error_flag():
     cp(q, k, bt, torch.tensor([2000, 700], dtype=torch.int32), 1, out, scale=b.scale)
     assert int(cp.error_flag()) == cpidx.ERR_PAGE_OUT_OF_RANGE | cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
     cp.clear_error_flag()
+    assert int(cp.error_flag()) == 0
+    # A step's own flag (error_flag=): its bits OR-ed there, the instance's flag left clear.
+    flag = torch.full((1,), 0x40, dtype=torch.int32)
+    cp(q, k, bad, sl, 1, out, scale=b.scale, error_flag=flag)
+    assert int(flag) == 0x40 | cpidx.ERR_PAGE_OUT_OF_RANGE and int(cp.error_flag()) == 0
+    for wrong in (torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                  np.zeros(1, np.int32)[:0]):
+        with pytest.raises(ValueError, match="^error_flag: expected one writable int32 element"):
+            cp(q, k, bad, sl, 1, out, scale=b.scale, error_flag=wrong)
     assert int(cp.error_flag()) == 0
 
 
