@@ -72,8 +72,8 @@ class IndexerLayer:
         self.topk_indices_buffer = torch.empty((self.num_index_heads, max_batched_tokens, topk),
                                                dtype=torch.int32, device=device)
         # Bad lengths or block-table entries are clamped on the device, never read out of
-        # bounds; the plain calls OR their bits in here (stream-ordered), the context-parallel
-        # step into cp_decode.error_flag(). Read both when convenient (a sync).
+        # bounds; every call of this layer ORs its bits in here (stream-ordered, captured with
+        # the graph): one flag per layer. Read it when convenient (a sync).
         self.device_errors = torch.zeros(1, dtype=torch.int32, device=device)
 
     def _sel(self):
@@ -82,9 +82,8 @@ class IndexerLayer:
 
     def read_device_errors(self) -> int:
         """cpidx.ERR_* bits of every step since the last call (a blocking read), then clears."""
-        bits = int(self.device_errors.item()) | int(self.cp_decode.error_flag().item())
+        bits = int(self.device_errors.item())
         self.device_errors.zero_()
-        self.cp_decode.clear_error_flag()
         return bits
 
     def forward(self, index_query, kv, md: IndexerMeta):
@@ -103,7 +102,7 @@ class IndexerLayer:
                                   decode_topk, error_flag=self.device_errors, **self._sel())
             else:
                 self.cp_decode(iq[:nd], kv, d.block_table, d.seq_lens, d.query_len, decode_topk,
-                               scale=self.scale)
+                               scale=self.scale, error_flag=self.device_errors)
         if npf > 0:
             p = md.prefill
             prefill_topk = buf[:, nd: nd + npf]

@@ -28,7 +28,7 @@ ctest --preset asan -j"$(nproc)" "$@"
 cpidx_install_python
 # Names the Python tests cannot reach (the CUDA-only paths skip here) still fail: pyflakes' checks.
 cpidx_log "pyflakes checks of python/ and examples/ (flake8 --select=F; log in build-ci/pip-flake8.log)"
-build-ci/pyenv/bin/python -m pip install --disable-pip-version-check -q flake8 \
+build-ci/pyenv/bin/python -m pip install --disable-pip-version-check -q "flake8>=7,<8" \
   >build-ci/pip-flake8.log 2>&1 || { tail -n 20 build-ci/pip-flake8.log; exit 1; }
 build-ci/pyenv/bin/python -m flake8 --select=F python examples
 cpidx_log "testing the Python package (pytest python/tests)"

@@ -345,7 +345,7 @@ class IndexerCPDecode:
         current)."""
         stream = self._stream()
 
-        def host_bits(bits: int) -> None:  # a CPU step's reference bits
+        def host_bits(bits: int) -> None:  # a CPU step's reference bits, after its collectives
             if error_flag is not None:
                 _or_host_error_bits(error_flag, bits)
             else:
@@ -372,9 +372,9 @@ class IndexerCPDecode:
             self._decoder.shard_keys(full, kv_cache, block_table, seq_lens, query_len, keys,
                                      scale=scale, error_flag=error_flag, stream=stream)
         else:
-            host_bits(_C.ref_shard_topk_keys(
+            bits = _C.ref_shard_topk_keys(
                 full, kv_cache, block_table, seq_lens, query_len, keys, scale=scale,
-                max_seq_len=self.max_seq_len, world_size=P, rank=self.rank, **self._sel()))
+                max_seq_len=self.max_seq_len, world_size=P, rank=self.rank, **self._sel())
         gathered = self._keys_gathered[: P * T * n * K]
         dist.all_gather_into_tensor(gathered, keys.view(-1), group=self._pg)
         gathered = gathered.view(P, T, n, K)
@@ -384,6 +384,7 @@ class IndexerCPDecode:
             _C.ref_merge_topk_keys(gathered, seq_lens, query_len, out,
                                    max_seq_len=self.max_seq_len, head_offset=self.head_offset,
                                    **self._sel(), **table)
+            host_bits(bits)
         return out
 
     def _check_step(self, local_q: Any, kv_cache: Any, block_table: Any, seq_lens: Any,
@@ -406,7 +407,7 @@ class IndexerCPDecode:
                 return n, None
             args = (local_q, _as_bits(kv_cache), block_table, seq_lens, query_len, out)
             if self._cuda:
-                self._decoder.check_cp_decode(*args, scale=scale, **table)
+                self._decoder.check_cp_decode(*args, scale=scale, error_flag=error_flag, **table)
             else:
                 _C.ref_check_cp_decode(*args, scale=scale, max_seq_len=self.max_seq_len,
                                        local_heads=self.local_heads, max_tokens=self.max_tokens,

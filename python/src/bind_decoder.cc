@@ -105,10 +105,12 @@ struct PyDecoder {
                        const std::optional<InArray>& attention_block_table,
                        const std::optional<OutArray>& sparse_block_table_out,
                        const std::optional<OutArray>& sparse_context_lens_out,
-                       std::optional<int> block_page_stride) const {
-    const CpStep s = cp_step(local_q, kv_cache, block_table, seq_lens, query_len, out, scale,
-                             attention_block_table, sparse_block_table_out,
-                             sparse_context_lens_out, block_page_stride);
+                       std::optional<int> block_page_stride,
+                       const std::optional<OutArray>& error_flag) const {
+    CpStep s = cp_step(local_q, kv_cache, block_table, seq_lens, query_len, out, scale,
+                       attention_block_table, sparse_block_table_out, sparse_context_lens_out,
+                       block_page_stride);
+    s.b.in.error_flag = error_flag_arg(error_flag, place);
     check_status(decoder->check_cp_decode(s.b.in, s.o, s.t.enabled() ? &s.t : nullptr));
   }
 
@@ -321,6 +323,7 @@ void bind_decoder(nb::module_& m) {
            "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
            "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),
            "sparse_context_lens_out"_a = nb::none(), "block_page_stride"_a = nb::none(),
+           "error_flag"_a = nb::none(),
            "Raises what cp_decode would raise for these arguments before its first collective; "
            "runs nothing on the device (IndexerCPDecode agrees with its peers on the result).")
       .def(

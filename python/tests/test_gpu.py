@@ -390,8 +390,11 @@ def test_decoder_error_flag_argument_takes_the_bits_and_leaves_its_own_flag():
                              "^error_flag: expected int32"),
                             (torch.zeros(1, dtype=torch.int32), ValueError,
                              "^error_flag: expected a CUDA tensor")]:
+        before = out.clone()
         with pytest.raises(err, match=match):
             dec.decode(q, k, bt, sl, 1, out, scale=b.scale, error_flag=bad, stream=stream)
+        torch.cuda.synchronize()
+        assert torch.equal(out, before) and int(bad.reshape(-1)[0]) == 0  # no kernel ran
     cp = cpidx.IndexerCPDecode(total_heads=4, rank=0, world_size=1, max_tokens=b.rows,
                                max_seq_len=4096, topk=16, init_blocks=1, local_blocks=2,
                                group=None, device=DEV)

@@ -160,11 +160,12 @@ def _gloo_agreement_rank(rank, world, port, results):
                                    max_query_len=Q)
         off = cp.head_offset
 
-        def step(reqs, seq_lens=None):
+        def step(reqs, seq_lens=None, error_flag=None):
             rows = reqs * Q
             out = torch.full((1, rows, K), 77, dtype=torch.int32)
             lens = sl[:reqs] if seq_lens is None else seq_lens
-            cp(q[:rows, off: off + 1].contiguous(), k, bt[:reqs], lens, Q, out, scale=b.scale)
+            cp(q[:rows, off: off + 1].contiguous(), k, bt[:reqs], lens, Q, out, scale=b.scale,
+               error_flag=error_flag)
             return out
 
         def beyond_q():  # Q = 4 rows of one request, past the instance's max_query_len 2
@@ -176,6 +177,8 @@ def _gloo_agreement_rank(rank, world, port, results):
             ("bad argument on rank 1", lambda: step(3, sl[:3].long() if rank == 1 else None)),
             ("no rows on rank 0", lambda: step(0 if rank == 0 else 2)),
             ("query_len past the bound on rank 1", lambda: step(2) if rank == 0 else beyond_q()),
+            ("bad error_flag on rank 1", lambda: step(
+                2, error_flag=torch.zeros(2 if rank == 1 else 1, dtype=torch.int32))),
         ]
         for name, run in cases:
             try:
@@ -226,6 +229,10 @@ def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
     assert kind == "ValueError" and msg.startswith("query_len: expected 1 to max_query_len 2")
     kind, msg = r0["query_len past the bound on rank 1"]
     assert kind == "ValueError" and "another rank's arguments" in msg
+    kind, msg = r1["bad error_flag on rank 1"]
+    assert kind == "ValueError" and msg.startswith("error_flag: expected one writable int32"), msg
+    kind, msg = r0["bad error_flag on rank 1"]
+    assert kind == "ValueError" and "another rank's arguments" in msg, msg
 
 
 class _ClosableComm:
