@@ -989,11 +989,6 @@ TEST(GpuDecode, PerCallErrorFlagTakesTheStepsBits) {
   constexpr int32_t kOther = 1 << 20;  // a bit of the caller's, kept (OR, not a store)
   const int64_t n = d.rows(), K = sel.topk;
   DeviceBatch b(d);
-  auto read = [](const int32_t* p) {
-    int32_t v = -1;
-    EXPECT_EQ(cudaMemcpy(&v, p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    return v;
-  };
   for (Path path : kBothPaths) {
     UsePath use(path);
     SCOPED_TRACE(path_name(path));
@@ -1007,8 +1002,8 @@ TEST(GpuDecode, PerCallErrorFlagTakesTheStepsBits) {
     in.error_flag = flag.ptr;
     ASSERT_TRUE(dec->decode(in, cpidx::TopkOutput{ids.ptr, n * K, K}, nullptr, nullptr).is_ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(read(flag.ptr), kOther | bits);
-    EXPECT_EQ(read(dec->error_flag()), 0);
+    EXPECT_EQ(read_device_int(flag.ptr), kOther | bits);
+    EXPECT_EQ(read_device_int(dec->error_flag()), 0);
     EXPECT_EQ(ids.download(), gpu_decode(d, sel)) << "the flag changed the ids";
 
     flag.upload({0});  // captured with the pointer: a replay ORs into the same flag
@@ -1017,8 +1012,8 @@ TEST(GpuDecode, PerCallErrorFlagTakesTheStepsBits) {
     });
     ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
     ASSERT_EQ(graph.replay(), cudaSuccess);
-    EXPECT_EQ(read(flag.ptr), bits);
-    EXPECT_EQ(read(dec->error_flag()), 0);
+    EXPECT_EQ(read_device_int(flag.ptr), bits);
+    EXPECT_EQ(read_device_int(dec->error_flag()), 0);
   }
   {  // a context-parallel rank's scoring
     std::unique_ptr<cpidx::Decoder> rank1;
@@ -1030,8 +1025,8 @@ TEST(GpuDecode, PerCallErrorFlagTakesTheStepsBits) {
     in.error_flag = flag.ptr;
     ASSERT_TRUE(rank1->shard_keys(in, keys.ptr, nullptr).is_ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(read(flag.ptr), bits);
-    EXPECT_EQ(read(rank1->error_flag()), 0);
+    EXPECT_EQ(read_device_int(flag.ptr), bits);
+    EXPECT_EQ(read_device_int(rank1->error_flag()), 0);
   }
   std::unique_ptr<cpidx::Decoder> dec;
   ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());

@@ -503,11 +503,6 @@ TEST(GpuPrefill, PerCallErrorFlagTakesTheCallsBits) {
   c.block_table[1] = 1 << 30;
   const Selection sel = sel_of(6);
   constexpr int32_t kOther = 1 << 20;  // a bit of the caller's, kept (OR, not a store)
-  auto read = [](const int32_t* p) {
-    int32_t v = -1;
-    EXPECT_EQ(cudaMemcpy(&v, p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    return v;
-  };
   for_each_kernel([&] {
     DevicePrefill d(c);
     std::unique_ptr<cpidx::Prefiller> pre;
@@ -521,8 +516,8 @@ TEST(GpuPrefill, PerCallErrorFlagTakesTheCallsBits) {
     in.error_flag = flag.ptr;
     ASSERT_TRUE(pre->prefill(in, cpidx::TopkOutput{ids.ptr, c.tokens * K, K}, nullptr).is_ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_EQ(read(flag.ptr), kOther | cpidx::kErrPageOutOfRange);
-    EXPECT_EQ(read(pre->error_flag()), 0);
+    EXPECT_EQ(read_device_int(flag.ptr), kOther | cpidx::kErrPageOutOfRange);
+    EXPECT_EQ(read_device_int(pre->error_flag()), 0);
     EXPECT_EQ(ids.download(), gpu_prefill(c, sel)) << "the flag changed the ids";
 
     ids.poison();
