@@ -111,20 +111,24 @@ def _check_error_flag(error_flag: Any, index_query: Any) -> None:
     if _is_torch(error_flag):
         torch = _torch_module()
         where = error_flag.device
-        ok = error_flag.dtype == torch.int32 and error_flag.numel() == 1
+        int32 = error_flag.dtype == torch.int32
+        ok = error_flag.numel() == 1
         kind = f"{error_flag.dtype} tensor of {error_flag.numel()} elements on {where}"
     elif isinstance(error_flag, np.ndarray):
         where = "cpu"
-        ok = error_flag.dtype == np.int32 and error_flag.size == 1 and error_flag.flags.writeable
+        int32 = error_flag.dtype == np.int32
+        ok = error_flag.size == 1 and error_flag.flags.writeable
         kind = f"{error_flag.dtype} array of {error_flag.size} elements" + (
             "" if error_flag.flags.writeable else " (read-only)")
     else:
         raise TypeError(f"error_flag: expected a one-element int32 array or tensor, got "
                         f"{type(error_flag).__name__}")
     want = index_query.device if _is_cuda(index_query) else "cpu"
-    if not ok or str(where) != str(want):
-        raise ValueError(f"error_flag: expected one writable int32 element on {want} (the "
-                         f"inputs' device), got a {kind}")
+    if not int32 or not ok or str(where) != str(want):
+        # A wrong dtype is a TypeError, as the bindings raise it; the rest a ValueError.
+        raise (ValueError if int32 else TypeError)(
+            f"error_flag: expected one writable int32 element on {want} (the inputs' device), "
+            f"got a {kind}")
 
 
 def _or_host_error_bits(error_flag: Any, bits: int) -> None:

@@ -566,7 +566,7 @@ def test_prefill_error_flag_reports_clamped_pages():
 
 
 @pytest.mark.parametrize("flag, exc, text", [
-    (np.zeros(1, np.int64), ValueError, "int64 array of 1 elements"),
+    (np.zeros(1, np.int64), TypeError, "int64 array of 1 elements"),
     (np.zeros(2, np.int32), ValueError, "int32 array of 2 elements"),
     (np.zeros(1, np.int32).view(), ValueError, "read-only"),
     ([0], TypeError, "got list"),

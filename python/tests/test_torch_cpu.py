@@ -86,7 +86,7 @@ def test_error_flag_through_the_op_and_compile():
     got, bits = torch.compile(f, fullgraph=True, backend="eager")(q, k, bt, sl,
                                                                   torch.zeros_like(want), flag)
     assert torch.equal(got, want) and int(bits) == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE
-    with pytest.raises(ValueError, match="^error_flag: .*torch.int64 tensor"):
+    with pytest.raises(TypeError, match="^error_flag: .*torch.int64 tensor"):
         cpidx.decode_topk(q, k, bt, sl, 2, out, scale=b.scale, topk=4, max_seq_len=512,
                           error_flag=torch.zeros(1, dtype=torch.int64))
 
@@ -420,9 +420,10 @@ def test_cpu_instance_reports_clamped_values_in_its_error_flag():
     flag = torch.full((1,), 0x40, dtype=torch.int32)
     cp(q, k, bad, sl, 1, out, scale=b.scale, error_flag=flag)
     assert int(flag) == 0x40 | cpidx.ERR_PAGE_OUT_OF_RANGE and int(cp.error_flag()) == 0
-    for wrong in (torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
-                  np.zeros(1, np.int32)[:0]):
-        with pytest.raises(ValueError, match="^error_flag: expected one writable int32 element"):
+    for wrong, exc in ((torch.zeros(2, dtype=torch.int32), ValueError),
+                       (torch.zeros(1, dtype=torch.int64), TypeError),
+                       (np.zeros(1, np.int32)[:0], ValueError)):
+        with pytest.raises(exc, match="^error_flag: expected one writable int32 element"):
             cp(q, k, bad, sl, 1, out, scale=b.scale, error_flag=wrong)
     assert int(cp.error_flag()) == 0
 
