@@ -10,7 +10,7 @@
 # returns what finished.
 # Knobs: GTEST_FILTER, TEST_TIMEOUT (s, default 330), SKIP_TESTS=1, PREFILL_FLAGS, DECODE_BENCH,
 # NCU_RUNS, TRACE_FLAGS, SANITIZE_TOOLS (default all), SKIP_SANITIZE=1, SKIP_PYTHON=1,
-# SKIP_PREFILL=1 (no prefill bench: a call of decode tests alone).
+# SKIP_PREFILL=1 (no prefill bench: a call of decode tests alone), SKIP_INSTALL_TEST=1.
 set -uo pipefail
 export OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -21,6 +21,14 @@ rc=0
 timeout 300 scripts/device.sh build || { echo "build failed or timed out"; exit 1; }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-330}" scripts/device.sh tests || rc=1
+fi
+if [ "${SKIP_INSTALL_TEST:-0}" != 1 ]; then
+  # The install and examples/cpp against it, now with a GPU: its Decoder step is compared with
+  # the CPU reference (ctest InstallAndFindPackage; the tool and every library are built above).
+  echo "== install + examples/cpp (${SECONDS}s)"
+  timeout 120 ctest --test-dir build-device -R InstallAndFindPackage -V \
+    >"$OUT/install_test.log" 2>&1 || rc=1
+  grep -E "^[0-9]+: (head 0|gpu:)|tests passed|tests failed" "$OUT/install_test.log"
 fi
 if [ "${SKIP_PREFILL:-0}" != 1 ]; then
   echo "== prefill bench (${SECONDS}s)"
