@@ -235,6 +235,73 @@ def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
     assert kind == "ValueError" and "another rank's arguments" in msg, msg
 
 
+def _made_host_group_rank(rank, world, port, results):
+    """Ranks 0 and 1 of three form the group; it is made to look NCCL-only (no host group
+    found), so each instance makes its own gloo group of those two ranks, without rank 2, and
+    agrees through it: a step whose rows differ raises on both ranks, a good step equals the
+    plain decode, close() destroys the group."""
+    import warnings
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen = {}
+    try:
+        tp = dist.new_group([0, 1])  # every rank of the world takes part, as torch requires
+        if rank < 2:
+            cpidx.IndexerCPDecode._host_group = staticmethod(lambda group: None)
+            T, Q, K = 2, 1, 6
+            b = random_decode(np.random.default_rng(23), T, Q, [1500, 129, 700], max_seq_len=1536)
+            q, k, bt, sl = as_torch(b)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cp = cpidx.IndexerCPDecode(total_heads=T, rank=rank, world_size=2, max_tokens=16,
+                                           max_seq_len=1536, topk=K, init_blocks=1,
+                                           local_blocks=1, group=tp, device="cpu",
+                                           check_agreement=True)
+            made = cp._host
+            seen["host"] = (made is not None and made is not tp,
+                            str(dist.get_backend(made)) if made is not None else None,
+                            dist.get_process_group_ranks(made) if made is not None else None,
+                            cp.check_agreement, [str(w.message) for w in caught])
+            off = cp.head_offset
+
+            def step(reqs):
+                out = torch.full((1, reqs, K), 77, dtype=torch.int32)
+                cp(q[:reqs, off: off + 1].contiguous(), k, bt[:reqs], sl[:reqs], Q, out,
+                   scale=b.scale)
+                return out
+
+            try:
+                step(2 if rank == 0 else 3)
+                seen["rows differ"] = None
+            except ValueError as e:
+                seen["rows differ"] = str(e)
+            plain = torch.zeros((T, 3, K), dtype=torch.int32)
+            cpidx.decode_topk(q, k, bt, sl, Q, plain, scale=b.scale, topk=K, init_blocks=1,
+                              local_blocks=1, max_seq_len=1536)
+            seen["good step"] = bool(torch.equal(step(3)[0], plain[off]))
+            cp.close()
+            seen["closed"] = (cp.closed, cp._made_host is None)
+        dist.barrier()  # rank 2 waits here while the other two make, use and destroy their group
+        seen["done"] = True
+        results[rank] = seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_indexer_cp_decode_makes_a_host_group_where_its_group_has_none():
+    results = run_ranks(_made_host_group_rank, world=3)
+    assert results[2] == {"done": True}
+    for r in (0, 1):
+        seen = results[r]
+        assert seen["host"] == (True, "gloo", [0, 1], "every step", []), seen["host"]
+        assert seen["rows differ"] is not None and "disagree on the decode rows" in \
+            seen["rows differ"], seen["rows differ"]
+        assert seen["good step"] and seen["closed"] == (True, True) and seen["done"], seen
+
+
 class _ClosableComm:
     """Stands in for a library communicator an instance made: close() refuses while `blocked`
     (as an NCCL one does while a live CUDA graph holds its gathers)."""
