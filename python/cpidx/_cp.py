@@ -263,7 +263,7 @@ class IndexerCPDecode:
         so collective over those ranks alone, like the construction itself). Sets ``_host``, or
         returns why it could not (a cpidx Communicator as ``group``, a torch without gloo or
         without local synchronisation)."""
-        if isinstance(group, _C.Communicator) or group is None:
+        if isinstance(group, _C.Communicator):  # (None never gets here: world_size > 1)
             return "a cpidx Communicator as group"
         if not dist.is_gloo_available():
             return "this torch has no gloo backend"
