@@ -70,16 +70,12 @@ class IndexerCPDecode:
     replays, and every captured batch size checked once. ``True`` checks every step, eager ones
     too (for debugging, as ``TORCH_DISTRIBUTED_DEBUG`` does for torch's collectives); ``False``
     never. The host group is the ``cpu_group`` of a vLLM GroupCoordinator (any ``group`` with
-    ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo group. An
-    NCCL-only ProcessGroup has none: the instance then makes one at construction, a gloo group
-    of the same ranks (``torch.distributed.new_group(ranks, backend="gloo",
-    use_local_synchronization=True)``: only those ranks take part, as in the construction
-    itself), and ``close()`` destroys it. Only a :class:`cpidx.Communicator` as ``group`` (or a
-    torch without gloo, or before 2.1) leaves an instance without one: no check, as with the C++
-    NCCL communicator without a host channel, and ``check_agreement=True`` then warns once with
-    the reason. ``cp.check_agreement`` says what applies: ``"every step"``, ``"captures"`` or
-    ``None``. ``close()`` agrees through the host group whatever ``check_agreement`` says
-    (below).
+    ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo group. Without
+    one (an NCCL-only ProcessGroup, or a :class:`cpidx.Communicator` as ``group``) there is no
+    check, as with the C++ NCCL communicator without a host channel; ``check_agreement=True``
+    then warns once. ``cp.check_agreement`` says what applies: ``"every step"``,
+    ``"captures"`` or ``None``. ``close()`` agrees through the host group whatever
+    ``check_agreement`` says (below).
 
     A peer exchange never hangs: a rank whose peer stops sending gives up after the
     communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in its error bits;
@@ -185,18 +181,16 @@ class IndexerCPDecode:
         self._owned: list = []  # communicators this instance made, in closing order
         self._pg = None  # the torch ProcessGroup of the torch exchange
         self._host = None  # the host (gloo) group the steps and close() agree through
-        self._made_host = None  # that group when this instance made it (close() destroys it)
         self._closed = False
         self.exchange = "none"
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
         if world_size > 1:
             self._setup_exchange(group, exchange)
             self._host = self._host_group(group)
-            why_none = self._make_host_group(group) if self._host is None else None
             if check_agreement and self._host is None:
                 warnings.warn(f"IndexerCPDecode(check_agreement=True): group {group!r} has no "
-                              f"host (gloo) group to agree through ({why_none}): steps are not "
-                              f"checked", stacklevel=2)
+                              f"host (gloo) group to agree through: steps are not checked",
+                              stacklevel=2)
         # What the steps agree on (close() agrees whenever there is a host group).
         self.check_agreement: Optional[str] = None
         if self._host is not None and check_agreement is not False:
@@ -256,25 +250,6 @@ class IndexerCPDecode:
             return cpu_group
         device_group = getattr(group, "device_group", group)
         return device_group if "gloo" in str(dist.get_backend(device_group)).lower() else None
-
-    def _make_host_group(self, group: Any) -> Optional[str]:
-        """Where ``group`` has no host group (an NCCL-only ProcessGroup), makes one: a gloo group
-        of the same ranks (``torch.distributed.new_group(..., use_local_synchronization=True)``,
-        so collective over those ranks alone, like the construction itself). Sets ``_host``, or
-        returns why it could not (a cpidx Communicator as ``group``, a torch without gloo or
-        without local synchronisation)."""
-        if isinstance(group, _C.Communicator):  # (None never gets here: world_size > 1)
-            return "a cpidx Communicator as group"
-        if not dist.is_gloo_available():
-            return "this torch has no gloo backend"
-        device_group = getattr(group, "device_group", group)
-        try:
-            made = dist.new_group(ranks=dist.get_process_group_ranks(device_group),
-                                  backend="gloo", use_local_synchronization=True)
-        except TypeError:  # a torch before 2.1: every rank of the world would have to call it
-            return "this torch's new_group has no use_local_synchronization"
-        self._host = self._made_host = made
-        return None
 
     def _bootstrap_nccl(self, device_group: Any, cpu_group: Any) -> Any:
         """Rank 0 of the group makes the NCCL unique id; every rank joins with it."""
@@ -533,10 +508,7 @@ class IndexerCPDecode:
         while self._owned:
             self._owned[0].close()  # raises before anything is dropped if it cannot close yet
             self._owned.pop(0)
-        made, self._made_host = self._made_host, None
         self._drop()
-        if made is not None:  # the gloo group made for the agreements: each member destroys it
-            dist.destroy_process_group(made)
 
     def _agree_to_close(self) -> None:
         """Raises (closing nothing) when this rank cannot close now: a CUDA graph is being
