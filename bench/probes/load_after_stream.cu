@@ -8,12 +8,13 @@
 // stream (so its lines are in L2: the stream's loads carry the evict-first hint): each load's
 // address depends on the last one's value, and clock64 brackets each load. Cases, each after the
 // same streamed bytes:
-//   pool_4g:   pages from a 4 GiB pool (the bench's), shuffled;
-//   pool_64m:  pages from a 64 MiB pool (32 translations), shuffled;
+//   pool_4g:   pages drawn at random from a 4 GiB pool (the bench's);
+//   pool_64m:  pages drawn at random from a 64 MiB pool (32 translations);
 //   no_stream: no stream kernel at all, the buffer warm;
 //   pool_4g_pdl: as pool_4g, the probe launched early and waiting as select_topk does;
 //   pool_4g_pdl_touch: as pool_4g_pdl, the chain's lines prefetched to L2 before the wait;
-//   empty_pdl: the probe waiting behind a grid that streams nothing (the wait's own cost).
+//   empty_pdl: the probe waiting behind a grid that streams nothing (the loads just after a wait
+//              with nothing streamed: the wait's own effect on them).
 // Reading it: pool_4g >> pool_64m ~ no_stream says translations; pool_4g_pdl >> pool_4g with
 // empty_pdl ~ pool_4g_pdl says the wait; loads 3-5 are the L2 hit's own latency.
 // Within a chain: load 0 hits a 2 MiB region not touched since the buffer was written, load 1
@@ -71,31 +72,39 @@ __global__ void write_buffer(unsigned long long* buf, size_t words, unsigned lon
 // kPdl: launched behind the stream by programmatic dependent launch, it waits for the stream's
 // end (griddepcontrol.wait) as select_topk does; kTouch: before that wait, it asks L2 for the
 // chain's two regions (prefetch.global.L2), whose translations the wait then finds warm if the
-// stream's last pages have not evicted them.
+// stream's last pages have not evicted them. wait_ns: %globaltimer before and after the wait
+// (with PDL, about the stream's length when the probe really launched early; 0 without).
+// Each load's value is stored to a volatile shared word before the clock is read again: the
+// store cannot issue before the load lands, so the clock brackets that load alone (without it
+// ptxas moved the consuming adds and each bracket held another load's latency).
 template <bool kPdl, bool kTouch>
 __global__ void probe(const unsigned long long* buf, unsigned long long start,
-                      unsigned long long other, long long* cycles, unsigned long long* ns) {
+                      unsigned long long other, long long* cycles, unsigned long long* ns,
+                      unsigned long long* wait_ns) {
+  __shared__ volatile unsigned long long landed;
   if (kTouch) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(buf + start) : "memory");
     asm volatile("prefetch.global.L2 [%0];" ::"l"(buf + other) : "memory");
   }
+  unsigned long long w0, w1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w0)::"memory");
   if (kPdl) asm volatile("griddepcontrol.wait;" ::: "memory");
-  unsigned long long at = start, sum = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w1)::"memory");
+  *wait_ns = w1 - w0;
+  unsigned long long at = start;
   for (int i = 0; i < 2 * kLoads; ++i) {
     if (i == kLoads) at = start;
     unsigned long long next, t0, t1;
     const long long c0 = clock64();
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0)::"memory");
     asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(next) : "l"(buf + at) : "memory");
-    // Consumes the loaded value before the clock is read again: the read waits for it.
-    asm volatile("add.u64 %0, %1, %2;" : "=l"(sum) : "l"(next), "l"(sum) : "memory");
+    landed = next;  // waits for the load: the clock below reads after it landed
     const long long c1 = clock64();
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)::"memory");
     cycles[i] = c1 - c0;
     ns[i] = t1 - t0;
     at = next;
   }
-  if (sum == 1) cycles[0] = -1;  // never: keeps the chain
 }
 
 int main() {
@@ -108,7 +117,7 @@ int main() {
   int *order_big, *order_small;
   unsigned* sink;
   long long* cycles;
-  unsigned long long* ns;
+  unsigned long long *ns, *wait_ns;
   CHECK(cudaMalloc(&pool, pool_bytes));
   CHECK(cudaMalloc(&buf, buf_bytes));
   CHECK(cudaMalloc(&order_big, sizeof(int) * ctas * pages_per_cta));
@@ -116,6 +125,7 @@ int main() {
   CHECK(cudaMalloc(&sink, sizeof(unsigned) * ctas));
   CHECK(cudaMalloc(&cycles, sizeof(long long) * 2 * kLoads));
   CHECK(cudaMalloc(&ns, sizeof(unsigned long long) * 2 * kLoads));
+  CHECK(cudaMalloc(&wait_ns, sizeof(unsigned long long)));
   CHECK(cudaMemset(pool, 0x5a, pool_bytes));
   std::mt19937 rng(7);
   std::vector<int> big(ctas * pages_per_cta), small(ctas * pages_per_cta);
@@ -132,7 +142,7 @@ int main() {
   const unsigned long long a = 3 * 262144ull, b = a + 16, c = 6 * 262144ull + 40;
   for (int kind = 0; kind < 6; ++kind) {
     std::vector<long long> cyc[2 * kLoads];
-    std::vector<unsigned long long> tns[2 * kLoads];
+    std::vector<unsigned long long> tns[2 * kLoads], waits;
     for (int r = 0; r < reps + 2; ++r) {
       write_buffer<<<264, 256>>>(buf, words, a, b, c);
       if (kind != 2) {
@@ -140,7 +150,7 @@ int main() {
                                     kind == 5 ? 0 : pages_per_cta, sink);
       }
       if (kind < 3) {
-        probe<false, false><<<1, 1>>>(buf, a, c, cycles, ns);
+        probe<false, false><<<1, 1>>>(buf, a, c, cycles, ns, wait_ns);
       } else {
         cudaLaunchConfig_t cfg = {};
         cudaLaunchAttribute attr = {};
@@ -150,21 +160,26 @@ int main() {
         cfg.blockDim = dim3(1);
         cfg.attrs = &attr;
         cfg.numAttrs = 1;
-        CHECK(kind == 4 ? cudaLaunchKernelEx(&cfg, probe<true, true>, buf, a, c, cycles, ns)
-                        : cudaLaunchKernelEx(&cfg, probe<true, false>, buf, a, c, cycles, ns));
+        CHECK(kind == 4
+                  ? cudaLaunchKernelEx(&cfg, probe<true, true>, buf, a, c, cycles, ns, wait_ns)
+                  : cudaLaunchKernelEx(&cfg, probe<true, false>, buf, a, c, cycles, ns, wait_ns));
       }
       CHECK(cudaDeviceSynchronize());
       long long hc[2 * kLoads];
-      unsigned long long hn[2 * kLoads];
+      unsigned long long hn[2 * kLoads], hw = 0;
       CHECK(cudaMemcpy(hc, cycles, sizeof(hc), cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(hn, ns, sizeof(hn), cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(&hw, wait_ns, sizeof(hw), cudaMemcpyDeviceToHost));
       if (r < 2) continue;  // warm-up
+      waits.push_back(hw);
       for (int i = 0; i < 2 * kLoads; ++i) {
         cyc[i].push_back(hc[i]);
         tns[i].push_back(hn[i]);
       }
     }
-    std::printf("{\"case\": \"%s\", \"sm_clock_khz_attr\": %d", names[kind], clock_khz);
+    std::sort(waits.begin(), waits.end());
+    std::printf("{\"case\": \"%s\", \"sm_clock_khz_attr\": %d, \"wait_ns_median\": %llu",
+                names[kind], clock_khz, waits[reps / 2]);
     for (int i = 0; i < 2 * kLoads; ++i) {
       std::sort(cyc[i].begin(), cyc[i].end());
       std::sort(tns[i].begin(), tns[i].end());
