@@ -2,9 +2,10 @@
 # into WORK_DIR/prefix, then builds examples/cpp there as a project of its own through
 # find_package(cpidx) and runs it (the CPU reference; the GPU too where one is found), and
 # checks that a component cpidx does not have fails find_package with its name.
-# -D: BUILD_DIR, SOURCE_DIR, WORK_DIR, CXX, CXX_FLAGS, CUDA_ROOT (empty without CUDA),
+# -D: BUILD_DIR, SOURCE_DIR, WORK_DIR, CXX, CXX_FLAGS, CUDA_ROOT (empty without CUDA), LIBDIR
+#     (CMAKE_INSTALL_LIBDIR: lib, or lib64 where GNUInstallDirs picks it),
 #     COMPONENTS (the optional components the build made, comma-separated: "comm_mpi,comm_peer").
-foreach(var BUILD_DIR SOURCE_DIR WORK_DIR CXX)
+foreach(var BUILD_DIR SOURCE_DIR WORK_DIR CXX LIBDIR)
   if(NOT ${var})
     message(FATAL_ERROR "install_find_package.cmake: -D${var}= is required")
   endif()
@@ -20,8 +21,8 @@ function(run what)
 endfunction()
 
 run("cmake --install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
-foreach(f include/cpidx/indexer.h include/cpidx/reference.h lib/cmake/cpidx/cpidxConfig.cmake
-          lib/cmake/cpidx/cpidxConfigVersion.cmake lib/cmake/cpidx/cpidxTargets.cmake)
+foreach(f include/cpidx/indexer.h include/cpidx/reference.h ${LIBDIR}/cmake/cpidx/cpidxConfig.cmake
+          ${LIBDIR}/cmake/cpidx/cpidxConfigVersion.cmake ${LIBDIR}/cmake/cpidx/cpidxTargets.cmake)
   if(NOT EXISTS ${WORK_DIR}/prefix/${f})
     message(FATAL_ERROR "not installed: ${f}")
   endif()
@@ -70,6 +71,7 @@ execute_process(COMMAND ${CMAKE_COMMAND} -S ${WORK_DIR}/components -B ${WORK_DIR
                         ${consumer_args} -DWANT=no_such
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "component no_such: no such component")
-  message(FATAL_ERROR "find_package(cpidx COMPONENTS no_such) did not fail by name:\n${out}\n${err}")
+  message(FATAL_ERROR
+          "find_package(cpidx COMPONENTS no_such) did not fail by name:\n${out}\n${err}")
 endif()
 message(STATUS "InstallAndFindPackage: installed, found, built, ran; components: ${COMPONENTS}")
