@@ -11,6 +11,12 @@
 #include "cpidx/params.h"
 #include "cpidx/status.h"
 
+// The CUDA architectures the kernels were compiled for (CMakeLists.txt passes
+// CMAKE_CUDA_ARCHITECTURES to the library and the GPU tests).
+#ifndef CPIDX_CUDA_ARCHS
+#define CPIDX_CUDA_ARCHS "90a"
+#endif
+
 namespace cpidx {
 namespace cuda_host {
 
@@ -18,6 +24,13 @@ inline Status cuda_status(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::ok();
   detail::Message msg;
   msg << what << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
+  if (e == cudaErrorNoKernelImageForDevice) {
+    // A GPU of another architecture: the kernels use sm_90a's own instructions (bulk copies,
+    // wgmma, programmatic launch), which no later architecture runs. A create() meets it first.
+    msg << ": this GPU cannot run cpidx's kernels, compiled for CUDA architectures "
+        << CPIDX_CUDA_ARCHS << " (NVIDIA Hopper: H100, H200)";
+    return Status(StatusCode::kUnsupported, msg.str());
+  }
   return Status(StatusCode::kCudaError, msg.str());
 }
 
