@@ -198,7 +198,6 @@ inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selectio
   return c;
 }
 
-// The plain GPU decode of every head on `device` (the current device): ids [T][n][K], host copy.
 // One int32 of device memory (an error flag), read back; -1 when the copy fails (also reported).
 inline int32_t read_device_int(const int32_t* p) {
   int32_t v = -1;
@@ -206,6 +205,7 @@ inline int32_t read_device_int(const int32_t* p) {
   return v;
 }
 
+// The plain GPU decode of every head on `device` (the current device): ids [T][n][K], host copy.
 inline std::vector<int32_t> gpu_decode(const DecodeData& d, const cpidx::Selection& sel,
                                        int32_t* error_flag = nullptr, int device = 0) {
   DeviceBatch b(d);
