@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -62,9 +63,7 @@ int run_on_gpu(const cpidx::DecodeInputs& host_in, const std::vector<uint16_t>& 
     ok = st.is_ok() && cudaMemcpy(ids->data(), d_ids, ids->size() * sizeof(int32_t),
                                   cudaMemcpyDeviceToHost) == cudaSuccess;
   }
-  for (void* p : {static_cast<void*>(d_query), static_cast<void*>(d_cache),
-                  static_cast<void*>(d_table), static_cast<void*>(d_lens),
-                  static_cast<void*>(d_ids)}) {
+  for (void* p : std::initializer_list<void*>{d_query, d_cache, d_table, d_lens, d_ids}) {
     cudaFree(p);
   }
   if (!st) return fail("Decoder::decode", st);
