@@ -9,7 +9,9 @@ CUDA graph and replayed with new lengths. The exchange (the two all-gathers of a
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import uuid
 import warnings
 from typing import Any, Optional
 
@@ -24,9 +26,67 @@ _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
 _EXCHANGES = ("auto", "peer", "nccl", "torch")
 
+# How long a host group this library makes waits for a rank: to be made, and in each all-reduce.
+HOST_GROUP_TIMEOUT = datetime.timedelta(minutes=5)
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _host_group_of(group: Any) -> Any:
+    """The gloo group that ``group`` brings for the ranks to agree through, or None: the
+    ``cpu_group`` of a vLLM GroupCoordinator, or ``group`` itself when it is a gloo group."""
+    if isinstance(group, _C.Communicator) or group is None:
+        return None
+    cpu_group = getattr(group, "cpu_group", None)
+    if cpu_group is not None:
+        return cpu_group
+    device_group = getattr(group, "device_group", group)
+    return device_group if "gloo" in str(dist.get_backend(device_group)).lower() else None
+
+
+def _host_token() -> Optional[str]:
+    """Rank 0's name for the host group the ranks are about to make: a fresh uuid, or None when
+    there is no default store to make it on (no ``init_process_group``) or no gloo."""
+    if not dist.is_gloo_available():
+        return None
+    try:
+        dist.distributed_c10d._get_default_store()
+    except (ValueError, RuntimeError, AttributeError, KeyError):
+        return None
+    return uuid.uuid4().hex
+
+
+def _make_host_group(group: Any, token: Optional[str],
+                     timeout: Optional[datetime.timedelta] = None) -> Any:
+    """A gloo group over the ranks of ``group`` (in its rank order), for a group that brings
+    none (an NCCL-only ProcessGroup); None when ``token`` is None. Every rank calls it with the
+    ``token`` rank 0 broadcast: the group lives on the default store under that name, so the
+    ranks meet whatever groups each made before (torch names its groups by each rank's own
+    count), and a group made again (after ``close()``) never meets a stale one. A rank missing
+    for ``timeout`` (``HOST_GROUP_TIMEOUT``) makes it fail rather than wait; the same bound holds
+    for each all-reduce on it. Dropped with its last reference (it is not registered with
+    torch.distributed)."""
+    if token is None:
+        return None
+    timeout = HOST_GROUP_TIMEOUT if timeout is None else timeout
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    try:
+        store = dist.PrefixStore(f"cpidx/host/{token}/",
+                                 dist.distributed_c10d._get_default_store())
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    except (ValueError, RuntimeError) as e:
+        raise RuntimeError(f"group: could not make the host (gloo) group the {size} ranks agree "
+                           f"through (rank {rank}, within {timeout}): {e}") from e
+
+
+def _all_reduce_max(group: Any, values: torch.Tensor) -> None:
+    """In-place MAX all-reduce of a host tensor over ``group`` (a registered ProcessGroup or
+    one made by :func:`_make_host_group`), waited for."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    group.allreduce([values], opts).wait()
 
 
 class IndexerCPDecode:
@@ -70,12 +130,15 @@ class IndexerCPDecode:
     replays, and every captured batch size checked once. ``True`` checks every step, eager ones
     too (for debugging, as ``TORCH_DISTRIBUTED_DEBUG`` does for torch's collectives); ``False``
     never. The host group is the ``cpu_group`` of a vLLM GroupCoordinator (any ``group`` with
-    ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo group. Without
-    one (an NCCL-only ProcessGroup, or a :class:`cpidx.Communicator` as ``group``) there is no
-    check, as with the C++ NCCL communicator without a host channel; ``check_agreement=True``
-    then warns once. ``cp.check_agreement`` says what applies: ``"every step"``,
-    ``"captures"`` or ``None``. ``close()`` agrees through the host group whatever
-    ``check_agreement`` says (below).
+    ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo group. For any
+    other ProcessGroup (NCCL-only) the instance makes a gloo group over the same ranks at
+    construction, on the default store under a name rank 0 draws (sent with the NCCL unique
+    id), waiting at most ``cpidx._cp.HOST_GROUP_TIMEOUT`` (5 min) for a rank, there and in each
+    all-reduce; ``close()`` drops it. With a :class:`cpidx.Communicator` as ``group``, or
+    without ``init_process_group``'s store, there is none and no check, as with the C++ NCCL
+    communicator without a host channel; ``check_agreement=True`` then warns once.
+    ``cp.check_agreement`` says what applies: ``"every step"``, ``"captures"`` or ``None``.
+    ``close()`` agrees through the host group whatever ``check_agreement`` says (below).
 
     A peer exchange never hangs: a rank whose peer stops sending gives up after the
     communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in its error bits;
@@ -186,7 +249,6 @@ class IndexerCPDecode:
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
         if world_size > 1:
             self._setup_exchange(group, exchange)
-            self._host = self._host_group(group)
             if check_agreement and self._host is None:
                 warnings.warn(f"IndexerCPDecode(check_agreement=True): group {group!r} has no "
                               f"host (gloo) group to agree through: steps are not checked",
@@ -229,8 +291,26 @@ class IndexerCPDecode:
             raise ValueError(f"exchange: 'peer' needs a cpidx build with the peer and NCCL "
                              f"communicators (cpidx.has_peer is {_C.has_peer}, cpidx.has_nccl "
                              f"is {_C.has_nccl})")
+        # One broadcast from rank 0 carries what the ranks must share: the NCCL unique id, and
+        # the name of the host group this instance makes when the group brings none.
+        self._host = _host_group_of(group)
+        make_host = self._host is None
         if library:
-            nccl = self._bootstrap_nccl(device_group, cpu_group)
+            # NVLS off on every rank before anything below can create an NCCL communicator (the
+            # broadcast over an NCCL group creates torch's): NCCL reads the setting once per
+            # process. Another value set by the user stays, and the library's NCCL factories
+            # refuse it.
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        uid, token = None, None
+        if library or make_host:
+            uid, token = self._broadcast_from_rank0(
+                cpu_group if cpu_group is not None else device_group,
+                lambda: (_C.nccl_unique_id() if library else None,
+                         _host_token() if make_host else None))
+        if make_host:
+            self._host = _make_host_group(device_group, token)
+        if library:
+            nccl = _C.make_nccl_communicator(uid, self.world_size, self.rank, self.device.index)
             self._owned.append(nccl)
             self._comm, self.exchange = nccl, "nccl"
             if exchange in ("auto", "peer") and _C.has_peer:
@@ -240,31 +320,15 @@ class IndexerCPDecode:
             self._alloc_exchange_buffers()
             self.exchange = "torch"
 
-    @staticmethod
-    def _host_group(group: Any) -> Any:
-        """The gloo group the steps agree through, or None (see the class docstring)."""
-        if isinstance(group, _C.Communicator) or group is None:
-            return None
-        cpu_group = getattr(group, "cpu_group", None)
-        if cpu_group is not None:
-            return cpu_group
-        device_group = getattr(group, "device_group", group)
-        return device_group if "gloo" in str(dist.get_backend(device_group)).lower() else None
-
-    def _bootstrap_nccl(self, device_group: Any, cpu_group: Any) -> Any:
-        """Rank 0 of the group makes the NCCL unique id; every rank joins with it."""
-        # NVLS off on every rank before anything below can create an NCCL communicator (the
-        # broadcast over an NCCL group creates torch's): NCCL reads the setting once per process.
-        # Another value set by the user stays, and the library's NCCL factories refuse it.
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        bcast_group = cpu_group if cpu_group is not None else device_group
-        src = dist.get_global_rank(bcast_group, 0)
-        box = [_C.nccl_unique_id() if self.rank == 0 else None]
+    def _broadcast_from_rank0(self, group: Any, make: Any) -> Any:
+        """``make()`` on rank 0 of ``group``, handed to every rank (one broadcast)."""
+        box = [make() if self.rank == 0 else None]
         kwargs = {}
-        if cpu_group is None and "nccl" in str(dist.get_backend(bcast_group)).lower():
+        if "nccl" in str(dist.get_backend(group)).lower():
             kwargs["device"] = self.device
-        dist.broadcast_object_list(box, src=src, group=bcast_group, **kwargs)
-        return _C.make_nccl_communicator(box[0], self.world_size, self.rank, self.device.index)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                                   **kwargs)
+        return box[0]
 
     def _setup_peer(self, nccl: Any, required: bool) -> None:
         """The peer communicator over the NCCL one. Its factory fails on every rank together,
@@ -421,7 +485,7 @@ class IndexerCPDecode:
         rank whose arguments were refused. Raises on every rank unless all have the same n."""
         mine = -1 if refused is not None else n
         both = torch.tensor([mine, -mine], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._host)
+        _all_reduce_max(self._host, both)
         most, least = int(both[0]), -int(both[1])
         if refused is not None:
             raise refused
@@ -529,7 +593,7 @@ class IndexerCPDecode:
             except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
                 blocker = f"{self!r}.close(): {type(e).__name__}: {e}"
         any_blocked = torch.tensor([0 if blocker is None else 1], dtype=torch.int64)
-        dist.all_reduce(any_blocked, op=dist.ReduceOp.MAX, group=self._host)
+        _all_reduce_max(self._host, any_blocked)
         if blocker is not None:
             raise RuntimeError(f"{blocker}; nothing was closed, on any rank: call close() again "
                                f"on every rank")
@@ -565,7 +629,7 @@ class IndexerCPDecode:
     def _drop(self) -> None:
         self._closed = True
         self._owned = []
-        self._comm = self._pg = self._decoder = None
+        self._comm = self._pg = self._decoder = self._host = None
         for name in ("_q_local", "_q_gathered", "_q_full", "_keys", "_keys_gathered"):
             self.__dict__.pop(name, None)
 

@@ -719,3 +719,53 @@ def test_indexer_cp_decode_two_processes_each_exchange():
         assert log["nccl_graph"] is True, log  # its capture ran the agreement too
         assert log["agreement"] == "captures", log
         assert log["abandoned"], log
+
+
+def _two_gpu_nccl_group_rank(rank, world, port, results):
+    """Over an NCCL-only process group the instance makes its own host group: a step the ranks
+    disagree on raises on both, a good one equals the plain decode, close() agrees through it."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    log = {}
+    try:
+        T, Q, K = 4, 2, 16
+        b = random_decode(np.random.default_rng(31), T, Q, [3000, 129, 0, 2049], max_seq_len=4096)
+        q, k, bt, sl = to_dev(b)
+        plain = torch.zeros((T, b.rows, K), dtype=torch.int32, device=DEV)
+        cpidx.decode_topk(q, k, bt, sl, Q, plain, scale=b.scale, topk=K, max_seq_len=4096)
+        cp = cpidx.IndexerCPDecode(total_heads=T, rank=rank, world_size=world, max_tokens=16,
+                                   max_seq_len=4096, topk=K, init_blocks=0, local_blocks=1,
+                                   group=dist.group.WORLD, device=dev, check_agreement=True)
+        log["host"] = (cp.check_agreement, type(cp._host).__name__)
+        L, off = cp.local_heads, cp.head_offset
+        reqs = 2 if rank == 0 else 3
+        out = torch.full((L, reqs * Q, K), 77, dtype=torch.int32, device=DEV)
+        try:
+            cp(q[:reqs * Q, off: off + L].contiguous(), k, bt[:reqs], sl[:reqs], Q, out,
+               scale=b.scale)
+            log["rows differ"] = None
+        except ValueError as e:
+            log["rows differ"] = str(e)
+        out = torch.full((L, b.rows, K), 77, dtype=torch.int32, device=DEV)
+        cp(q[:, off: off + L].contiguous(), k, bt, sl, Q, out, scale=b.scale)
+        torch.cuda.synchronize()
+        log["good step"] = bool(torch.equal(out, plain[off: off + L]))
+        cp.close()
+        log["closed"] = (cp.closed, cp._host)
+        results[rank] = log
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_indexer_cp_decode_over_an_nccl_only_group_agrees_through_its_own_host_group():
+    results = run_ranks(_two_gpu_nccl_group_rank, timeout=240)
+    for r in range(2):
+        log = results[r]
+        assert log["host"] == ("every step", "ProcessGroupGloo"), log
+        assert "the ranks have 4 to 6" in (log["rows differ"] or ""), log
+        assert log["good step"] and log["closed"] == (True, None), log

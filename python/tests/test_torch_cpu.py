@@ -235,6 +235,100 @@ def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
     assert kind == "ValueError" and "another rank's arguments" in msg, msg
 
 
+def _made_host_group_rank(rank, world, port, results):
+    """An instance over a group that brings no host group (an NCCL-only ProcessGroup; a gloo
+    group stands in for one here, its host group hidden) makes its own: two TP groups of two
+    ranks at once, after ranks 0 and 1 alone made a local-synchronisation group (torch's group
+    names then differ between the ranks), and again after close(). Steps agree through it."""
+    import torch.distributed as dist
+
+    import cpidx._cp as cp_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen = []
+    try:
+        tp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+        if rank < 2:
+            dist.new_group([0, 1], use_local_synchronization=True)
+        tp = tp_groups[rank // 2]
+        cp_module._host_group_of = lambda group: None  # as for an NCCL-only group
+        T, Q, K = 2, 1, 6
+        b = random_decode(np.random.default_rng(23 + rank // 2), T, Q, [1500, 129, 700, 640],
+                          max_seq_len=1536)
+        q, k, bt, sl = as_torch(b)
+        plain = torch.zeros((T, 4, K), dtype=torch.int32)
+        cpidx.decode_topk(q, k, bt, sl, Q, plain, scale=b.scale, topk=K, init_blocks=1,
+                          local_blocks=1, max_seq_len=1536)
+        me = dist.get_rank(tp)
+        for made in ("first", "again"):
+            cp = cpidx.IndexerCPDecode(total_heads=T, rank=me, world_size=2, max_tokens=16,
+                                       max_seq_len=1536, topk=K, init_blocks=1, local_blocks=1,
+                                       group=tp, device="cpu", check_agreement=True)
+            seen.append((made, "agreement", cp.check_agreement,
+                         type(cp._host).__name__ if cp._host is not None else None))
+            off = cp.head_offset
+            reqs = 2 if me == 0 else 3
+            out = torch.full((1, reqs, K), 77, dtype=torch.int32)
+            try:
+                cp(q[:reqs, off: off + 1].contiguous(), k, bt[:reqs], sl[:reqs], Q, out,
+                   scale=b.scale)
+                seen.append((made, "rows differ", None, None))
+            except ValueError as e:
+                seen.append((made, "rows differ", "ValueError", str(e)))
+            out = torch.full((1, 4, K), 77, dtype=torch.int32)
+            cp(q[:, off: off + 1].contiguous(), k, bt, sl, Q, out, scale=b.scale)
+            seen.append((made, "good step", bool(torch.equal(out[0], plain[off])), None))
+            cp.close()
+            seen.append((made, "closed", cp.closed, cp._host))
+        results[rank] = seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_indexer_cp_decode_makes_a_host_group_when_its_group_brings_none():
+    results = run_ranks(_made_host_group_rank, world=4)
+    for rank in range(4):
+        seen = {(made, what): (a, b) for made, what, a, b in results[rank]}
+        for made in ("first", "again"):
+            assert seen[(made, "agreement")] == ("every step", "ProcessGroupGloo"), seen
+            kind, msg = seen[(made, "rows differ")]
+            assert kind == "ValueError" and "the ranks have 2 to 3" in msg, msg
+            assert seen[(made, "good step")] == (True, None), seen
+            assert seen[(made, "closed")] == (True, None), seen
+
+
+def _host_group_timeout_rank(rank, world, port, results):
+    """A rank that never joins: the host group's making fails within its timeout, by name."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    import cpidx._cp as cp_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                cp_module._make_host_group(dist.group.WORLD, "alone",
+                                           datetime.timedelta(seconds=2))
+                results[rank] = ("made", time.monotonic() - start)
+            except RuntimeError as e:
+                results[rank] = (str(e), time.monotonic() - start)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_made_host_group_fails_within_its_timeout_when_a_rank_never_joins():
+    msg, seconds = run_ranks(_host_group_timeout_rank)[0]
+    assert msg.startswith("group: could not make the host (gloo) group the 2 ranks"), msg
+    assert seconds < 30, seconds
+
+
 class _ClosableComm:
     """Stands in for a library communicator an instance made: close() refuses while `blocked`
     (as an NCCL one does while a live CUDA graph holds its gathers)."""
