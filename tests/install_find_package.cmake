@@ -2,10 +2,11 @@
 # into WORK_DIR/prefix, then builds examples/cpp there as a project of its own through
 # find_package(cpidx) and runs it (the CPU reference; the GPU too where one is found), and
 # checks that a component cpidx does not have fails find_package with its name.
-# -D: BUILD_DIR, SOURCE_DIR, WORK_DIR, CXX, CXX_FLAGS, CUDA_ROOT (empty without CUDA), LIBDIR
+# -D: BUILD_DIR, SOURCE_DIR, WORK_DIR, CXX, CXX_FLAGS, CUDA_ROOT (empty without CUDA), VERSION
+#     (the project's), LIBDIR
 #     (CMAKE_INSTALL_LIBDIR: lib, or lib64 where GNUInstallDirs picks it),
 #     COMPONENTS (the optional components the build made, comma-separated: "comm_mpi,comm_peer").
-foreach(var BUILD_DIR SOURCE_DIR WORK_DIR CXX LIBDIR)
+foreach(var BUILD_DIR SOURCE_DIR WORK_DIR CXX LIBDIR VERSION)
   if(NOT ${var})
     message(FATAL_ERROR "install_find_package.cmake: -D${var}= is required")
   endif()
@@ -21,7 +22,7 @@ function(run what)
 endfunction()
 
 run("cmake --install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
-foreach(f include/cpidx/indexer.h include/cpidx/reference.h ${LIBDIR}/cmake/cpidx/cpidxConfig.cmake
+foreach(f include/cpidx/indexer.h include/cpidx/reference.h include/cpidx/version.h ${LIBDIR}/cmake/cpidx/cpidxConfig.cmake
           ${LIBDIR}/cmake/cpidx/cpidxConfigVersion.cmake ${LIBDIR}/cmake/cpidx/cpidxTargets.cmake)
   if(NOT EXISTS ${WORK_DIR}/prefix/${f})
     message(FATAL_ERROR "not installed: ${f}")
@@ -38,6 +39,11 @@ run("configuring examples/cpp" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/examples/cpp
 run("building examples/cpp" ${CMAKE_COMMAND} --build ${WORK_DIR}/example)
 run("decode_step" ${WORK_DIR}/example/decode_step)
 message(STATUS "decode_step:\n${run_out}")
+# The installed headers and the CMake package name the build's version.
+if(NOT run_out MATCHES "^cpidx ([^ ]+) \\(headers\\), ([^ ]+) \\(CMake package\\)\n" OR
+   NOT CMAKE_MATCH_1 STREQUAL VERSION OR NOT CMAKE_MATCH_2 STREQUAL VERSION)
+  message(FATAL_ERROR "decode_step's first line does not name version ${VERSION} twice")
+endif()
 # Request 1 has 33 blocks: 16 distinct ids in [0, 33), none -1.
 if(NOT run_out MATCHES "head 0, request 1 \\(4100 tokens\\):([ 0-9-]+)\n")
   message(FATAL_ERROR "decode_step printed no row for request 1")

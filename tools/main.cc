@@ -1,8 +1,10 @@
 // tools/main.cc: the `cpidx` command. Dispatches `cpidx <subcommand> [flags]` through one table;
-// `cpidx --help` lists the subcommands, `cpidx <subcommand> --help` lists its flags.
+// `cpidx --help` lists the subcommands, `cpidx <subcommand> --help` lists its flags, `cpidx
+// --version` prints the library's version.
 #include <cstdio>
 #include <cstring>
 
+#include "cpidx/version.h"
 #include "subcommands.h"
 
 namespace {
@@ -23,8 +25,8 @@ constexpr Subcommand kSubcommands[] = {
 
 void print_usage(std::FILE* out) {
   std::fprintf(out,
-               "usage: cpidx <command> [flags]\n\n"
-               "cpidx: the decode-time indexer of block-sparse attention (MiniMax-M3), with\n"
+               "usage: cpidx <command> [flags]   (or --help, --version)\n\n"
+               "cpidx " CPIDX_VERSION ": the decode-time indexer of block-sparse attention (MiniMax-M3), with\n"
                "context parallelism across tensor-parallel ranks.\n\ncommands:\n");
   for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-8s %s\n", s.name, s.summary);
   std::fprintf(out,
@@ -43,6 +45,10 @@ int main(int argc, char** argv) {
   if (!std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
       !std::strcmp(argv[1], "help")) {
     print_usage(stdout);
+    return cpidx::tools::kExitOk;
+  }
+  if (!std::strcmp(argv[1], "--version")) {
+    std::printf("cpidx %s\n", CPIDX_VERSION);
     return cpidx::tools::kExitOk;
   }
   for (const Subcommand& s : kSubcommands) {

@@ -15,6 +15,11 @@
 
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
+#include "cpidx/version.h"
+
+#ifndef CPIDX_PACKAGE_VERSION
+#define CPIDX_PACKAGE_VERSION "(not given)"
+#endif
 
 #if CPIDX_WITH_CUDA
 #include <cuda_runtime.h>
@@ -85,6 +90,7 @@ int run_on_gpu(const cpidx::DecodeInputs& host_in, const std::vector<uint16_t>& 
 }  // namespace
 
 int main() {
+  std::printf("cpidx %s (headers), %s (CMake package)\n", CPIDX_VERSION, CPIDX_PACKAGE_VERSION);
   const std::vector<int32_t> lens = {1000, 4100, 130};  // tokens cached per request
   const int num_reqs = static_cast<int>(lens.size());
   const int64_t row_blocks = cpidx::cdiv(kMaxSeqLen, cpidx::kBlockSize);

@@ -50,6 +50,8 @@ from ._api import (
     registry,
 )
 
+__version__ = _C.__version__  # include/cpidx/version.h
+
 __all__ = [
     "BLOCK_SIZE",
     "ERR_PAGE_OUT_OF_RANGE",

@@ -1,6 +1,8 @@
 // python/src/module.cc: the one entry point of cpidx._C; each family registers itself.
 #include <nanobind/nanobind.h>
 
+#include "cpidx/version.h"
+
 namespace nb = nanobind;
 
 namespace cpidx::py {
@@ -12,6 +14,7 @@ void bind_prefiller(nb::module_& m);
 
 NB_MODULE(_C, m) {
   m.doc() = "cpidx native module: thin destination-passing bindings of the C++ library";
+  m.attr("__version__") = CPIDX_VERSION;
 #if defined(CPIDX_WITH_CUDA)
   m.attr("cuda_built") = true;
 #else

@@ -580,3 +580,14 @@ def test_bad_error_flag_is_named(flag, exc, text):
     with pytest.raises(exc, match=f"^error_flag: .*{text}"):
         cpidx.decode_topk(**kw, error_flag=flag)
     np.testing.assert_array_equal(kw["out"], before)  # refused before anything ran
+
+
+def test_version_is_the_one_in_version_h_and_pyproject():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    header = (root / "include" / "cpidx" / "version.h").read_text()
+    assert f'#define CPIDX_VERSION "{cpidx.__version__}"\n' in header
+    pyproject = (root / "pyproject.toml").read_text()
+    assert re.search(rf'^version = "{re.escape(cpidx.__version__)}"$', pyproject, re.M)
