@@ -1,6 +1,7 @@
 """An engine-shaped indexer layer on cpidx: a mixed batch's decode rows go through the
 context-parallel decode (IndexerCPDecode, shared by every layer), its prefill rows through the
-plain prefill, with the seed's fallbacks. Checks every rank against the single-GPU result.
+plain prefill, with the seed's fallbacks; then the decode rows again under torch.compile (the
+step as one op). Checks every rank against the single-GPU result.
 
     torchrun --nproc_per_node=2 examples/indexer_layer.py      # one GPU per rank: the peer
                                                                # exchange, else NCCL; also
@@ -94,12 +95,16 @@ class IndexerLayer:
         if nd > 0:
             d = md.decode
             decode_topk = buf[:, :nd]
-            # The seed's fallbacks: under torch.compile (the collective cannot be traced), with
-            # nothing to score, or with no usable cache, run the plain (per-rank) decode.
-            if torch.compiler.is_compiling() or d.max_seq_len == 0 or kv.ndim != 3 or \
-                    kv.numel() == 0:
+            # The seed's fallbacks: with nothing to score, or with no usable cache, run the plain
+            # (per-rank) decode. Under torch.compile the step is one op the compiler keeps whole
+            # (the seed falls back to the plain decode there: its collective cannot be traced).
+            if d.max_seq_len == 0 or kv.ndim != 3 or kv.numel() == 0:
                 cpidx.decode_topk(iq[:nd], kv, d.block_table, d.seq_lens, d.query_len,
                                   decode_topk, error_flag=self.device_errors, **self._sel())
+            elif torch.compiler.is_compiling():
+                torch.ops.cpidx.cp_decode(self.cp_decode.handle, iq[:nd], kv, d.block_table,
+                                          d.seq_lens, decode_topk, d.query_len, self.scale, None,
+                                          None, None, None, self.device_errors)
             else:
                 self.cp_decode(iq[:nd], kv, d.block_table, d.seq_lens, d.query_len, decode_topk,
                                scale=self.scale, error_flag=self.device_errors)
@@ -142,11 +147,16 @@ def main() -> int:
     ap.add_argument("--exchange", choices=("auto", "peer", "nccl", "torch"), default="auto",
                     help="the context-parallel step's all-gathers (auto: peer, else NCCL, else "
                          "torch)")
+    ap.add_argument("--compile-backend", default=None,
+                    help="torch.compile backend of step 2 (default: inductor on CUDA, eager on "
+                         "the CPU, which needs no C++ toolchain)")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cuda = args.device == "cuda"
+    if args.compile_backend is None:
+        args.compile_backend = "inductor" if cuda else "eager"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else \
         torch.device("cpu")
     if cuda:
@@ -191,7 +201,17 @@ def main() -> int:
           f"decode {nd} rows {'==' if same_d else '!='} single-GPU, prefill {npf} tokens "
           f"{'==' if same_p else '!='} single-GPU", flush=True)
 
-    # 2. CUDA graph of the decode part, replayed with new lengths, block tables and queries.
+    # 2. The layer under torch.compile, decode rows only: its context-parallel step is one op
+    # (torch.ops.cpidx.cp_decode), kept whole by the compiler, collectives inside.
+    decode_only = IndexerMeta(nd, 0, md.decode, None)
+    compiled = torch.compile(layer.forward, backend=args.compile_backend)
+    got, _ = compiled(q_all[:nd, off: off + L].contiguous(), kv, decode_only)
+    same_c = torch.equal(got, want_d[off: off + L])
+    ok &= same_c
+    print(f"rank {rank}: compiled ({args.compile_backend}) decode "
+          f"{'==' if same_c else '!='} single-GPU", flush=True)
+
+    # 3. CUDA graph of the decode part, replayed with new lengths, block tables and queries.
     if cuda:
         d = md.decode
         static_q = q_all[:nd, off: off + L].contiguous()

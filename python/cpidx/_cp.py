@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 import uuid
 import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -28,6 +30,11 @@ _EXCHANGES = ("auto", "peer", "nccl", "torch")
 
 # How long a host group this library makes waits for a rank: to be made, and in each all-reduce.
 HOST_GROUP_TIMEOUT = datetime.timedelta(minutes=5)
+
+# Every constructed instance by its ``handle`` (torch.ops.cpidx.cp_decode takes the handle); an
+# instance leaves when it is garbage-collected.
+_HANDLES = itertools.count(1)
+_BY_HANDLE: "weakref.WeakValueDictionary[int, IndexerCPDecode]" = weakref.WeakValueDictionary()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -155,6 +162,12 @@ class IndexerCPDecode:
     the process exits, since a peer may still map them), so garbage collection and interpreter
     exit cannot hang on a rank that exited first.
 
+    Under ``torch.compile``: ``torch.ops.cpidx.cp_decode(cp.handle, local_q, kv_cache,
+    block_table, seq_lens, out, query_len, scale, attention_block_table, sparse_block_table_out,
+    sparse_context_lens_out, block_page_stride, error_flag)`` is this step as one op (every
+    argument positional, ``None`` where unused), which the compiler keeps whole: a compiled model
+    keeps the context-parallel path.
+
     Inside a CUDA-graph capture (on the current stream), creating an instance and a ``close()``
     that closes communicators (collective, synchronising) raise ``RuntimeError`` before any CUDA
     call, and the capture stays valid.
@@ -257,6 +270,9 @@ class IndexerCPDecode:
         self.check_agreement: Optional[str] = None
         if self._host is not None and check_agreement is not False:
             self.check_agreement = "every step" if check_agreement else "captures"
+        # The step as a torch op: torch.ops.cpidx.cp_decode(cp.handle, ...).
+        self.handle = next(_HANDLES)
+        _BY_HANDLE[self.handle] = self
 
     # ---- construction helpers -------------------------------------------------------------
     def _setup_exchange(self, group: Any, exchange: str) -> None:
@@ -645,6 +661,15 @@ class IndexerCPDecode:
         get = self.__dict__.get  # also for an instance whose construction failed part-way
         return (f"IndexerCPDecode(rank {get('rank')} of {get('world_size')}, exchange "
                 f"{get('exchange')!r}, device {str(get('device'))!r})")
+
+
+def _by_handle(handle: int) -> IndexerCPDecode:
+    """The instance whose ``handle`` this is (a closed one too: its step then raises)."""
+    cp = _BY_HANDLE.get(handle)
+    if cp is None:
+        raise ValueError(f"handle: no IndexerCPDecode has handle {handle} (not an instance's "
+                         f"handle, or its instance was garbage-collected)")
+    return cp
 
 
 def get_shared_cp_decode(**kwargs: Any) -> IndexerCPDecode:

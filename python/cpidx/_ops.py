@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from ._api import _decode_now, _prefill_now
+from ._cp import _by_handle
 
 Tensor = torch.Tensor
 
@@ -81,4 +82,30 @@ def prefill_topk(index_query: Tensor, index_cache: Tensor, block_table: Tensor,
 def _prefill_topk_fake(index_query, index_cache, block_table, cu_seqlens_q, context_lens,
                        seq_lens, out, scale, topk, init_blocks, local_blocks, max_seq_len,
                        max_tokens, error_flag) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "cpidx::cp_decode",
+    mutates_args=("out", "sparse_block_table_out", "sparse_context_lens_out", "error_flag"))
+def cp_decode(handle: int, local_q: Tensor, kv_cache: Tensor, block_table: Tensor,
+              seq_lens: Tensor, out: Tensor, query_len: int, scale: float,
+              attention_block_table: Optional[Tensor], sparse_block_table_out: Optional[Tensor],
+              sparse_context_lens_out: Optional[Tensor], block_page_stride: Optional[int],
+              error_flag: Optional[Tensor]) -> None:
+    """An IndexerCPDecode's step, ``cp(local_q, ...)``, by its ``handle`` (``cp.handle``): one
+    op that torch.compile keeps whole (its collectives and its agreement run inside it), so a
+    compiled model keeps the context-parallel path instead of falling back to the plain decode
+    as the seed does under compile. Every rank's compiled graph calls it in the same order."""
+    _by_handle(handle)(local_q, kv_cache, block_table, seq_lens, query_len, out, scale=scale,
+                       attention_block_table=attention_block_table,
+                       sparse_block_table_out=sparse_block_table_out,
+                       sparse_context_lens_out=sparse_context_lens_out,
+                       block_page_stride=block_page_stride, error_flag=error_flag)
+
+
+@cp_decode.register_fake
+def _cp_decode_fake(handle, local_q, kv_cache, block_table, seq_lens, out, query_len, scale,
+                    attention_block_table, sparse_block_table_out, sparse_context_lens_out,
+                    block_page_stride, error_flag) -> None:
     return None

@@ -444,6 +444,44 @@ def test_torch_compile_calls_ops():
     assert torch.equal(torch.compile(g)(q, k, bt, sl, torch.zeros_like(want)), want)
 
 
+def test_cp_decode_op_compiled_and_in_a_cuda_graph():
+    """torch.ops.cpidx.cp_decode (an instance's step by its handle) under torch.compile's default
+    backend and captured in a CUDA graph, replayed with new lengths: the plain decode's ids."""
+    rng = np.random.default_rng(17)
+    b = random_decode(rng, 4, 2, [1000, 3000, 129], max_seq_len=4096)
+    q, k, bt, sl = to_dev(b)
+    cp = cpidx.IndexerCPDecode(total_heads=4, rank=0, world_size=1, max_tokens=b.rows,
+                               max_seq_len=4096, topk=16, init_blocks=0, local_blocks=1,
+                               group=None, device=DEV)
+
+    def want(lens):
+        out = torch.zeros((4, b.rows, 16), dtype=torch.int32, device=DEV)
+        cpidx.decode_topk(q, k, bt, lens, 2, out, scale=b.scale, topk=16, max_seq_len=4096)
+        return out
+
+    def f(q, k, bt, sl, out):
+        torch.ops.cpidx.cp_decode(cp.handle, q, k, bt, sl, out, 2, b.scale, None, None, None,
+                                  None, None)
+        return out.long() + 1
+
+    out = torch.full((4, b.rows, 16), 77, dtype=torch.int32, device=DEV)
+    got = torch.compile(f, fullgraph=True)(q, k, bt, sl, out)
+    assert torch.equal(got, want(sl).long() + 1)
+    lens = sl.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.cpidx.cp_decode(cp.handle, q, k, bt, lens, out, 2, b.scale, None, None, None,
+                                  None, None)
+    for new in ([3000, 1000, 4096], [1, 129, 2000]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(-5)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want(lens)), new
+    del graph
+    cp.close()
+
+
 def test_prefill_gpu_matches_golden():
     from helpers import golden_inputs
 

@@ -21,7 +21,7 @@ def as_torch(b):
 
 
 def test_ops_registered():
-    for name in ("decode_topk", "decode_topk_sparse_table", "prefill_topk"):
+    for name in ("decode_topk", "decode_topk_sparse_table", "prefill_topk", "cp_decode"):
         assert hasattr(torch.ops.cpidx, name)
 
 
@@ -91,6 +91,55 @@ def test_error_flag_through_the_op_and_compile():
                           error_flag=torch.zeros(1, dtype=torch.int64))
 
 
+def _cp_op(cp, local_q, k, bt, sl, query_len, out, scale, error_flag=None):
+    torch.ops.cpidx.cp_decode(cp.handle, local_q, k, bt, sl, out, query_len, scale, None, None,
+                              None, None, error_flag)
+    return out
+
+
+def test_cp_decode_op_is_the_instances_step_eager_compiled_and_checked():
+    b = random_decode(np.random.default_rng(9), 2, 2, [1500, 129, 0, 640], max_seq_len=1536)
+    q, k, bt, sl = as_torch(b)
+    cp = cpidx.IndexerCPDecode(total_heads=2, rank=0, world_size=1, max_tokens=16,
+                               max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
+                               group=None, device="cpu")
+    want = torch.full((2, b.rows, 6), 77, dtype=torch.int32)
+    cp(q, k, bt, sl, 2, want, scale=b.scale)
+    got = _cp_op(cp, q, k, bt, sl, 2, torch.full_like(want, 77), b.scale)
+    assert torch.equal(got, want)
+
+    def f(q, k, bt, sl, out):  # out + 0: the compiled graph reads what the op wrote
+        return _cp_op(cp, q, k, bt, sl, 2, out, b.scale) + 0
+
+    for backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        got = torch.compile(f, fullgraph=True, backend=backend)(q, k, bt, sl,
+                                                                 torch.full_like(want, 77))
+        assert torch.equal(got, want), backend
+    torch.library.opcheck(torch.ops.cpidx.cp_decode.default,
+                          (cp.handle, q, k, bt, sl, torch.zeros_like(want), 2, b.scale, None,
+                           None, None, None, None),
+                          test_utils=("test_schema", "test_faketensor"))
+    # The step's flag through the op: a length past max_seq_len is clamped and flagged.
+    long = sl.clone()
+    long[0] = 5000
+    flag = torch.zeros(1, dtype=torch.int32)
+    _cp_op(cp, q, k, bt, long, 2, torch.zeros_like(want), b.scale, error_flag=flag)
+    assert int(flag) == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE and int(cp.error_flag()) == 0
+    with pytest.raises(ValueError, match="^local_q: expected shape"):
+        _cp_op(cp, q[:, :1], k, bt, sl, 2, torch.zeros_like(want), b.scale)
+    with pytest.raises(ValueError, match="^handle: no IndexerCPDecode has handle -3"):
+        torch.ops.cpidx.cp_decode(-3, q, k, bt, sl, want, 2, b.scale, None, None, None, None,
+                                  None)
+    cp.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        _cp_op(cp, q, k, bt, sl, 2, want, b.scale)
+    other = cpidx.IndexerCPDecode(total_heads=2, rank=0, world_size=1, max_tokens=16,
+                                  max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
+                                  group=None, device="cpu")
+    assert other.handle != cp.handle
+
+
 def _gloo_rank(rank, world, port, T, results):
     import torch.distributed as dist
 
@@ -115,6 +164,12 @@ def _gloo_rank(rank, world, port, T, results):
             out = torch.full((L, b.rows, 6), 77, dtype=torch.int32)
             cp(local_q, k, bt, sl, 2, out, scale=b.scale)
             ok = ok and bool(torch.equal(out, plain[off: off + L]))
+        # The step as the torch op, compiled whole (its collectives inside), on both ranks.
+        out = torch.full((L, b.rows, 6), 77, dtype=torch.int32)
+        compiled = torch.compile(lambda lq, o: _cp_op(cp, lq, k, bt, sl, 2, o, b.scale) + 0,
+                                 fullgraph=True, backend="aot_eager")
+        ok = ok and bool(torch.equal(compiled(q[:, off: off + L].contiguous(), out),
+                                     plain[off: off + L]))
         # A step's own flag through the torch exchange: this rank's bits (a negative length,
         # clamped to 0 on every rank's shard), a bit of the caller's kept, the instance's flag
         # left clear.
