@@ -140,6 +140,31 @@ def test_cp_decode_op_is_the_instances_step_eager_compiled_and_checked():
     assert other.handle != cp.handle
 
 
+@pytest.mark.skipif(not __import__("shutil").which("c++"), reason="inductor needs a C++ compiler")
+def test_cp_decode_op_under_inductor_writes_into_a_strided_view():
+    # Inductor functionalizes the op's mutated arguments: `out`, a view of a larger buffer (as an
+    # engine's topk buffer sliced to the decode rows), must get the ids and nothing else change.
+    b = random_decode(np.random.default_rng(19), 2, 2, [1500, 129, 0, 640], max_seq_len=1536)
+    q, k, bt, sl = as_torch(b)
+    cp = cpidx.IndexerCPDecode(total_heads=2, rank=0, world_size=1, max_tokens=16,
+                               max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
+                               group=None, device="cpu")
+    want = torch.full((2, b.rows, 6), 77, dtype=torch.int32)
+    cp(q, k, bt, sl, 2, want, scale=b.scale)
+
+    def f(q, k, bt, sl, buf, flag):
+        out = buf[:, 1: 1 + q.shape[0]]
+        _cp_op(cp, q, k, bt, sl, 2, out, b.scale, error_flag=flag)
+        return out.sum()
+
+    buf = torch.full((2, b.rows + 3, 6), 5, dtype=torch.int32)
+    flag = torch.full((1,), 1 << 20, dtype=torch.int32)
+    total = torch.compile(f, fullgraph=True)(q, k, bt, sl, buf, flag)
+    assert torch.equal(buf[:, 1: 1 + b.rows], want)
+    assert bool((buf[:, 0] == 5).all()) and bool((buf[:, 1 + b.rows:] == 5).all())
+    assert int(total) == int(want.sum()) and int(flag) == 1 << 20
+
+
 def _gloo_rank(rank, world, port, T, results):
     import torch.distributed as dist
 
