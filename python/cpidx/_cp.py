@@ -28,8 +28,9 @@ _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
 _EXCHANGES = ("auto", "peer", "nccl", "torch")
 
-# How long a host group this library makes waits for a rank: to be made, and in each all-reduce.
-HOST_GROUP_TIMEOUT = datetime.timedelta(minutes=5)
+# How long a host group this library makes waits for a rank: to be made, and in each all-reduce
+# (torch's own default for its process groups: a rank may reach close() long after the others).
+HOST_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Every constructed instance by its ``handle`` (torch.ops.cpidx.cp_decode takes the handle); an
 # instance leaves when it is garbage-collected.
@@ -55,10 +56,13 @@ def _host_group_of(group: Any) -> Any:
 
 def _host_token() -> Optional[str]:
     """Rank 0's name for the host group the ranks are about to make: a fresh uuid, or None when
-    there is no default store to make it on (no ``init_process_group``) or no gloo."""
+    there is no default store to make it on (no ``init_process_group``, or an MPI default
+    group) or no gloo."""
     if not dist.is_gloo_available():
         return None
     try:
+        if str(dist.get_backend()).lower() == "mpi":  # its default store is a placeholder
+            return None
         dist.distributed_c10d._get_default_store()
     except (ValueError, RuntimeError, AttributeError, KeyError):
         return None
@@ -86,6 +90,11 @@ def _make_host_group(group: Any, token: Optional[str],
     except (ValueError, RuntimeError) as e:
         raise RuntimeError(f"group: could not make the host (gloo) group the {size} ranks agree "
                            f"through (rank {rank}, within {timeout}): {e}") from e
+
+
+class HostGroupError(RuntimeError):
+    """The host group failed (a rank missing past its timeout, a peer gone). gloo closes its
+    connections then, so the group cannot be used again."""
 
 
 def _all_reduce_max(group: Any, values: torch.Tensor) -> None:
@@ -139,11 +148,16 @@ class IndexerCPDecode:
     never. The host group is the ``cpu_group`` of a vLLM GroupCoordinator (any ``group`` with
     ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo group. For any
     other ProcessGroup (NCCL-only) the instance makes a gloo group over the same ranks at
-    construction, on the default store under a name rank 0 draws (sent with the NCCL unique
-    id), waiting at most ``cpidx._cp.HOST_GROUP_TIMEOUT`` (5 min) for a rank, there and in each
-    all-reduce; ``close()`` drops it. With a :class:`cpidx.Communicator` as ``group``, or
-    without ``init_process_group``'s store, there is none and no check, as with the C++ NCCL
-    communicator without a host channel; ``check_agreement=True`` then warns once.
+    construction (unless ``check_agreement=False``), on the default store under a name rank 0
+    draws (sent with the NCCL unique id), waiting at most ``cpidx._cp.HOST_GROUP_TIMEOUT`` (30
+    min, torch's default) for a rank, there and in each all-reduce; ``close()`` drops it. With a
+    :class:`cpidx.Communicator` as ``group``, with ``check_agreement=False`` over an NCCL-only
+    group, or without ``init_process_group``'s store (or under an MPI default group), there is
+    none and no check, as with the C++ NCCL communicator without a host channel;
+    ``check_agreement=True`` then warns once. A host group that fails (a rank missing past the
+    timeout, a peer gone) cannot be used again: that step raises :class:`cpidx.HostGroupError`,
+    so do later steps that agree, and ``close()`` lets the instance go without a collective
+    (its communicators abandoned, as when dropped) with a ``RuntimeWarning``.
     ``cp.check_agreement`` says what applies: ``"every step"``, ``"captures"`` or ``None``.
     ``close()`` agrees through the host group whatever ``check_agreement`` says (below).
 
@@ -166,7 +180,9 @@ class IndexerCPDecode:
     block_table, seq_lens, out, query_len, scale, attention_block_table, sparse_block_table_out,
     sparse_context_lens_out, block_page_stride, error_flag)`` is this step as one op (every
     argument positional, ``None`` where unused), which the compiler keeps whole: a compiled model
-    keeps the context-parallel path.
+    keeps the context-parallel path. Compiled code names the instance by its handle (a
+    per-process number, guarded on ``cp.handle``): it must not outlive the instance, nor be
+    reused in another process.
 
     Inside a CUDA-graph capture (on the current stream), creating an instance and a ``close()``
     that closes communicators (collective, synchronising) raise ``RuntimeError`` before any CUDA
@@ -257,11 +273,12 @@ class IndexerCPDecode:
         self._owned: list = []  # communicators this instance made, in closing order
         self._pg = None  # the torch ProcessGroup of the torch exchange
         self._host = None  # the host (gloo) group the steps and close() agree through
+        self._host_failure: Optional[str] = None  # why the host group failed, once it has
         self._closed = False
         self.exchange = "none"
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
         if world_size > 1:
-            self._setup_exchange(group, exchange)
+            self._setup_exchange(group, exchange, make_host=check_agreement is not False)
             if check_agreement and self._host is None:
                 warnings.warn(f"IndexerCPDecode(check_agreement=True): group {group!r} has no "
                               f"host (gloo) group to agree through: steps are not checked",
@@ -275,7 +292,7 @@ class IndexerCPDecode:
         _BY_HANDLE[self.handle] = self
 
     # ---- construction helpers -------------------------------------------------------------
-    def _setup_exchange(self, group: Any, exchange: str) -> None:
+    def _setup_exchange(self, group: Any, exchange: str, make_host: bool) -> None:
         if isinstance(group, _C.Communicator):
             if (group.rank, group.world_size) != (self.rank, self.world_size):
                 raise ValueError(f"group: communicator is rank {group.rank} of "
@@ -310,7 +327,7 @@ class IndexerCPDecode:
         # One broadcast from rank 0 carries what the ranks must share: the NCCL unique id, and
         # the name of the host group this instance makes when the group brings none.
         self._host = _host_group_of(group)
-        make_host = self._host is None
+        make_host = make_host and self._host is None
         if library:
             # NVLS off on every rank before anything below can create an NCCL communicator (the
             # broadcast over an NCCL group creates torch's): NCCL reads the setting once per
@@ -501,7 +518,7 @@ class IndexerCPDecode:
         rank whose arguments were refused. Raises on every rank unless all have the same n."""
         mine = -1 if refused is not None else n
         both = torch.tensor([mine, -mine], dtype=torch.int64)
-        _all_reduce_max(self._host, both)
+        self._host_all_reduce(both, "the step's agreement")
         most, least = int(both[0]), -int(both[1])
         if refused is not None:
             raise refused
@@ -584,7 +601,20 @@ class IndexerCPDecode:
         if self._closed:
             return
         if self._closes_collectively():
-            self._agree_to_close()
+            try:
+                self._agree_to_close()
+            except HostGroupError:
+                capturing = _capture_refusal(f"{self!r}.close()")
+                if capturing is not None:  # nothing may be let go inside a capture either
+                    raise RuntimeError(capturing) from None
+                # No agreement can be had any more (nor a collective trusted): let the instance
+                # go as one dropped without close() does, on this rank, and say so.
+                warnings.warn(f"{self!r}.close(): the host group failed ({self._host_failure}): "
+                              f"the instance was let go without a collective (its "
+                              f"communicators abandoned, as when dropped)", RuntimeWarning,
+                              stacklevel=2)
+                self._drop()
+                return
         while self._owned:
             self._owned[0].close()  # raises before anything is dropped if it cannot close yet
             self._owned.pop(0)
@@ -609,7 +639,7 @@ class IndexerCPDecode:
             except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
                 blocker = f"{self!r}.close(): {type(e).__name__}: {e}"
         any_blocked = torch.tensor([0 if blocker is None else 1], dtype=torch.int64)
-        _all_reduce_max(self._host, any_blocked)
+        self._host_all_reduce(any_blocked, "close()'s agreement")
         if blocker is not None:
             raise RuntimeError(f"{blocker}; nothing was closed, on any rank: call close() again "
                                f"on every rank")
@@ -617,6 +647,22 @@ class IndexerCPDecode:
             raise RuntimeError(f"{self!r}.close(): another rank cannot close yet (it raised the "
                                f"reason); nothing was closed, on any rank: call close() again on "
                                f"every rank")
+
+    def _host_all_reduce(self, values: torch.Tensor, what: str) -> None:
+        """MAX all-reduce over the host group. Its failure is kept: the group is unusable from
+        then on, so later steps that agree raise at once and close() lets the instance go
+        without a collective."""
+        if self._host_failure is not None:
+            raise HostGroupError(f"{self!r}: {what}: the host group failed earlier "
+                                 f"({self._host_failure}); close() this instance and make a new "
+                                 f"one on every rank")
+        try:
+            _all_reduce_max(self._host, values)
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError or DistBackendError
+            self._host_failure = f"{type(e).__name__}: {e}"
+            raise HostGroupError(f"{self!r}: {what}: the host (gloo) group failed: "
+                                 f"{self._host_failure}; the ranks may be out of step: close() "
+                                 f"this instance and make a new one on every rank") from e
 
     def _closes_collectively(self) -> bool:
         """Whether close() closes communicators this instance made (collective, synchronising)."""
