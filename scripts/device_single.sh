@@ -27,7 +27,7 @@ if [ "${SKIP_INSTALL_TEST:-0}" != 1 ] && [ -z "${TARGETS:-}" ]; then
   # The install and examples/cpp against it, now with a GPU: its Decoder step is compared with
   # the CPU reference (ctest InstallAndFindPackage; the tool and every library are built above).
   echo "== install + examples/cpp (${SECONDS}s)"
-  timeout 120 ctest --test-dir build-device -R InstallAndFindPackage -V \
+  CPIDX_EXPECT_GPU=1 timeout 120 ctest --test-dir build-device -R InstallAndFindPackage -V \
     >"$OUT/install_test.log" 2>&1 || rc=1
   grep -E "^[0-9]+: (head 0|gpu:)|tests passed|tests failed" "$OUT/install_test.log"
 fi

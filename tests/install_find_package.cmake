@@ -63,6 +63,13 @@ if(NOT n EQUAL 16 OR NOT n_distinct EQUAL 16)
   message(FATAL_ERROR "request 1's ids are not 16 distinct blocks in [0, 33): ${ids}")
 endif()
 
+# Where a Hopper GPU is promised (CPIDX_EXPECT_GPU=1 in the environment: scripts/device_single.sh),
+# the example's Decoder step must have run and matched the reference.
+if("$ENV{CPIDX_EXPECT_GPU}" STREQUAL "1" AND
+   NOT run_out MATCHES "gpu: [0-9]+ rows exact, [0-9]+ near ties, 0 wrong")
+  message(FATAL_ERROR "CPIDX_EXPECT_GPU=1, but decode_step's GPU step did not run and match")
+endif()
+
 # Every component the build made is found when required; one it lacks fails by name.
 file(MAKE_DIRECTORY ${WORK_DIR}/components)
 file(WRITE ${WORK_DIR}/components/CMakeLists.txt
