@@ -148,8 +148,11 @@ int main() {
   // The kernels are Hopper's (sm_90a): on another GPU, Decoder::create would return
   // kUnsupported naming the architectures they were built for.
   int major = 0, minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess) {
+    std::fprintf(stderr, "gpu: cannot read device 0's compute capability\n");
+    return 1;
+  }
   if (major != 9) {
     std::printf("gpu: compute capability %d.%d, not Hopper (9.0): the CPU reference only\n",
                 major, minor);

@@ -42,6 +42,7 @@ from ._api import (
     MAX_HEADS,
     MAX_QUERY_LEN,
     MAX_TOPK,
+    HostGroupError,
     Registry,
     bf16_bits,
     bf16_to_float32,
@@ -92,12 +93,11 @@ PEER_ERROR_TIMEOUT = _C.PEER_ERROR_TIMEOUT
 
 if _torch is not None:
     from . import _ops  # noqa: F401  (registers torch.ops.cpidx.*)
-    from ._cp import HostGroupError, IndexerCPDecode, get_shared_cp_decode
+    from ._cp import IndexerCPDecode, get_shared_cp_decode
 else:
 
     def _needs_torch(*_args, **_kwargs):
         raise ImportError("cpidx.IndexerCPDecode needs torch (pip install torch)")
 
     IndexerCPDecode = _needs_torch  # type: ignore[assignment]
-    HostGroupError = RuntimeError  # type: ignore[assignment,misc]
     get_shared_cp_decode = _needs_torch  # type: ignore[assignment]

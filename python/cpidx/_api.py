@@ -150,6 +150,12 @@ def _token_bucket(n: int) -> int:
 
 
 # ---- The registry -------------------------------------------------------------------------
+class HostGroupError(RuntimeError):
+    """An IndexerCPDecode's host (gloo) group failed (a rank missing past its timeout, a peer
+    gone). gloo closes its connections then, so the group cannot be used again: steps that agree
+    raise this, and close() lets the instance go without a collective."""
+
+
 class Registry:
     """The package's one cache, explicit and documented (no other hidden global state).
 

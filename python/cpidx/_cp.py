@@ -21,21 +21,29 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, _as_bits, _capture_refusal,
-                   _check_error_flag, _or_host_error_bits, _refuse_during_capture, registry)
+from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, HostGroupError, _as_bits,
+                   _capture_refusal, _check_error_flag, _or_host_error_bits,
+                   _refuse_during_capture, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
 _EXCHANGES = ("auto", "peer", "nccl", "torch")
 
 # How long a host group this library makes waits for a rank: to be made, and in each all-reduce
-# (torch's own default for its process groups: a rank may reach close() long after the others).
+# (torch's default for its gloo groups: a rank may reach close() long after the others).
 HOST_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
 # Every constructed instance by its ``handle`` (torch.ops.cpidx.cp_decode takes the handle); an
 # instance leaves when it is garbage-collected.
 _HANDLES = itertools.count(1)
 _BY_HANDLE: "weakref.WeakValueDictionary[int, IndexerCPDecode]" = weakref.WeakValueDictionary()
+
+# What instances let go of while a live CUDA graph may still use it (their close() could not
+# agree): kept until the process exits, as a graph may replay into it.
+_KEPT_FOR_LIVE_GRAPHS: list = []
+_EXCHANGE_BUFFERS = ("_q_local", "_q_gathered", "_q_full", "_keys", "_keys_gathered")
+_AFTER_HOST_FAILURE = ("close() this instance on every rank and make a new one (over a new group "
+                       "where the host group was the caller's own: it failed too)")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -90,11 +98,6 @@ def _make_host_group(group: Any, token: Optional[str],
     except (ValueError, RuntimeError) as e:
         raise RuntimeError(f"group: could not make the host (gloo) group the {size} ranks agree "
                            f"through (rank {rank}, within {timeout}): {e}") from e
-
-
-class HostGroupError(RuntimeError):
-    """The host group failed (a rank missing past its timeout, a peer gone). gloo closes its
-    connections then, so the group cannot be used again."""
 
 
 def _all_reduce_max(group: Any, values: torch.Tensor) -> None:
@@ -157,9 +160,12 @@ class IndexerCPDecode:
     ``check_agreement=True`` then warns once. A host group that fails (a rank missing past the
     timeout, a peer gone) cannot be used again: that step raises :class:`cpidx.HostGroupError`,
     so do later steps that agree, and ``close()`` lets the instance go without a collective
-    (its communicators abandoned, as when dropped) with a ``RuntimeWarning``.
+    (as when dropped; what a live CUDA graph may still use is kept until the process exits)
+    with a ``RuntimeWarning``. Gloo's timeouts are not atomic across ranks, so normally (not
+    provably) every rank raises together.
     ``cp.check_agreement`` says what applies: ``"every step"``, ``"captures"`` or ``None``.
-    ``close()`` agrees through the host group whatever ``check_agreement`` says (below).
+    ``close()`` agrees through the host group whatever ``check_agreement`` says (below); over
+    an NCCL-only group ``check_agreement=False`` makes none, so ``close()`` does not agree.
 
     A peer exchange never hangs: a rank whose peer stops sending gives up after the
     communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in its error bits;
@@ -518,7 +524,13 @@ class IndexerCPDecode:
         rank whose arguments were refused. Raises on every rank unless all have the same n."""
         mine = -1 if refused is not None else n
         both = torch.tensor([mine, -mine], dtype=torch.int64)
-        self._host_all_reduce(both, "the step's agreement")
+        try:
+            self._host_all_reduce(both, "the step's agreement")
+        except HostGroupError as e:
+            if refused is None:
+                raise
+            raise HostGroupError(f"{e}; and this rank's arguments were refused: "
+                                 f"{type(refused).__name__}: {refused}") from refused
         most, least = int(both[0]), -int(both[1])
         if refused is not None:
             raise refused
@@ -604,16 +616,7 @@ class IndexerCPDecode:
             try:
                 self._agree_to_close()
             except HostGroupError:
-                capturing = _capture_refusal(f"{self!r}.close()")
-                if capturing is not None:  # nothing may be let go inside a capture either
-                    raise RuntimeError(capturing) from None
-                # No agreement can be had any more (nor a collective trusted): let the instance
-                # go as one dropped without close() does, on this rank, and say so.
-                warnings.warn(f"{self!r}.close(): the host group failed ({self._host_failure}): "
-                              f"the instance was let go without a collective (its "
-                              f"communicators abandoned, as when dropped)", RuntimeWarning,
-                              stacklevel=2)
-                self._drop()
+                self._let_go_without_agreement()
                 return
         while self._owned:
             self._owned[0].close()  # raises before anything is dropped if it cannot close yet
@@ -648,21 +651,48 @@ class IndexerCPDecode:
                                f"reason); nothing was closed, on any rank: call close() again on "
                                f"every rank")
 
+    def _let_go_without_agreement(self) -> None:
+        """close() once the host group has failed: no agreement can be had any more, nor a
+        collective trusted, so the instance goes as one dropped without close() does, on every
+        rank alike (each meets the failure). When this rank could not close (a live CUDA graph
+        holds its NCCL gathers, say), its communicators and workspace are kept until the process
+        exits instead of freed under that graph. Warns after letting go, so that warnings
+        raised as errors still find the instance closed."""
+        capturing = _capture_refusal(f"{self!r}.close()")
+        if capturing is not None:  # nothing may be let go inside a capture either
+            raise RuntimeError(capturing)
+        try:
+            why = (c._close_blocker(ignore_dependents=True) for c in self._owned)
+            blocker = next((w for w in why if w), None)
+        except Exception as e:  # noqa: BLE001 - a reason to keep, as a blocker is
+            blocker = f"{type(e).__name__}: {e}"
+        kept = ""
+        if blocker is not None:
+            for comm in self._owned:
+                comm._leak_at_exit()
+            _KEPT_FOR_LIVE_GRAPHS.append((self._decoder, self._owned,
+                                          [self.__dict__.get(n) for n in _EXCHANGE_BUFFERS]))
+            kept = (f"; this rank could not close ({blocker}), so its communicators and buffers "
+                    f"are kept until the process exits")
+        self._drop()
+        warnings.warn(f"{self!r}.close(): the host group failed ({self._host_failure}): the "
+                      f"instance was let go without a collective, as when dropped{kept}",
+                      RuntimeWarning, stacklevel=3)
+
     def _host_all_reduce(self, values: torch.Tensor, what: str) -> None:
         """MAX all-reduce over the host group. Its failure is kept: the group is unusable from
         then on, so later steps that agree raise at once and close() lets the instance go
         without a collective."""
         if self._host_failure is not None:
             raise HostGroupError(f"{self!r}: {what}: the host group failed earlier "
-                                 f"({self._host_failure}); close() this instance and make a new "
-                                 f"one on every rank")
+                                 f"({self._host_failure}); {_AFTER_HOST_FAILURE}")
         try:
             _all_reduce_max(self._host, values)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError or DistBackendError
             self._host_failure = f"{type(e).__name__}: {e}"
             raise HostGroupError(f"{self!r}: {what}: the host (gloo) group failed: "
-                                 f"{self._host_failure}; the ranks may be out of step: close() "
-                                 f"this instance and make a new one on every rank") from e
+                                 f"{self._host_failure}; the ranks may be out of step: "
+                                 f"{_AFTER_HOST_FAILURE}") from e
 
     def _closes_collectively(self) -> bool:
         """Whether close() closes communicators this instance made (collective, synchronising)."""
@@ -692,7 +722,7 @@ class IndexerCPDecode:
         self._closed = True
         self._owned = []
         self._comm = self._pg = self._decoder = self._host = None
-        for name in ("_q_local", "_q_gathered", "_q_full", "_keys", "_keys_gathered"):
+        for name in _EXCHANGE_BUFFERS:
             self.__dict__.pop(name, None)
 
     def _stream(self) -> int:

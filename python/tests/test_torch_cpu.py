@@ -413,8 +413,10 @@ def test_made_host_group_fails_within_its_timeout_when_a_rank_never_joins():
 
 def _host_group_failure_rank(rank, world, port, results):
     """A made host group that times out (rank 1 late past its 2 s): that step raises
-    HostGroupError on both ranks, so do later agreeing steps, at once; close() then lets the
-    instance go without a collective and warns. Then the same with close() itself late. With
+    HostGroupError on both ranks (rank 0's own refused argument named too), so do later agreeing
+    steps, at once; close() then lets the instance go without a collective and warns, keeping
+    what a live graph may use on the rank that could not close (rank 0), and closed even where
+    the warning is raised as an error (rank 1). Then the same with close() itself late. With
     check_agreement=False no host group is made."""
     import datetime
     import time
@@ -436,34 +438,39 @@ def _host_group_failure_rank(rank, world, port, results):
                   topk=4, init_blocks=0, local_blocks=1, group=dist.group.WORLD, device="cpu",
                   check_agreement=True)
 
-        def step(cp):
+        def step(cp, lens=sl):
             out = torch.zeros((1, 2, 4), dtype=torch.int32)
             try:
-                cp(q[:, cp.head_offset: cp.head_offset + 1].contiguous(), k, bt, sl, 1, out,
+                cp(q[:, cp.head_offset: cp.head_offset + 1].contiguous(), k, bt, lens, 1, out,
                    scale=b.scale)
                 return None
             except Exception as e:  # noqa: BLE001 - the test records what each rank raised
                 return type(e).__name__, str(e)
 
-        def close(cp, late):
-            comm = _ClosableComm(blocked=False)  # stands in for the NCCL communicator
+        def close(cp, late, blocked=False, as_error=False):
+            comm = _ClosableComm(blocked=blocked)  # stands in for the NCCL communicator
             cp._owned = [comm]
             if late:
                 time.sleep(4)
+            raised = None
             with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                cp.close()
-            return (cp.closed, comm.closes,
-                    [str(w.message) for w in caught if w.category is RuntimeWarning])
+                warnings.simplefilter("error" if as_error else "always")
+                try:
+                    cp.close()
+                except RuntimeWarning as w:
+                    raised = str(w)
+            warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
+            kept = any(comm in entry[1] for entry in cp_module._KEPT_FOR_LIVE_GRAPHS)
+            return cp.closed, comm.closes, comm.leaked, kept, warned or [raised]
 
         cp = cpidx.IndexerCPDecode(**kw)
         if rank == 1:
             time.sleep(4)
-        seen["late step"] = step(cp)
+        seen["late step"] = step(cp, sl.long() if rank == 0 else sl)
         start = time.monotonic()
         seen["next step"] = step(cp)
         seen["next step seconds"] = time.monotonic() - start
-        seen["close after"] = close(cp, late=False)
+        seen["close after"] = close(cp, late=False, blocked=rank == 0, as_error=rank == 1)
         cp = cpidx.IndexerCPDecode(**kw)
         seen["good step"] = step(cp)
         seen["late close"] = close(cp, late=rank == 1)
@@ -481,15 +488,19 @@ def test_a_failed_host_group_fails_its_steps_and_lets_close_go_without_a_collect
         seen = results[rank]
         kind, msg = seen["late step"]
         assert kind == "HostGroupError" and "the host (gloo) group failed" in msg, msg
+        assert ("this rank's arguments were refused: TypeError: seq_lens" in msg) == (rank == 0)
         kind, msg = seen["next step"]
         assert kind == "HostGroupError" and "the host group failed earlier" in msg, msg
         assert seen["next step seconds"] < 1, seen
-        closed, closes, warned = seen["close after"]
-        assert closed and closes == 0 and len(warned) == 1, seen  # abandoned, not closed
+        closed, closes, leaked, kept, warned = seen["close after"]
+        assert closed and closes == 0 and len(warned) == 1, seen  # let go, not closed
         assert "let go without a collective" in warned[0], warned
+        # Rank 0 could not close (its communicator blocked, as under a live graph): kept.
+        assert (leaked, kept) == ((True, True) if rank == 0 else (False, False)), seen
+        assert ("could not close" in warned[0]) == (rank == 0), warned
         assert seen["good step"] is None, seen
-        closed, closes, warned = seen["late close"]
-        assert closed and closes == 0 and len(warned) == 1, seen
+        closed, closes, leaked, kept, warned = seen["late close"]
+        assert closed and closes == 0 and not leaked and len(warned) == 1, seen
         assert seen["opted out"] == (None, None), seen
 
 
@@ -498,7 +509,10 @@ class _ClosableComm:
     (as an NCCL one does while a live CUDA graph holds its gathers)."""
 
     def __init__(self, blocked):
-        self.blocked, self.closes = blocked, 0
+        self.blocked, self.closes, self.leaked = blocked, 0, False
+
+    def _leak_at_exit(self):
+        self.leaked = True
 
     def _close_blocker(self, ignore_dependents=False):
         return "a CUDA graph still holds 2 of its gathers" if self.blocked else None
