@@ -97,14 +97,20 @@ def _cp_op(cp, local_q, k, bt, sl, query_len, out, scale, error_flag=None):
     return out
 
 
-def test_cp_decode_op_is_the_instances_step_eager_compiled_and_checked():
-    b = random_decode(np.random.default_rng(9), 2, 2, [1500, 129, 0, 640], max_seq_len=1536)
+def _one_rank_step(seed):
+    """A one-rank CPU instance, a batch, and the instance's own ids for it (called directly)."""
+    b = random_decode(np.random.default_rng(seed), 2, 2, [1500, 129, 0, 640], max_seq_len=1536)
     q, k, bt, sl = as_torch(b)
     cp = cpidx.IndexerCPDecode(total_heads=2, rank=0, world_size=1, max_tokens=16,
                                max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
                                group=None, device="cpu")
     want = torch.full((2, b.rows, 6), 77, dtype=torch.int32)
     cp(q, k, bt, sl, 2, want, scale=b.scale)
+    return b, (q, k, bt, sl), cp, want
+
+
+def test_cp_decode_op_is_the_instances_step_eager_compiled_and_checked():
+    b, (q, k, bt, sl), cp, want = _one_rank_step(9)
     got = _cp_op(cp, q, k, bt, sl, 2, torch.full_like(want, 77), b.scale)
     assert torch.equal(got, want)
 
@@ -144,13 +150,7 @@ def test_cp_decode_op_is_the_instances_step_eager_compiled_and_checked():
 def test_cp_decode_op_under_inductor_writes_into_a_strided_view():
     # Inductor functionalizes the op's mutated arguments: `out`, a view of a larger buffer (as an
     # engine's topk buffer sliced to the decode rows), must get the ids and nothing else change.
-    b = random_decode(np.random.default_rng(19), 2, 2, [1500, 129, 0, 640], max_seq_len=1536)
-    q, k, bt, sl = as_torch(b)
-    cp = cpidx.IndexerCPDecode(total_heads=2, rank=0, world_size=1, max_tokens=16,
-                               max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
-                               group=None, device="cpu")
-    want = torch.full((2, b.rows, 6), 77, dtype=torch.int32)
-    cp(q, k, bt, sl, 2, want, scale=b.scale)
+    b, (q, k, bt, sl), cp, want = _one_rank_step(19)
 
     def f(q, k, bt, sl, buf, flag):
         out = buf[:, 1: 1 + q.shape[0]]
