@@ -21,6 +21,7 @@
 #include "bench_step.h"
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
+#include "cpidx/version.h"
 #include "mpi_session.h"
 #include "random_bits.h"
 #include "subcommands.h"
@@ -779,13 +780,14 @@ int run_bench(int argc, char** argv) {
     std::FILE* f = std::fopen(tmp.c_str(), "w");
     if (!f) { std::fprintf(stderr, "cannot write %s\n", tmp.c_str()); return false; }
     std::fprintf(f,
-                 "{\"device\": \"%s\", \"dtype\": \"%s\", \"split_pages\": %lld, "
+                 "{\"cpidx_version\": \"%s\", \"device\": \"%s\", \"dtype\": \"%s\", "
+                 "\"split_pages\": %lld, "
                  "\"ctas_per_sm\": %lld, \"work_stealing\": %s, \"max_tokens\": %lld, "
                  "\"max_query_len\": %lld, \"neighbour\": {\"us\": %.3f, \"smem_kb\": %d, "
                  "\"ctas_per_sm\": %d, \"early_launch\": %s}, \"late_cta_us\": %.3f, "
                  "\"pool_mb\": %lld, \"replays\": %lld, \"pdl\": %s, \"min_calls\": %lld, "
                  "\"results\": [\n",
-                 prop.name, dtype.c_str(), static_cast<long long>(split_pages),
+                 CPIDX_VERSION, prop.name, dtype.c_str(), static_cast<long long>(split_pages),
                  static_cast<long long>(ctas_per_sm), steal ? "true" : "false",
                  static_cast<long long>(max_tokens), static_cast<long long>(max_query_len),
                  neighbour.us, neighbour.smem_kb, neighbour.ctas_per_sm,

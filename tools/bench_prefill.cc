@@ -19,6 +19,7 @@
 #include "args.h"
 #include "cpidx/prefill.h"
 #include "cpidx/reference.h"
+#include "cpidx/version.h"
 #include "random_bits.h"
 #include "subcommands.h"
 
@@ -253,9 +254,10 @@ bool write_json(const std::string& path, const std::vector<Result>& results, int
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   std::fprintf(f,
-               "{\"device\": \"%s\", \"op\": \"prefill\", \"dtype\": \"%s\", \"heads\": %d, "
-               "\"topk\": %d, \"stages\": %d, \"max_splits\": %d, \"results\": [\n",
-               prop.name, dtype.c_str(), heads, topk, plan.stages, plan.max_splits);
+               "{\"cpidx_version\": \"%s\", \"device\": \"%s\", \"op\": \"prefill\", "
+               "\"dtype\": \"%s\", \"heads\": %d, \"topk\": %d, \"stages\": %d, "
+               "\"max_splits\": %d, \"results\": [\n",
+               CPIDX_VERSION, prop.name, dtype.c_str(), heads, topk, plan.stages, plan.max_splits);
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     std::fprintf(f,
