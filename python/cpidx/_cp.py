@@ -163,6 +163,8 @@ class IndexerCPDecode:
     (as when dropped; what a live CUDA graph may still use is kept until the process exits)
     with a ``RuntimeWarning``. Gloo's timeouts are not atomic across ranks, so normally (not
     provably) every rank raises together.
+    ``host_group=``, a gloo ProcessGroup of the same ranks in the same order, is used instead
+    of all of the above (the one way to agree over a :class:`cpidx.Communicator` as ``group``).
     ``cp.check_agreement`` says what applies: ``"every step"``, ``"captures"`` or ``None``.
     ``close()`` agrees through the host group whatever ``check_agreement`` says (below); over
     an NCCL-only group ``check_agreement=False`` makes none, so ``close()`` does not agree.
@@ -208,7 +210,7 @@ class IndexerCPDecode:
                  max_seq_len: int, topk: int, init_blocks: int, local_blocks: int, group: Any,
                  device: Any, head_dim: int = 128, cache_dtype: Any = "bf16",
                  max_query_len: int = 8, exchange: str = "auto",
-                 check_agreement: Optional[bool] = None) -> None:
+                 check_agreement: Optional[bool] = None, host_group: Any = None) -> None:
         if total_heads < 1 or world_size < 1:
             raise ValueError(f"total_heads and world_size must be >= 1, got {total_heads} and "
                              f"{world_size}")
@@ -236,6 +238,12 @@ class IndexerCPDecode:
             raise ValueError(f"max_query_len: expected 1 to {MAX_QUERY_LEN}, got {max_query_len}")
         if not 1 <= max_seq_len <= 2**31 - 1:
             raise ValueError(f"max_seq_len: expected 1 to 2^31-1, got {max_seq_len}")
+        if host_group is not None and world_size > 1 and (
+                dist.get_world_size(host_group) != world_size or
+                dist.get_rank(host_group) != rank):
+            raise ValueError(f"host_group: rank {dist.get_rank(host_group)} of "
+                             f"{dist.get_world_size(host_group)}, expected rank {rank} of "
+                             f"{world_size}")
         if exchange not in _EXCHANGES:
             raise ValueError(f"exchange: expected one of {', '.join(map(repr, _EXCHANGES))}, "
                              f"got {exchange!r}")
@@ -284,7 +292,8 @@ class IndexerCPDecode:
         self.exchange = "none"
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
         if world_size > 1:
-            self._setup_exchange(group, exchange, make_host=check_agreement is not False)
+            self._setup_exchange(group, exchange, make_host=check_agreement is not False,
+                                 host_group=host_group)
             if check_agreement and self._host is None:
                 warnings.warn(f"IndexerCPDecode(check_agreement=True): group {group!r} has no "
                               f"host (gloo) group to agree through: steps are not checked",
@@ -298,7 +307,8 @@ class IndexerCPDecode:
         _BY_HANDLE[self.handle] = self
 
     # ---- construction helpers -------------------------------------------------------------
-    def _setup_exchange(self, group: Any, exchange: str, make_host: bool) -> None:
+    def _setup_exchange(self, group: Any, exchange: str, make_host: bool,
+                        host_group: Any) -> None:
         if isinstance(group, _C.Communicator):
             if (group.rank, group.world_size) != (self.rank, self.world_size):
                 raise ValueError(f"group: communicator is rank {group.rank} of "
@@ -311,6 +321,7 @@ class IndexerCPDecode:
                 raise ValueError(f"exchange: {exchange!r} does not match the given cpidx "
                                  f"Communicator ({group.kind!r}); pass exchange='auto'")
             self._comm, self.exchange = group, group.kind
+            self._host = host_group
             return
         if group is None:
             raise ValueError(f"group: world_size is {self.world_size}, so a torch.distributed "
@@ -332,7 +343,7 @@ class IndexerCPDecode:
                              f"is {_C.has_nccl})")
         # One broadcast from rank 0 carries what the ranks must share: the NCCL unique id, and
         # the name of the host group this instance makes when the group brings none.
-        self._host = _host_group_of(group)
+        self._host = host_group if host_group is not None else _host_group_of(group)
         make_host = make_host and self._host is None
         if library:
             # NVLS off on every rank before anything below can create an NCCL communicator (the

@@ -504,6 +504,51 @@ def test_a_failed_host_group_fails_its_steps_and_lets_close_go_without_a_collect
         assert seen["opted out"] == (None, None), seen
 
 
+def _given_host_group_rank(rank, world, port, results):
+    """host_group= replaces the group's own (any group: a cpidx.Communicator's too); one of
+    another size is refused by name before any collective."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen = {}
+    try:
+        mine = dist.new_group([0, 1], backend="gloo")
+        singles = [dist.new_group([r], backend="gloo") for r in range(world)]
+        b = random_decode(np.random.default_rng(37), 2, 1, [700, 129, 300], max_seq_len=1024)
+        q, k, bt, sl = as_torch(b)
+        kw = dict(total_heads=2, rank=rank, world_size=world, max_tokens=8, max_seq_len=1024,
+                  topk=4, init_blocks=0, local_blocks=1, group=dist.group.WORLD, device="cpu")
+        try:
+            cpidx.IndexerCPDecode(**kw, host_group=singles[rank])
+        except ValueError as e:
+            seen["wrong size"] = str(e)
+        cp = cpidx.IndexerCPDecode(**kw, host_group=mine)
+        seen["host"] = (cp._host is mine, cp.check_agreement)
+        cp.close()
+        reqs = 2 if rank == 0 else 3
+        out = torch.zeros((1, reqs, 4), dtype=torch.int32)
+        agreeing = cpidx.IndexerCPDecode(**kw, host_group=mine, check_agreement=True)
+        try:
+            agreeing(q[:reqs, agreeing.head_offset: agreeing.head_offset + 1].contiguous(), k,
+                     bt[:reqs], sl[:reqs], 1, out, scale=b.scale)
+        except ValueError as e:
+            seen["rows differ, agreed"] = str(e)
+        agreeing.close()
+        results[rank] = seen
+    finally:
+        dist.destroy_process_group()
+
+
+def test_indexer_cp_decode_agrees_through_a_given_host_group():
+    results = run_ranks(_given_host_group_rank)
+    for rank in (0, 1):
+        seen = results[rank]
+        assert seen["wrong size"] == f"host_group: rank 0 of 1, expected rank {rank} of 2", seen
+        assert seen["host"] == (True, "captures"), seen
+        assert "the ranks have 2 to 3" in seen["rows differ, agreed"], seen
+
+
 class _ClosableComm:
     """Stands in for a library communicator an instance made: close() refuses while `blocked`
     (as an NCCL one does while a live CUDA graph holds its gathers)."""
