@@ -3,6 +3,7 @@ queries then cache, block_table[req][b] = b * B + req) and an independent numpy 
 CONTRACT.md sections 3-4."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -117,6 +118,20 @@ def oracle_decode(b: Batch, topk: int, init: int, local: int) -> np.ndarray:
             sel = order[: min(topk, V)]
             out[h, row, : len(sel)] = sel
     return out
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world: int, port: int, backend: str, **kwargs):
+    """The default process group of one of run_ranks' processes (its port, on this host),
+    destroyed on the way out, whatever the body raised."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def run_ranks(target, *extra, world: int = 2, timeout: float = 120) -> dict:

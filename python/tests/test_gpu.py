@@ -6,7 +6,6 @@ Skips without torch, a CUDA build or a GPU."""
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -14,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cpidx  # noqa: E402
-from helpers import golden_cases, golden_decode, random_decode, run_ranks  # noqa: E402
+from helpers import (golden_cases, golden_decode, process_group, random_decode,  # noqa: E402
+                     run_ranks)
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and cpidx.cuda_built and cpidx.gpu_available()),
@@ -679,11 +679,9 @@ def _two_gpu_rank(rank, world, port, results):
     exception lets go without a collective."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     log = {}
-    try:
+    with process_group(rank, world, port, "gloo"):
         T, Q, K = 4, 2, 16
         rng = np.random.default_rng(11)
         b = random_decode(rng, T, Q, [3000, 129, 0, 2049], max_seq_len=4096)
@@ -737,8 +735,6 @@ def _two_gpu_rank(rank, world, port, results):
         except KeyError:
             log["abandoned"] = cp.closed
         results[rank] = log
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -764,12 +760,10 @@ def _two_gpu_nccl_group_rank(rank, world, port, results):
     disagree on raises on both, a good one equals the plain decode, close() agrees through it."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
     log = {}
-    try:
+    with process_group(rank, world, port, "nccl", device_id=dev):
         T, Q, K = 4, 2, 16
         b = random_decode(np.random.default_rng(31), T, Q, [3000, 129, 0, 2049], max_seq_len=4096)
         q, k, bt, sl = to_dev(b)
@@ -795,8 +789,6 @@ def _two_gpu_nccl_group_rank(rank, world, port, results):
         cp.close()
         log["closed"] = (cp.closed, cp._host)
         results[rank] = log
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

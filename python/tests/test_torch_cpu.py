@@ -11,7 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cpidx  # noqa: E402
-from helpers import golden_cases, golden_decode, random_decode, run_ranks  # noqa: E402
+from helpers import (golden_cases, golden_decode, process_group, random_decode,  # noqa: E402
+                     run_ranks)
 
 
 def as_torch(b):
@@ -119,8 +120,8 @@ def test_cp_decode_op_is_the_instances_step_eager_compiled_and_checked():
 
     for backend in ("eager", "aot_eager"):
         torch._dynamo.reset()
-        got = torch.compile(f, fullgraph=True, backend=backend)(q, k, bt, sl,
-                                                                 torch.full_like(want, 77))
+        compiled = torch.compile(f, fullgraph=True, backend=backend)
+        got = compiled(q, k, bt, sl, torch.full_like(want, 77))
         assert torch.equal(got, want), backend
     torch.library.opcheck(torch.ops.cpidx.cp_decode.default,
                           (cp.handle, q, k, bt, sl, torch.zeros_like(want), 2, b.scale, None,
@@ -168,9 +169,7 @@ def test_cp_decode_op_under_inductor_writes_into_a_strided_view():
 def _gloo_rank(rank, world, port, T, results):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port, "gloo"):
         rng = np.random.default_rng(7)
         b = random_decode(rng, T, 2, [1500, 129, 0, 640], max_seq_len=1536)
         q, k, bt, sl = as_torch(b)
@@ -212,8 +211,6 @@ def _gloo_rank(rank, world, port, T, results):
         except RuntimeError as e:
             ok = ok and "is closed" in str(e)
         results[rank] = ok
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("T", [4, 1])
@@ -226,10 +223,8 @@ def _gloo_agreement_rank(rank, world, port, results):
     rank before any collective; a good step afterwards still equals the plain decode."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     seen = []
-    try:
+    with process_group(rank, world, port, "gloo"):
         T, Q, K = 2, 2, 6
         b = random_decode(np.random.default_rng(11), T, Q, [1500, 129, 700, 640],
                           max_seq_len=1536)
@@ -286,8 +281,6 @@ def _gloo_agreement_rank(rank, world, port, results):
         default.close()
         cp.close()
         results[rank] = seen
-    finally:
-        dist.destroy_process_group()
 
 
 def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
@@ -324,10 +317,8 @@ def _made_host_group_rank(rank, world, port, results):
 
     import cpidx._cp as cp_module
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     seen = []
-    try:
+    with process_group(rank, world, port, "gloo"):
         tp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
         if rank < 2:
             dist.new_group([0, 1], use_local_synchronization=True)
@@ -363,8 +354,6 @@ def _made_host_group_rank(rank, world, port, results):
             cp.close()
             seen.append((made, "closed", cp.closed, cp._host))
         results[rank] = seen
-    finally:
-        dist.destroy_process_group()
 
 
 def test_indexer_cp_decode_makes_a_host_group_when_its_group_brings_none():
@@ -389,9 +378,7 @@ def _host_group_timeout_rank(rank, world, port, results):
 
     import cpidx._cp as cp_module
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port, "gloo"):
         if rank == 0:
             start = time.monotonic()
             try:
@@ -401,8 +388,6 @@ def _host_group_timeout_rank(rank, world, port, results):
             except RuntimeError as e:
                 results[rank] = (str(e), time.monotonic() - start)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_made_host_group_fails_within_its_timeout_when_a_rank_never_joins():
@@ -426,10 +411,8 @@ def _host_group_failure_rank(rank, world, port, results):
 
     import cpidx._cp as cp_module
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     seen = {}
-    try:
+    with process_group(rank, world, port, "gloo"):
         cp_module._host_group_of = lambda group: None  # as for an NCCL-only group
         cp_module.HOST_GROUP_TIMEOUT = datetime.timedelta(seconds=2)
         b = random_decode(np.random.default_rng(29), 2, 1, [700, 129], max_seq_len=1024)
@@ -478,8 +461,6 @@ def _host_group_failure_rank(rank, world, port, results):
         seen["opted out"] = (off._host, off.check_agreement)
         off.close()
         results[rank] = seen
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_failed_host_group_fails_its_steps_and_lets_close_go_without_a_collective():
@@ -509,10 +490,8 @@ def _given_host_group_rank(rank, world, port, results):
     another size is refused by name before any collective."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     seen = {}
-    try:
+    with process_group(rank, world, port, "gloo"):
         mine = dist.new_group([0, 1], backend="gloo")
         singles = [dist.new_group([r], backend="gloo") for r in range(world)]
         b = random_decode(np.random.default_rng(37), 2, 1, [700, 129, 300], max_seq_len=1024)
@@ -536,8 +515,6 @@ def _given_host_group_rank(rank, world, port, results):
             seen["rows differ, agreed"] = str(e)
         agreeing.close()
         results[rank] = seen
-    finally:
-        dist.destroy_process_group()
 
 
 def test_indexer_cp_decode_agrees_through_a_given_host_group():
@@ -574,10 +551,8 @@ def _gloo_close_rank(rank, world, port, results):
     stay in step; once it can, every rank closes."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     seen = {}
-    try:
+    with process_group(rank, world, port, "gloo"):
         reg = cpidx.Registry()
         kw = dict(total_heads=2, rank=rank, world_size=world, max_tokens=16, max_seq_len=1536,
                   topk=6, init_blocks=1, local_blocks=1, group=dist.group.WORLD, device="cpu",
@@ -609,8 +584,6 @@ def _gloo_close_rank(rank, world, port, results):
         reg.clear()
         seen["second"] = (len(reg), cp.closed, comm.closes)
         results[rank] = seen
-    finally:
-        dist.destroy_process_group()
 
 
 def test_registry_clear_closes_on_every_rank_or_on_none():
