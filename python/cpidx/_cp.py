@@ -647,11 +647,8 @@ class IndexerCPDecode:
                 raise RuntimeError(blocker)
             return
         if blocker is None:
-            try:
-                why = (c._close_blocker(ignore_dependents=True) for c in self._owned)
-                blocker = next((f"{self!r}.close(): {w}" for w in why if w), None)
-            except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
-                blocker = f"{self!r}.close(): {type(e).__name__}: {e}"
+            why = self._local_close_blocker()
+            blocker = None if why is None else f"{self!r}.close(): {why}"
         any_blocked = torch.tensor([0 if blocker is None else 1], dtype=torch.int64)
         self._host_all_reduce(any_blocked, "close()'s agreement")
         if blocker is not None:
@@ -661,6 +658,16 @@ class IndexerCPDecode:
             raise RuntimeError(f"{self!r}.close(): another rank cannot close yet (it raised the "
                                f"reason); nothing was closed, on any rank: call close() again on "
                                f"every rank")
+
+    def _local_close_blocker(self) -> Optional[str]:
+        """Why this rank's communicators cannot close now (a live CUDA graph holds an NCCL
+        gather, a call is in flight on another thread), asked without closing; None if they
+        can. An error asking is a reason too."""
+        try:
+            why = (c._close_blocker(ignore_dependents=True) for c in self._owned)
+            return next((w for w in why if w), None)
+        except Exception as e:  # noqa: BLE001 - reported as the reason
+            return f"{type(e).__name__}: {e}"
 
     def _let_go_without_agreement(self) -> None:
         """close() once the host group has failed: no agreement can be had any more, nor a
@@ -672,11 +679,7 @@ class IndexerCPDecode:
         capturing = _capture_refusal(f"{self!r}.close()")
         if capturing is not None:  # nothing may be let go inside a capture either
             raise RuntimeError(capturing)
-        try:
-            why = (c._close_blocker(ignore_dependents=True) for c in self._owned)
-            blocker = next((w for w in why if w), None)
-        except Exception as e:  # noqa: BLE001 - a reason to keep, as a blocker is
-            blocker = f"{type(e).__name__}: {e}"
+        blocker = self._local_close_blocker()
         kept = ""
         if blocker is not None:
             for comm in self._owned:
