@@ -22,8 +22,9 @@ function(run what)
 endfunction()
 
 run("cmake --install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
-foreach(f include/cpidx/indexer.h include/cpidx/reference.h include/cpidx/version.h ${LIBDIR}/cmake/cpidx/cpidxConfig.cmake
-          ${LIBDIR}/cmake/cpidx/cpidxConfigVersion.cmake ${LIBDIR}/cmake/cpidx/cpidxTargets.cmake)
+foreach(f include/cpidx/indexer.h include/cpidx/reference.h include/cpidx/version.h
+          ${LIBDIR}/cmake/cpidx/cpidxConfig.cmake ${LIBDIR}/cmake/cpidx/cpidxConfigVersion.cmake
+          ${LIBDIR}/cmake/cpidx/cpidxTargets.cmake)
   if(NOT EXISTS ${WORK_DIR}/prefix/${f})
     message(FATAL_ERROR "not installed: ${f}")
   endif()

@@ -26,7 +26,8 @@ constexpr Subcommand kSubcommands[] = {
 void print_usage(std::FILE* out) {
   std::fprintf(out,
                "usage: cpidx <command> [flags]   (or --help, --version)\n\n"
-               "cpidx " CPIDX_VERSION ": the decode-time indexer of block-sparse attention (MiniMax-M3), with\n"
+               "cpidx " CPIDX_VERSION
+               ": the decode-time indexer of block-sparse attention (MiniMax-M3), with\n"
                "context parallelism across tensor-parallel ranks.\n\ncommands:\n");
   for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-8s %s\n", s.name, s.summary);
   std::fprintf(out,
