@@ -19,7 +19,8 @@
 // empty_pdl ~ pool_4g_pdl says the wait; loads 3-5 are the L2 hit's own latency.
 // Within a chain: load 0 hits a 2 MiB region not touched since the buffer was written, load 1
 // the next line of that region, load 2 a line of another region; loads 3-5 repeat the chain.
-// Printed: cycles and ns per
+// Run once (one H100, docs/perf/README.md v57-run): load 0 464-474 cycles in the unwaited cases,
+// ~300 behind a wait, loads 2-5 276-299 in all: no translation cost. Printed: cycles and ns per
 // load, medians over repetitions, as JSON lines. Build: nvcc -O3 -arch=sm_90a -o probe this.cu
 #include <cuda_runtime.h>
 
