@@ -96,7 +96,8 @@ def cp_decode(handle: int, local_q: Tensor, kv_cache: Tensor, block_table: Tenso
     """An IndexerCPDecode's step, ``cp(local_q, ...)``, by its ``handle`` (``cp.handle``): one
     op that torch.compile keeps whole (its collectives and its agreement run inside it), so a
     compiled model keeps the context-parallel path instead of falling back to the plain decode
-    as the seed does under compile. Every rank's compiled graph calls it in the same order."""
+    as the seed does under compile. Every rank's compiled graph calls it in the same order, also
+    where nothing reads what it wrote (marked side-effecting below)."""
     _by_handle(handle)(local_q, kv_cache, block_table, seq_lens, query_len, out, scale=scale,
                        attention_block_table=attention_block_table,
                        sparse_block_table_out=sparse_block_table_out,
@@ -109,3 +110,11 @@ def _cp_decode_fake(handle, local_q, kv_cache, block_table, seq_lens, out, query
                     attention_block_table, sparse_block_table_out, sparse_context_lens_out,
                     block_page_stride, error_flag) -> None:
     return None
+
+
+# The step's collectives (and its agreement) are a side effect the schema does not show: a graph
+# that never reads the op's outputs (a rank that discards its ids, say) would otherwise drop the
+# op as dead code (AOT autograd and Inductor do), so that rank skips the collectives the others
+# wait in. The set is what torch.fx's is_impure reads, for the op wrapped in auto_functionalized
+# too (torch.library's effect tokens did not keep it under aot_eager, torch 2.11).
+torch.fx.node.has_side_effect(torch.ops.cpidx.cp_decode.default)

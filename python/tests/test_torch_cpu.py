@@ -166,6 +166,33 @@ def test_cp_decode_op_under_inductor_writes_into_a_strided_view():
     assert int(total) == int(want.sum()) and int(flag) == 1 << 20
 
 
+@pytest.mark.parametrize("backend", [
+    "aot_eager",
+    pytest.param("inductor", marks=pytest.mark.skipif(not __import__("shutil").which("c++"),
+                                                      reason="inductor needs a C++ compiler"))])
+def test_cp_decode_op_runs_under_compile_when_nothing_reads_its_outputs(backend):
+    # Its collectives are a side effect the schema does not show: a graph that discards the ids
+    # (only some ranks read them, say) must still call the op, or that rank skips the step's
+    # collectives while the others wait in them. Here the step's trace is the instance's own
+    # flag: a length past max_seq_len, clamped and flagged by the step alone.
+    import torch._inductor.config as inductor_config
+
+    b, (q, k, bt, sl), cp, want = _one_rank_step(23)
+    long = sl.clone()
+    long[0] = 5000
+
+    def f(q, k, bt, sl):
+        out = torch.empty((2, q.shape[0], 6), dtype=torch.int32)  # internal, never returned
+        _cp_op(cp, q, k, bt, sl, 2, out, b.scale)
+        return q.float().sum()
+
+    torch._dynamo.reset()
+    # No cache: a graph compiled before (without the op marked, say) must not be replayed.
+    with inductor_config.patch(force_disable_caches=True):
+        torch.compile(f, fullgraph=True, backend=backend)(q, k, bt, long)
+    assert int(cp.error_flag()) == cpidx.ERR_SEQ_LEN_OUT_OF_RANGE, backend
+
+
 def _gloo_rank(rank, world, port, T, results):
     import torch.distributed as dist
 
