@@ -371,14 +371,31 @@ class IndexerCPDecode:
             self.exchange = "torch"
 
     def _broadcast_from_rank0(self, group: Any, make: Any) -> Any:
-        """``make()`` on rank 0 of ``group``, handed to every rank (one broadcast)."""
-        box = [make() if self.rank == 0 else None]
+        """``make()`` on rank 0 of ``group``, handed to every rank (one broadcast). When it raises
+        there (``ncclGetUniqueId`` without a usable network interface, say), rank 0 broadcasts
+        that instead and every rank raises, rather than the others waiting in the broadcast
+        until the group's timeout: rank 0 its own error, the others a RuntimeError naming it."""
+        failed: Optional[BaseException] = None
+        box: list = [None]
+        if self.rank == 0:
+            try:
+                box = [("made", make())]
+            except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
+                failed = e
+                box = [("failed", f"{type(e).__name__}: {e}")]
         kwargs = {}
         if "nccl" in str(dist.get_backend(group)).lower():
             kwargs["device"] = self.device
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
                                    **kwargs)
-        return box[0]
+        if failed is not None:
+            raise failed
+        verdict, value = box[0]
+        if verdict == "failed":
+            raise RuntimeError(f"group: rank 0 could not make what it hands the "
+                               f"{self.world_size} ranks (the NCCL unique id, the host group's "
+                               f"name), so this rank cannot join: {value}")
+        return value
 
     def _setup_peer(self, nccl: Any, required: bool) -> None:
         """The peer communicator over the NCCL one. Its factory fails on every rank together,

@@ -423,6 +423,61 @@ def test_made_host_group_fails_within_its_timeout_when_a_rank_never_joins():
     assert 1.5 < seconds < 30, seconds  # its 2 s timeout, not another failure
 
 
+def _rank0_cannot_make_rank(rank, world, port, results):
+    """Rank 0 fails to make what its broadcast hands the ranks (here the host group's name; on
+    CUDA the NCCL unique id, from the same call): every rank raises at once, not only rank 0 with
+    the others left in the broadcast until the group's timeout (10 s here). Then the ranks are
+    still in step: a new instance is made and agrees on a step."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    import cpidx._cp as cp_module
+
+    seen = {}
+    with process_group(rank, world, port, "gloo", timeout=datetime.timedelta(seconds=10)):
+        cp_module._host_group_of = lambda group: None  # as for an NCCL-only group: one is made
+        made = cp_module._host_token
+
+        def cannot_make():
+            raise RuntimeError("ncclGetUniqueId: Bootstrap : no socket interface found")
+
+        if rank == 0:
+            cp_module._host_token = cannot_make
+        kw = dict(total_heads=2, rank=rank, world_size=world, max_tokens=8, max_seq_len=1024,
+                  topk=4, init_blocks=0, local_blocks=1, group=dist.group.WORLD, device="cpu",
+                  check_agreement=True)
+        start = time.monotonic()
+        try:
+            cpidx.IndexerCPDecode(**kw)
+            seen["made"] = None
+        except RuntimeError as e:
+            seen["made"] = str(e)
+        seen["seconds"] = time.monotonic() - start
+        cp_module._host_token = made
+        b = random_decode(np.random.default_rng(41), 2, 1, [700, 129], max_seq_len=1024)
+        q, k, bt, sl = as_torch(b)
+        cp = cpidx.IndexerCPDecode(**kw)
+        out = torch.zeros((1, 2, 4), dtype=torch.int32)
+        cp(q[:, cp.head_offset: cp.head_offset + 1].contiguous(), k, bt, sl, 1, out,
+           scale=b.scale)
+        seen["then"] = cp.check_agreement
+        cp.close()
+        results[rank] = seen
+
+
+def test_rank0_failing_before_its_broadcast_fails_every_rank_at_once():
+    results = run_ranks(_rank0_cannot_make_rank)
+    r0, r1 = results[0], results[1]
+    assert r0["made"] == "ncclGetUniqueId: Bootstrap : no socket interface found", r0
+    assert r1["made"].startswith("group: rank 0 could not make what it hands the 2 ranks"), r1
+    assert "RuntimeError: ncclGetUniqueId: Bootstrap : no socket interface found" in r1["made"]
+    for r in (r0, r1):
+        assert r["seconds"] < 5, r  # not the group's 10 s timeout
+        assert r["then"] == "every step", r
+
+
 def _host_group_failure_rank(rank, world, port, results):
     """A made host group that times out (rank 1 late past its 2 s): that step raises
     HostGroupError on both ranks (rank 0's own refused argument named too), so do later agreeing
