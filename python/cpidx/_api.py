@@ -223,43 +223,60 @@ class Registry:
     def clear(self) -> None:
         """Drop every decoder and prefiller and close every shared IndexerCPDecode (their device
         memory goes with them). Collective when it holds IndexerCPDecode instances with
-        world_size > 1: every rank calls it, having created its instances in the same order
-        (they are closed in that order). The first error of a close is raised after all were
-        tried; an instance that could not close stays in the registry (open, and returned by the
-        next ``cp_decode`` of its key), so a later ``clear()`` tries it again."""
+        world_size > 1: every rank calls it, having created its instances in the same order.
+        The instances whose close() is collective are closed first, in that order, each tried
+        after one raised too (the ranks stay in step); only once they all closed are the others
+        closed (no collective) and the decoders and prefillers dropped. So when a rank cannot
+        close (every rank then raises, having agreed on it), no rank drops more than the others:
+        the first error is raised after all were tried, and an instance that could not close
+        stays in the registry (open, and returned by the next ``cp_decode`` of its key), so a
+        later ``clear()`` tries it again."""
         with self._lock:
             shared = list(self._cp.items())
+            collective = [(key, cp) for key, cp in shared if cp._closes_collectively()]
+            others = [(key, cp) for key, cp in shared if not cp._closes_collectively()]
             refusal = None
-            if any(cp._closes_collectively() for _, cp in shared):
+            if collective:
                 refusal = _capture_refusal("Registry.clear() (it closes the shared "
                                            "IndexerCPDecode instances: collective)")
-            if refusal is None:
-                self._decoders.clear()
-                self._prefillers.clear()
         if refusal is not None:
             # Nothing is closed or dropped during a capture; each collective close is still
             # called, and refuses too, after agreeing with the other ranks through its host
             # group (every rank raises there), so a rank that is not capturing is not left
             # waiting for this one.
-            for _, cp in shared:
-                if cp._closes_collectively():
-                    try:
-                        cp.close()
-                    except Exception:  # noqa: BLE001 - refused, as expected; reported below
-                        pass
+            for _, cp in collective:
+                try:
+                    cp.close()
+                except Exception:  # noqa: BLE001 - refused, as expected; reported below
+                    pass
             raise RuntimeError(refusal)
+        # The closes that make no collective (and dropping the decoders) wait for the collective
+        # ones, whose verdict every rank reaches alike (they agree first): when one rank cannot
+        # close, no rank drops anything else either, and the registries stay alike. Moving them
+        # after the collective closes changes no rank's sequence of collectives.
+        error = self._close_and_forget(collective)
+        if error is None:
+            with self._lock:
+                self._decoders.clear()
+                self._prefillers.clear()
+            error = self._close_and_forget(others)
+        if error is not None:
+            raise error
+
+    def _close_and_forget(self, entries: list) -> Optional[BaseException]:
+        """close() each shared ``(key, instance)`` and drop it from the registry once closed;
+        the first error, after all were tried (the ranks stay in step), or None."""
         error: Optional[BaseException] = None
-        for key, cp in shared:
+        for key, cp in entries:
             try:
                 cp.close()
-            except Exception as e:  # keep the ranks in step: close the others, then report
+            except Exception as e:  # noqa: BLE001 - keep the ranks in step: close the others
                 error = error or e
                 continue
             with self._lock:
                 if self._cp.get(key) is cp:
                     del self._cp[key]
-        if error is not None:
-            raise error
+        return error
 
     def _drop_all(self) -> None:
         self._decoders.clear()

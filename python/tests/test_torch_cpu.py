@@ -630,7 +630,8 @@ class _ClosableComm:
 def _gloo_close_rank(rank, world, port, results):
     """registry.clear() where one rank cannot close yet (its communicator refuses, then it is
     capturing a graph): every rank raises and keeps its instance (none closes), so the ranks
-    stay in step; once it can, every rank closes."""
+    stay in step; it keeps the entries whose close makes no collective too (a one-rank instance
+    ahead of it in the registry, a decoder), on every rank; once it can, every rank closes."""
     import torch.distributed as dist
 
     seen = {}
@@ -639,6 +640,8 @@ def _gloo_close_rank(rank, world, port, results):
         kw = dict(total_heads=2, rank=rank, world_size=world, max_tokens=16, max_seq_len=1536,
                   topk=6, init_blocks=1, local_blocks=1, group=dist.group.WORLD, device="cpu",
                   check_agreement=False)  # steps unchecked; close() agrees all the same
+        alone = reg.cp_decode(**dict(kw, rank=0, world_size=1, group=None))
+        reg._decoders["a GPU decoder"] = object()  # stands in for one (no GPU here)
         cp = reg.cp_decode(**kw)
         comm = _ClosableComm(blocked=rank == 1)
         cp._owned = [comm]
@@ -647,7 +650,8 @@ def _gloo_close_rank(rank, world, port, results):
             seen["first"] = None
         except RuntimeError as e:
             seen["first"] = str(e)
-        seen["kept"] = (len(reg), cp.closed, comm.closes, reg.cp_decode(**kw) is cp)
+        seen["kept"] = (len(reg), cp.closed, comm.closes, reg.cp_decode(**kw) is cp,
+                        alone.closed)
         comm.blocked = False
         # Rank 1 alone is capturing a CUDA graph (faked: no GPU here): it refuses before any CUDA
         # call, and rank 0, which is not, raises with it instead of waiting for it.
@@ -662,9 +666,9 @@ def _gloo_close_rank(rank, world, port, results):
             seen["capture"] = str(e)
         finally:
             torch.cuda.is_available, torch.cuda.is_current_stream_capturing = saved
-        seen["kept again"] = (len(reg), cp.closed, comm.closes)
+        seen["kept again"] = (len(reg), cp.closed, comm.closes, alone.closed)
         reg.clear()
-        seen["second"] = (len(reg), cp.closed, comm.closes)
+        seen["second"] = (len(reg), cp.closed, comm.closes, alone.closed)
         results[rank] = seen
 
 
@@ -678,9 +682,9 @@ def test_registry_clear_closes_on_every_rank_or_on_none():
     assert "capture is still valid" in r1["capture"], r1["capture"]
     for r in (r0, r1):
         assert "nothing was closed, on any rank" in r["first"], r["first"]
-        assert r["kept"] == (1, False, 0, True), r["kept"]
-        assert r["kept again"] == (1, False, 0), r["kept again"]
-        assert r["second"] == (0, True, 1), r["second"]
+        assert r["kept"] == (3, False, 0, True, False), r["kept"]
+        assert r["kept again"] == (3, False, 0, False), r["kept again"]
+        assert r["second"] == (0, True, 1, True), r["second"]
 
 
 def test_indexer_cp_decode_checks_its_bounds_by_name():
