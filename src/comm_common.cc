@@ -1,5 +1,7 @@
-// Communicator::check_agree, shared by every host-memory communicator: one all_gather of a
-// long long, then a comparison on each rank (so every rank reaches the same verdict).
+// Communicator::check_agree and check_agree_all, shared by every host-memory communicator: one
+// all_gather of the values, then a comparison on each rank (so every rank reaches the same
+// verdict).
+#include <string>
 #include <vector>
 
 #include "cpidx/comm.h"
@@ -23,6 +25,33 @@ Status Communicator::check_agree(long long value, const char* what) {
   for (int i = 0; i < world; ++i) os << (i ? ", " : "") << values[static_cast<size_t>(i)];
   os << "]";
   return Status(StatusCode::kCommError, os.str());
+}
+
+Status Communicator::check_agree_all(const long long* values, const char* const* names,
+                                     int count) {
+  if (count <= 0) return Status::ok();
+  if (memory_space() != MemorySpace::kHost) {
+    // Each check_agree is collective and gives every rank the same verdict, so every rank stops
+    // at the same value.
+    for (int i = 0; i < count; ++i) CPIDX_RETURN_IF_ERROR(check_agree(values[i], names[i]));
+    return Status::ok();
+  }
+  const int world = world_size();
+  const size_t n = static_cast<size_t>(count);
+  std::vector<long long> all(static_cast<size_t>(world) * n, 0);
+  CPIDX_RETURN_IF_ERROR(all_gather(values, all.data(), n * sizeof(long long), nullptr));
+  for (size_t f = 0; f < n; ++f) {
+    bool same = true;
+    for (int r = 0; r < world; ++r) same = same && all[static_cast<size_t>(r) * n + f] == all[f];
+    if (same) continue;
+    ::cpidx::detail::Message os;
+    os << "ranks disagree on " << (names[f] != nullptr ? names[f] : "a value")
+       << ": values by rank [";
+    for (int r = 0; r < world; ++r) os << (r ? ", " : "") << all[static_cast<size_t>(r) * n + f];
+    os << "]";
+    return Status(StatusCode::kCommError, os.str());
+  }
+  return Status::ok();
 }
 
 }  // namespace cpidx

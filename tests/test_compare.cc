@@ -81,4 +81,29 @@ TEST(CompareIds, ExactNearTieAndBad) {
   EXPECT_TRUE(lower) << "no unselected block below the K-th score";
 }
 
+// Inputs the reference refuses (scale 0) leave no scores to judge a difference by: a differing
+// row is bad, naming the refusal, never a near tie (zero scores would tie everything).
+TEST(CompareIds, RefusedInputsMakeADifferingRowBad) {
+  DecodeData d = random_decode(78, 1, 1, {3000, 2000}, 4096);
+  cpidx::Selection sel;
+  sel.topk = 6;
+  IdsBuffer want(1, d.rows(), sel.topk);
+  int32_t err = 0;
+  ASSERT_TRUE(cpidx::ref::decode_topk(d.all_heads(), sel, want.out(), nullptr, &err).is_ok());
+  IdsBuffer got = want;
+  std::swap(got.ids[2], got.ids[3]);  // row 0: two unforced blocks, both selected
+  cpidx::DecodeInputs refused = d.all_heads();
+  refused.scale = 0.0f;
+  const cpidx::ref::IdsComparison r = cpidx::ref::compare_ids(refused, sel, got.out(), want.out());
+  EXPECT_EQ(r.bad_rows, 1);
+  EXPECT_EQ(r.near_tie_rows, 0);
+  EXPECT_EQ(r.exact_rows, d.rows() - 1);
+  EXPECT_NE(r.first_bad.find("head 0, row 0: differs, and the reference refused the inputs"),
+            std::string::npos)
+      << r.first_bad;
+  EXPECT_NE(r.first_bad.find("scale"), std::string::npos) << r.first_bad;
+  // The same swap with valid inputs is judged on the scores (random values: not a tie).
+  EXPECT_EQ(cpidx::ref::compare_ids(d.all_heads(), sel, got.out(), want.out()).bad_rows, 1);
+}
+
 }  // namespace

@@ -603,6 +603,10 @@ TEST(ValidationTable, SparseTableBatchArguments) {
   const std::vector<Case> cases = {
       {"ids null", nullptr, kK, s, R, Q, 1024, kK, {kInv, {"ids is null"}}},
       {"seq_lens null", ids.data(), kK, nullptr, R, Q, 1024, kK, {kInv, {"seq_lens is null"}}},
+      {"ids misaligned", misalign(ids.data()), kK, s, R, Q, 1024, kK,
+       {kInv, {"ids must be 4-byte aligned"}}},
+      {"seq_lens misaligned", ids.data(), kK, misalign(s), R, Q, 1024, kK,
+       {kInv, {"seq_lens must be 4-byte aligned"}}},
       {"ids_row_stride",
        ids.data(),
        kK - 1,
@@ -716,6 +720,21 @@ TEST(ValidationTable, MergeArguments) {
                                     reqs, q, d.max_seq_len, ids.out(), nullptr),
         c.e));
     EXPECT_TRUE(ids.all_poison());
+  }
+  {  // with the sparse table, which reads seq_lens: aligned, as every other int32 input
+    const int64_t G = d.max_blocks();
+    std::vector<int32_t> attn(static_cast<size_t>(d.num_reqs() * G), 3);
+    std::vector<int32_t> table(static_cast<size_t>(n * kK * 8), kPoison);
+    std::vector<int32_t> ctx(static_cast<size_t>(n), kPoison);
+    const cpidx::SparseTableOutput t{attn.data(), G, table.data(), kK * 8, ctx.data(), 8};
+    IdsBuffer ids(1, n, kK);
+    EXPECT_TRUE(failed_as(cpidx::ref::merge_topk_keys(keys.data(), 1, kT, n, sel, 0, 1,
+                                                      misalign(d.seq_lens.data()), d.num_reqs(),
+                                                      d.query_len, d.max_seq_len, ids.out(), &t),
+                          {kInv, {"seq_lens must be 4-byte aligned"}}));
+    EXPECT_TRUE(ids.all_poison());
+    EXPECT_TRUE(all_poison(table));
+    EXPECT_TRUE(all_poison(ctx));
   }
 }
 
@@ -958,6 +977,9 @@ TEST(ValidationTable, RanksDisagreeOnSettings) {
        [](DecodeInputs& in, Selection&) { in.max_seq_len = 1000; },
        {"ranks disagree on max_seq_len", "[1024, 1000]"}},
       {"scale", [](DecodeInputs& in, Selection&) { in.scale *= 2; }, {"ranks disagree on scale"}},
+      {"cache dtype",
+       [](DecodeInputs& in, Selection&) { in.cache.dtype = cpidx::DType::kFP8E4M3; },
+       {"ranks disagree on cache dtype", "[0, 1]"}},
       {"rows",
        [](DecodeInputs& in, Selection&) { in.num_reqs = 2; },
        {"ranks disagree on decode rows", "[6, 4]"}},

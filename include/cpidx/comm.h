@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -27,7 +28,10 @@ class Communicator {
   virtual MemorySpace memory_space() const = 0;
   // Rank i's `bytes_per_rank` bytes land at recv + i * bytes_per_rank on every rank. In place
   // when send == recv + rank * bytes_per_rank. Host communicators complete before returning
-  // (stream is ignored); device communicators are stream-ordered.
+  // (stream is ignored); device communicators are stream-ordered. The arguments must be valid
+  // on every rank: the thread communicator turns one rank's mistake into an error on all, but
+  // MPI, NCCL and the peer communicator refuse it on that rank alone, before the collective,
+  // leaving the others in it (cp_decode agrees on its sizes first, check_agree).
   virtual Status all_gather(const void* send, void* recv, size_t bytes_per_rank,
                             cudaStream_t stream) = 0;
   // Every rank must agree on `value` (for example the batch size) before a collective runs:
@@ -36,7 +40,17 @@ class Communicator {
   // device-memory one that does not override it, it returns kUnsupported (and cp_decode, which
   // asks it first unless DecodeConfig::check_agreement is off, fails saying so).
   virtual Status check_agree(long long value, const char* what);
+  // Every rank must agree on each of values[0..count) at once (a step's settings, say, named
+  // names[i]): returns kCommError naming the first that differs and its values by rank, on
+  // every rank, from one collective. The default gathers them in one all_gather on a
+  // host-memory communicator, and asks check_agree for each in turn on a device-memory one (an
+  // override that agrees in one round is better there).
+  virtual Status check_agree_all(const long long* values, const char* const* names, int count);
   virtual Status barrier() = 0;
+  // The most bytes a rank may send in one all_gather (the peer communicator's bound, fixed at
+  // its creation); SIZE_MAX when any size goes. cp_decode checks its gathers against it before
+  // its first collective, so a batch too large is refused before anything runs.
+  virtual size_t max_bytes_per_rank() const { return SIZE_MAX; }
   // A channel the library's kernels exchange through directly (cpidx/device_channel.h), or
   // nullptr. The peer communicator has one; cp_decode then fuses its key gather into its
   // selection and merge kernels.

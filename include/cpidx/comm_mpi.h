@@ -13,6 +13,8 @@ namespace cpidx {
 // A communicator over MPI_COMM_WORLD. MPI must already be initialised (MPI_Init) and must stay
 // initialised while the communicator is used. Collective: every process calls it. On failure
 // returns nullptr and sets *status (kCommError naming the MPI error); *status is ok otherwise.
+// The MPI_Comm_dup below runs under the parent's error handler (MPI_ERRORS_ARE_FATAL on
+// MPI_COMM_WORLD unless the caller set another), which cpidx leaves as it is.
 std::unique_ptr<Communicator> make_mpi_communicator(Status* status);
 
 // The same over any MPI communicator: `mpi_comm_handle` points to an MPI_Comm (pass `&comm`).

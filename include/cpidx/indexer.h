@@ -31,8 +31,10 @@ struct DecodeConfig {
   DType cache_dtype = DType::kBF16;
   int head_dim = kHeadDim;
   // cp_decode asks the communicator's check_agree for equal batch sizes on every rank before
-  // its first collective (host side only: a captured graph holds no extra node). NCCL
-  // communicators check only when they have a host channel (comm_nccl.h).
+  // its first collective, then check_agree_all for equal settings (query_len, scale, topk,
+  // init and local blocks, max_seq_len, total_heads, cache dtype): two host rounds of an eager
+  // step, none in a captured graph's replays (host side only: the graph holds no extra node).
+  // NCCL communicators check only when they have a host channel (comm_nccl.h).
   bool check_agreement = true;
   // Launch kernels with programmatic dependent launch: a step's kernels start while the
   // previous kernel in the stream drains, and wait for its results before reading anything.

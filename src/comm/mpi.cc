@@ -1,6 +1,7 @@
 // src/comm/mpi.cc: the MPI Communicator (one rank per process, host buffers). all_gather is one
 // MPI_Allgather per GiB of each rank's bytes, check_agree one MPI_Allgather of a long long.
-// Every MPI error is returned as kCommError with MPI's own error string, never fatal.
+// Every MPI error on the duplicated communicator is returned as kCommError with MPI's own error
+// string, never fatal; MPI_Comm_dup itself follows the parent's error handler (the caller's).
 #include <mpi.h>
 
 #include <algorithm>

@@ -158,6 +158,10 @@ class NcclCommunicator final : public Communicator {
     if (host_ == nullptr) return Status::ok();  // no host channel, no check (see comm_nccl.h)
     return host_->check_agree(value, what);
   }
+  Status check_agree_all(const long long* values, const char* const* names, int count) override {
+    if (host_ == nullptr) return Status::ok();
+    return host_->check_agree_all(values, names, count);
+  }
 
   // Gathers held by live CUDA graphs (nccl_gathers_in_live_graphs).
   long long gathers_in_live_graphs(double wait_seconds) const {
@@ -276,6 +280,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
                                                      int device, Status* status,
                                                      Communicator* host_channel) {
   if (status != nullptr) *status = Status::ok();
+  int prev = -1;  // the caller's device, once switched: restored on every path after
   Status local = [&]() -> Status {
     CPIDX_CHECK(world >= 1, "make_nccl_communicator: world must be >= 1, got " << world);
     CPIDX_CHECK(rank >= 0 && rank < world,
@@ -286,27 +291,37 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
                 "make_nccl_communicator: device must be in [0, " << count << "), got " << device);
     CPIDX_RETURN_IF_ERROR(check_host_channel(host_channel, world, rank));
     CPIDX_RETURN_IF_ERROR(ensure_nvls_off());
-    return check_version();
+    CPIDX_RETURN_IF_ERROR(check_version());
+    // Switched before the agreement: cudaSetDevice initialises the device's context and can
+    // fail on a valid ordinal (exclusive or prohibited compute mode, no memory left), and a
+    // rank failing it after the agreement would leave its peers in ncclCommInitRank.
+    int current = 0;
+    CPIDX_RETURN_IF_ERROR(cuda_check(cudaGetDevice(&current), "cudaGetDevice"));
+    CPIDX_RETURN_IF_ERROR(cuda_check(cudaSetDevice(device), "cudaSetDevice"));
+    prev = current;
+    return Status::ok();
   }();
+  auto restore = [&] {
+    if (prev >= 0) cudaSetDevice(prev);
+  };
   // ncclCommInitRank waits for every rank: with a host channel, a rank that refused its
   // arguments makes the others fail here instead of hanging there.
   if (host_channel != nullptr) {
     Status agree = host_channel->check_agree(local.is_ok() ? world : -1, kWorldAgreement);
+    if (!local.is_ok() || !agree.is_ok()) restore();
     if (!local.is_ok()) return fail(status, local, std::unique_ptr<Communicator>());
     if (!agree.is_ok()) return fail(status, agree, std::unique_ptr<Communicator>());
   } else if (!local.is_ok()) {
+    restore();
     return fail(status, local, std::unique_ptr<Communicator>());
   }
 
-  int prev = 0;
-  Status st = cuda_check(cudaGetDevice(&prev), "cudaGetDevice");
-  if (st.is_ok()) st = cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  if (!st.is_ok()) return fail(status, st, std::unique_ptr<Communicator>());
   ncclUniqueId uid;
   std::memcpy(uid.internal, id.data(), NCCL_UNIQUE_ID_BYTES);
   ncclComm_t comm = nullptr;
-  st = nccl_check(ncclCommInitRank(&comm, world, uid, rank), "ncclCommInitRank", comm, rank, world);
-  cudaSetDevice(prev);
+  const Status st =
+      nccl_check(ncclCommInitRank(&comm, world, uid, rank), "ncclCommInitRank", comm, rank, world);
+  restore();
   if (!st.is_ok()) return fail(status, st, std::unique_ptr<Communicator>());
   return std::make_unique<NcclCommunicator>(comm, /*owns=*/true, rank, world, device, host_channel,
                                             nullptr);

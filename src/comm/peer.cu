@@ -494,7 +494,11 @@ class PeerCommunicator final : public Communicator {
   Status check_agree(long long value, const char* what) override {
     return bootstrap_.check_agree(value, what);
   }
+  Status check_agree_all(const long long* values, const char* const* names, int count) override {
+    return bootstrap_.check_agree_all(values, names, count);
+  }
   Status barrier() override { return bootstrap_.barrier(); }
+  size_t max_bytes_per_rank() const override { return parts_.max_bytes; }
 
   const DeviceChannel* device_channel() const override { return &channel_; }
 
@@ -626,7 +630,10 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   parts.world = world;
   parts.device = device;
   parts.max_bytes = max_bytes_per_rank;
-  parts.timeout_ns = static_cast<unsigned long long>(timeout_seconds * 1e9);
+  // Converted only in range (a NaN or out-of-range double to integer is undefined): set_up_local
+  // refuses the others by name, on every rank.
+  const bool timeout_ok = timeout_seconds > 0 && timeout_seconds < 1e6;
+  parts.timeout_ns = timeout_ok ? static_cast<unsigned long long>(timeout_seconds * 1e9) : 0;
   parts.peers.assign(static_cast<size_t>(world), nullptr);
 
   // 0. The bootstrap's staging memory first, so that a failing set-up below still joins the

@@ -82,6 +82,8 @@ struct Decoder::Impl {
   template <typename T>
   T* at(size_t offset) const { return reinterpret_cast<T*>(workspace + offset); }
 
+  Status check_device() const { return cuda_host::check_current_device(device, "Decoder"); }
+
   // The plan of the scoring instance a step of `ncols` padded columns launches (<= the bound's),
   // the split path's and the workspace's figures as in `plan`.
   DecodePlan step_plan(int ncols) const {
@@ -95,6 +97,7 @@ struct Decoder::Impl {
   }
 
   Status check_inputs(const DecodeInputs& in, int expected_heads) const {
+    CPIDX_RETURN_IF_ERROR(check_device());
     CPIDX_RETURN_IF_ERROR(ref::validate(in, cfg.sel, cfg.max_tokens));
     CPIDX_CHECK(in.num_heads == expected_heads,
                 "query heads (num_heads) must be " << expected_heads << ", got " << in.num_heads);
@@ -251,7 +254,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
                 "scoring_ctas_per_sm = " << c.scoring_ctas_per_sm << " does not fit this device "
                 "for " << c.total_heads * c.max_query_len << " columns (total_heads x "
                 "max_query_len) of " << to_string(c.cache_dtype) << " pages; 0 chooses");
-    CPIDX_CUDA_TRY(planned);
+    CPIDX_RETURN_IF_ERROR(cuda_host::cuda_status(planned, "cuda::plan_score_topk"));
     CPIDX_CUDA_TRY(cuda::plan_select_topk(device, &impl->launch));
     CPIDX_CUDA_TRY(cuda::plan_merge_topk());
     impl->layout = decode_workspace_layout(c, impl->launch.grid);
@@ -294,6 +297,7 @@ size_t Decoder::exchange_buffer_bytes() const {
 }
 
 Status Decoder::clear_error_flag(cudaStream_t stream) {
+  CPIDX_RETURN_IF_ERROR(impl_->check_device());
   CPIDX_CUDA_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
   return Status::ok();
 }
@@ -321,6 +325,7 @@ Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t strea
 
 Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const TopkOutput& out,
                       const SparseTableOutput* table, cudaStream_t stream) {
+  CPIDX_RETURN_IF_ERROR(impl_->check_device());
   CPIDX_CHECK(gathered != nullptr, "gathered keys must not be null");
   CPIDX_CHECK(ref::detail::aligned(gathered, alignof(Key)),
               "gathered keys must be 8-byte aligned, got address " << gathered);
@@ -350,15 +355,6 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   const Impl& im = *impl_;
   const int P = im.cfg.world_size, T = im.cfg.total_heads, L = im.geo.local_heads;
   const int64_t n = local.num_rows();
-  const Status valid = [&]() -> Status {
-    CPIDX_CHECK(comm.world_size() == P && comm.rank() == im.cfg.rank,
-                "communicator (rank " << comm.rank() << " of " << comm.world_size()
-                                      << ") does not match the Decoder (rank " << im.cfg.rank
-                                      << " of " << P << ")");
-    CPIDX_CHECK(comm.memory_space() == MemorySpace::kDevice,
-                "communicator must exchange device memory for the GPU decode");
-    return check_cp_decode(local, out, table);
-  }();
   // The key gather's route: the communicator's device channel (select_topk stores, merge_topk
   // polls: no gather kernel) when it has one that fits, else all_gather.
   const CpGatherBytes gather = cp_gather_bytes(im.geo, n, im.cfg.sel.topk);
@@ -368,15 +364,38 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
                              k_lines > channel->capacity)) {
     channel = nullptr;
   }
+  const Status valid = [&]() -> Status {
+    CPIDX_CHECK(comm.world_size() == P && comm.rank() == im.cfg.rank,
+                "communicator (rank " << comm.rank() << " of " << comm.world_size()
+                                      << ") does not match the Decoder (rank " << im.cfg.rank
+                                      << " of " << P << ")");
+    CPIDX_CHECK(comm.memory_space() == MemorySpace::kDevice,
+                "communicator must exchange device memory for the GPU decode");
+    CPIDX_RETURN_IF_ERROR(check_cp_decode(local, out, table));  // n is valid from here
+    // Each gather within the communicator's bound (the peer communicator's, fixed at its
+    // creation): refused here, before any kernel runs, not by the gather after the scoring.
+    const size_t cap = comm.max_bytes_per_rank();
+    CPIDX_CHECK(P == 1 || (gather.queries <= cap && (channel != nullptr || gather.keys <= cap)),
+                "the step's gathers (" << gather.queries << " query bytes and " << gather.keys
+                    << " key bytes a rank, for " << n << " rows) exceed the communicator's "
+                    << "max_bytes_per_rank (" << cap << "): create it for cp_gather_bytes("
+                    << "geometry, max_tokens, topk), or use NCCL");
+    return Status::ok();
+  }();
   // 0. Every rank must gather the same byte counts by the same route, or the collectives below
   // hang or read past the buffers: agree on the batch rows and the route first (host side only;
   // nothing is captured). A rank whose own checks failed offers -1, so its peers fail here too
   // instead of waiting for it.
+  // Then the settings that make the ranks' lists mergeable (query_len, scale, topk, ...: a
+  // rank with another query_len or scale gathers as many bytes and would merge silently wrong
+  // ids), asked only once the rows agree, so that a rank that skips its step (offering -1
+  // above) leaves no peer in this second round.
   if (P > 1 && im.cfg.check_agreement) {
     const long long rows = valid.is_ok() ? n + (channel != nullptr ? kCpFusedRouteTag : 0) : -1;
     const Status agree = comm.check_agree(rows, kCpRowsAgreement);
     CPIDX_RETURN_IF_ERROR(valid);
     CPIDX_RETURN_IF_ERROR(agree);
+    CPIDX_RETURN_IF_ERROR(ref::detail::agree_on_settings(comm, T, local, im.cfg.sel));
   }
   CPIDX_RETURN_IF_ERROR(valid);
   if (P == 1) return im.launch_plain(local, out, table, stream);  // validated above (L == T)

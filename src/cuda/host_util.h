@@ -127,6 +127,28 @@ inline bool capture_error(cudaError_t e) {
   }
 }
 
+// A Decoder's or a Prefiller's calls run on the device it was created for: its workspace, its
+// planned kernels and the caller's stream live there. Refused (kInvalidArgument) when another
+// device is current: a launch would fail there, or (the default stream) run on the wrong GPU
+// with pointers of another, and in cp_decode after its first collective, leaving the peers in
+// the next one. device_mismatch is the message, apart for tests without a second GPU.
+inline Status device_mismatch(int current, int device, const char* who) {
+  if (current == device) return Status::ok();
+  detail::Message msg;
+  msg << "the current CUDA device is " << current << ", but this " << who
+      << " was created on device " << device << ": make device " << device
+      << " current before its calls (cudaSetDevice(" << device << "); in torch, "
+      << "torch.cuda.set_device(" << device << ") or `with torch.cuda.device(" << device
+      << "):`)";
+  return Status(StatusCode::kInvalidArgument, msg.str());
+}
+
+inline Status check_current_device(int device, const char* who) {
+  int current = -1;
+  const Status st = cuda_status(cudaGetDevice(&current), "cudaGetDevice");
+  return st.is_ok() ? device_mismatch(current, device, who) : st;
+}
+
 // Runs `setup` (an object's creation: it allocates and synchronizes the device) with `device`
 // current and restores the caller's device afterwards. When a CUDA call of setup fails, its error
 // is cleared from the thread (so that the caller's next error check does not report it again),
@@ -144,7 +166,9 @@ Status on_device(int device, F&& setup) {
   if (!st.is_ok()) return st;
   st = cuda_status(cudaSetDevice(device), "cudaSetDevice");
   if (st.is_ok()) st = setup();
-  if (st.code() == StatusCode::kCudaError && capture_error(cudaGetLastError())) {
+  // Cleared whatever Status it became (a GPU without a kernel image is kUnsupported).
+  const cudaError_t pending = st.is_ok() ? cudaSuccess : cudaGetLastError();
+  if (st.code() == StatusCode::kCudaError && capture_error(pending)) {
     st = Status(st.code(), st.message() +
                          "; a stream capture is under way, and creating a Decoder or Prefiller "
                          "(the first call of a shape, through the Python functions) cannot be "

@@ -60,6 +60,7 @@ struct Prefiller::Impl {
   cuda::PrefillLaunch launch;
   PrefillWorkspaceLayout layout;
   uint8_t* workspace = nullptr;
+  int device = 0;
 
   template <typename T>
   T* at(size_t offset) const { return reinterpret_cast<T*>(workspace + offset); }
@@ -106,6 +107,7 @@ Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Pre
   auto impl = std::make_unique<Impl>();
   impl->cfg = c;
   impl->layout = workspace_layout(c);
+  impl->device = device;
   const Status st = cuda_host::on_device(device, [&]() -> Status {
     bool wgmma = false;
     if (c.kernel != PrefillKernel::kMmaSync) {
@@ -140,12 +142,14 @@ const PrefillPlan& Prefiller::plan() const { return impl_->plan; }
 int32_t* Prefiller::error_flag() const { return impl_->at<int32_t>(impl_->layout.error_flag); }
 
 Status Prefiller::clear_error_flag(cudaStream_t stream) {
+  CPIDX_RETURN_IF_ERROR(cuda_host::check_current_device(impl_->device, "Prefiller"));
   CPIDX_CUDA_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
   return Status::ok();
 }
 
 Status Prefiller::validate(const PrefillInputs& in, const TopkOutput& out) const {
   const PrefillConfig& c = impl_->cfg;
+  CPIDX_RETURN_IF_ERROR(cuda_host::check_current_device(impl_->device, "Prefiller"));
   CPIDX_RETURN_IF_ERROR(ref::validate(in, c.sel));
   CPIDX_CHECK(in.num_heads <= c.num_heads, "query heads (num_heads) must be in [1, "
                                                << c.num_heads << "], got " << in.num_heads);
@@ -180,6 +184,15 @@ Status mixed_topk(Decoder& dec, Communicator* comm, const DecodeInputs& decode_r
   // The batch-level checks, then the prefill part's, so a bad prefill argument fails before the
   // decode part runs (the decode calls validate their own arguments before their first launch).
   const Status valid = [&]() -> Status {
+    // A part is empty only at num_reqs == 0 (the header's rule); a negative count is a mistake,
+    // not an empty part whose rows would be left unwritten.
+    CPIDX_CHECK(decode_rows.num_reqs >= 0,
+                "decode num_reqs must be >= 0 (0: no decode rows), got " << decode_rows.num_reqs);
+    CPIDX_CHECK(prefill_rows.num_reqs >= 0, "prefill num_reqs must be >= 0 (0: no prefill rows), "
+                                            "got " << prefill_rows.num_reqs);
+    CPIDX_CHECK(has_prefill || prefill_rows.num_tokens == 0,
+                "prefill num_tokens must be 0 when its num_reqs is 0, got "
+                    << prefill_rows.num_tokens);
     CPIDX_CHECK(pre.config().sel.topk == k, "the Decoder's topk (" << k
                                                 << ") and the Prefiller's ("
                                                 << pre.config().sel.topk << ") must be equal");

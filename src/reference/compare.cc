@@ -58,6 +58,7 @@ IdsComparison compare_ids(const DecodeInputs& in, const Selection& sel, const To
   const int64_t n = in.num_rows();
   const int64_t W = owned_blocks(in.max_blocks(), 1, 0);
   std::vector<float> scores;
+  Status scored;  // block_scores' verdict on the inputs, once scored
   for (int h = 0; h < in.num_heads; ++h) {
     for (int64_t row = 0; row < n; ++row) {
       const int32_t* g = got.ids + h * got.head_stride + row * got.row_stride;
@@ -69,7 +70,16 @@ IdsComparison compare_ids(const DecodeInputs& in, const Selection& sel, const To
       if (scores.empty()) {
         scores.resize(static_cast<size_t>(in.num_heads * n * W));
         int32_t err = 0;
-        block_scores(in, 1, 0, scores.data(), &err);
+        scored = block_scores(in, 1, 0, scores.data(), &err);
+      }
+      if (!scored.is_ok()) {  // no scores to judge a difference by: the row is bad
+        if (res.bad_rows++ == 0) {
+          ::cpidx::detail::Message os;
+          os << "head " << h << ", row " << row
+             << ": differs, and the reference refused the inputs: " << scored.message();
+          res.first_bad = os.str();
+        }
+        continue;
       }
       int32_t err = 0;
       const int64_t pos =

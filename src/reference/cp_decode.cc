@@ -46,37 +46,20 @@ Status check_local(const Communicator& comm, const Geometry& geo, const DecodeIn
   return Status::ok();
 }
 
-// Every rank must run the step with the same settings, or the merge would mix lists scored
-// differently (no crash, silently wrong ids). One gather of the settings; a mismatch is a
-// kCommError on every rank naming the first setting that differs and its value on each rank.
-Status agree_on_settings(Communicator& comm, const Geometry& geo, const DecodeInputs& local,
-                         const Selection& sel) {
-  constexpr int kCount = 7;
+}  // namespace
+
+Status detail::agree_on_settings(Communicator& comm, int total_heads, const DecodeInputs& local,
+                                 const Selection& sel) {
+  constexpr int kCount = 8;
   static const char* const kNames[kCount] = {"topk",        "init_blocks", "local_blocks",
                                              "query_len",   "max_seq_len", "total_heads",
-                                             "scale (bits)"};
-  const long long mine[kCount] = {sel.topk,        sel.init_blocks,  sel.local_blocks,
-                                  local.query_len, local.max_seq_len, geo.total_heads,
-                                  static_cast<long long>(float_bits(local.scale))};
-  const int world = comm.world_size();
-  std::vector<long long> all(static_cast<size_t>(world) * kCount);
-  CPIDX_RETURN_IF_ERROR(comm.all_gather(mine, all.data(), sizeof(mine), nullptr));
-  for (int f = 0; f < kCount; ++f) {
-    bool same = true;
-    for (int r = 0; r < world; ++r) {
-      same = same && all[static_cast<size_t>(r) * kCount + f] == mine[f];
-    }
-    if (same) continue;
-    std::string msg = std::string("ranks disagree on ") + kNames[f] + ": values by rank [";
-    for (int r = 0; r < world; ++r) {
-      msg += (r ? ", " : "") + std::to_string(all[static_cast<size_t>(r) * kCount + f]);
-    }
-    return Status(StatusCode::kCommError, msg + "]");
-  }
-  return Status::ok();
+                                             "scale (bits)", "cache dtype"};
+  const long long mine[kCount] = {sel.topk,        sel.init_blocks,   sel.local_blocks,
+                                  local.query_len, local.max_seq_len, total_heads,
+                                  static_cast<long long>(float_bits(local.scale)),
+                                  static_cast<long long>(local.cache.dtype)};
+  return comm.check_agree_all(mine, kNames, kCount);
 }
-
-}  // namespace
 
 Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& local,
                  const Selection& sel, const TopkOutput& out, const SparseTableOutput* table,
@@ -89,7 +72,7 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
       comm.check_agree(n_or_bad, "decode rows n = num_reqs * query_len (-1: inputs rejected)");
   CPIDX_RETURN_IF_ERROR(local_status);
   CPIDX_RETURN_IF_ERROR(agree_rows);
-  CPIDX_RETURN_IF_ERROR(agree_on_settings(comm, geo, local, sel));
+  CPIDX_RETURN_IF_ERROR(detail::agree_on_settings(comm, geo.total_heads, local, sel));
 
   const int64_t n = local.num_rows();
   const int world = geo.world_size;

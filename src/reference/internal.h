@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 
+#include "cpidx/comm.h"
 #include "cpidx/contract.h"
 #include "cpidx/params.h"
 #include "cpidx/reference.h"
@@ -65,6 +66,14 @@ bool ids_row_acceptable(const int32_t* got, const int32_t* want, int k, int64_t 
                         const std::function<float(int32_t)>& forced);
 void describe_bad_row(int head, int64_t row, const int32_t* got, const int32_t* want, int k,
                       IdsComparison* res);
+
+// What every rank of a context-parallel step must share besides its rows, or the merge mixes
+// lists scored differently (no crash, silently wrong ids): topk, init and local blocks,
+// query_len, max_seq_len, total_heads, the scale's bits and the cache's dtype. One
+// check_agree_all; a mismatch is a kCommError on every rank naming the first setting that
+// differs and its value on each rank. The CPU reference and the GPU Decoder both ask it.
+Status agree_on_settings(Communicator& comm, int total_heads, const DecodeInputs& local,
+                         const Selection& sel);
 
 }  // namespace detail
 }  // namespace ref

@@ -100,6 +100,8 @@ Status merge_topk_keys(const Key* gathered, int world, int total_heads, int64_t 
     CPIDX_RETURN_IF_ERROR(validate(*table, local_heads));
     if (table->enabled()) {  // every table argument is checked before any id is written
       CPIDX_CHECK(seq_lens != nullptr, "seq_lens is null");
+      CPIDX_CHECK(detail::aligned(seq_lens, alignof(int32_t)),
+                  "seq_lens must be 4-byte aligned (int32), got address " << seq_lens);
       CPIDX_RETURN_IF_ERROR(
           detail::check_table_args(*table, num_reqs, query_len, max_seq_len, sel.topk));
     }

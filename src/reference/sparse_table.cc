@@ -42,6 +42,10 @@ Status sparse_table(const int32_t* ids, int64_t ids_row_stride, const int32_t* s
   CPIDX_RETURN_IF_ERROR(detail::check_table_args(table, num_reqs, query_len, max_seq_len, topk));
   CPIDX_CHECK(ids != nullptr, "ids is null");
   CPIDX_CHECK(seq_lens != nullptr, "seq_lens is null");
+  CPIDX_CHECK(detail::aligned(ids, alignof(int32_t)),
+              "ids must be 4-byte aligned (int32), got address " << ids);
+  CPIDX_CHECK(detail::aligned(seq_lens, alignof(int32_t)),
+              "seq_lens must be 4-byte aligned (int32), got address " << seq_lens);
   const int64_t n = int64_t{num_reqs} * query_len;
   CPIDX_CHECK(ids_row_stride >= topk || n == 1,
               "ids_row_stride must be >= topk = " << topk << ", got " << ids_row_stride);

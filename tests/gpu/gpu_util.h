@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -349,14 +350,33 @@ class ScriptedComm final : public cpidx::Communicator {
     if (!peer_offers_ || value == *peer_offers_) return cpidx::Status::ok();
     return cpidx::Status(cpidx::StatusCode::kCommError, "the ranks disagree");
   }
+  // The settings round: recorded; refused naming the first value unlike peer_settings' (when
+  // set), as a host channel would.
+  cpidx::Status check_agree_all(const long long* values, const char* const* names,
+                                int count) override {
+    settings.assign(values, values + count);
+    setting_names.assign(names, names + count);
+    for (int i = 0; peer_settings && i < count; ++i) {
+      if (values[i] != (*peer_settings)[static_cast<size_t>(i)]) {
+        return cpidx::Status(cpidx::StatusCode::kCommError,
+                             std::string("ranks disagree on ") + names[i]);
+      }
+    }
+    return cpidx::Status::ok();
+  }
   cpidx::Status barrier() override { return cpidx::Status::ok(); }
   const cpidx::DeviceChannel* device_channel() const override {
     return channel ? &*channel : nullptr;
   }
+  size_t max_bytes_per_rank() const override { return max_bytes; }
   int gathers = 0;
   std::vector<long long> offered;
   std::vector<std::string> labels;
+  std::vector<long long> settings;
+  std::vector<std::string> setting_names;
+  std::optional<std::vector<long long>> peer_settings;
   std::optional<cpidx::DeviceChannel> channel;
+  size_t max_bytes = SIZE_MAX;
 
  private:
   int rank_, world_;

@@ -1,6 +1,7 @@
 // tests/gpu/test_cuda_status.cc: CUDA errors as a Status (src/cuda/host_util.h), on the host (no
 // GPU needed, so it runs in CI): a GPU without a kernel image for it is kUnsupported and says
-// which architectures the kernels were built for; other errors stay kCudaError with their name.
+// which architectures the kernels were built for; other errors stay kCudaError with their name;
+// a call with another device current is refused naming both.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -28,6 +29,19 @@ TEST(CudaStatus, OtherErrorsAreCudaErrorsByName) {
   EXPECT_NE(st.message().find("cudaMalloc(&p, n): cudaErrorMemoryAllocation"), std::string::npos)
       << st.message();
   EXPECT_EQ(st.message().find("architectures"), std::string::npos) << st.message();
+}
+
+// A Decoder's or Prefiller's call with another device current is refused, naming both devices
+// and how to switch (the check itself, check_current_device, needs a second GPU: GpuValidation).
+TEST(CudaStatus, AnotherCurrentDeviceIsRefusedNamingBoth) {
+  EXPECT_TRUE(cpidx::cuda_host::device_mismatch(1, 1, "Decoder").is_ok());
+  const cpidx::Status st = cpidx::cuda_host::device_mismatch(1, 0, "Prefiller");
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("the current CUDA device is 1, but this Prefiller was created on "
+                              "device 0: make device 0 current"),
+            std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("cudaSetDevice(0)"), std::string::npos) << st.message();
 }
 
 }  // namespace

@@ -613,6 +613,55 @@ TEST(GpuPrefill, MixedBatchEqualsSeparateCalls) {
   });
 }
 
+// A part is empty only at num_reqs == 0: a negative count (or prefill tokens without requests) is
+// refused before anything runs, where it read as an empty part and left its rows unwritten.
+TEST(GpuPrefill, MixedBatchRefusesNegativePartSizes) {
+  SKIP_WITHOUT_GPU();
+  const Selection sel = sel_of(16, 1, 2);
+  const cpidx_test::DecodeData dd = cpidx_test::random_decode(1720, 2, 1, {5000, 900}, 8192);
+  const PrefillCase pc = make_case(1721, 2, {40}, {3000}, DType::kBF16);
+  DeviceBatch db(dd);
+  DevicePrefill dp(pc);
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(dd, sel), 0, &dec).is_ok());
+  std::unique_ptr<cpidx::Prefiller> pre;
+  ASSERT_TRUE(cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok());
+  const int64_t K = sel.topk, max_rows = dd.rows() + pc.tokens;
+  DeviceVec<int32_t> out(static_cast<size_t>(2 * max_rows * K));
+  struct Case {
+    std::string name;
+    int decode_reqs, prefill_reqs;
+    int64_t prefill_tokens;
+    std::string needle;
+  };
+  const int64_t tokens = pc.tokens;
+  const std::vector<Case> cases = {
+      {"decode num_reqs -5", -5, 1, tokens, "decode num_reqs must be >= 0 (0: no decode rows), got -5"},
+      {"prefill num_reqs -1", dd.num_reqs(), -1, tokens,
+       "prefill num_reqs must be >= 0 (0: no prefill rows), got -1"},
+      {"prefill tokens without requests", dd.num_reqs(), 0, tokens,
+       "prefill num_tokens must be 0 when its num_reqs is 0"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    cpidx::DecodeInputs d = db.all_heads();
+    d.num_reqs = c.decode_reqs;
+    cpidx::PrefillInputs p = dp.inputs(pc);
+    p.num_reqs = c.prefill_reqs;
+    p.num_tokens = c.prefill_tokens;
+    out.poison();
+    const cpidx::Status st =
+        cpidx::mixed_topk(*dec, nullptr, d, *pre, p, out.ptr, max_rows * K, K, nullptr);
+    EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find(c.needle), std::string::npos) << st.message();
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<int32_t> untouched = out.download();
+    EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(),
+                            [](int32_t v) { return v == cpidx_test::kPoison; }))
+        << "a refused mixed batch wrote output";
+  }
+}
+
 // A context-parallel mixed batch whose own part fails, or that has no decode rows, still joins
 // cp_decode's agreement (-1, or 0), so a peer that runs cp_decode fails instead of waiting for
 // this rank in a collective.

@@ -415,6 +415,13 @@ TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
                    ScriptedComm(0, 2),
                    kT,
                    {"num_heads", "must be 2", "got 4"}});
+  // A batch past the communicator's bound (the peer communicator's max_bytes_per_rank) is
+  // refused here, not by the query gather or after the scoring (CONTRACT.md section 8).
+  comms.push_back({"gathers past max_bytes_per_rank",
+                   ScriptedComm(0, 2),
+                   2,
+                   {"exceed the communicator's max_bytes_per_rank (64)"}});
+  comms.back().comm.max_bytes = 64;
   for (auto& c : comms) {
     f.poison();
     EXPECT_TRUE(
@@ -422,6 +429,8 @@ TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
                   {kInv, c.needles}))
         << c.name;
     EXPECT_EQ(c.comm.gathers, 0) << c.name;
+    EXPECT_EQ(c.comm.offered, std::vector<long long>{-1}) << c.name << ": refused, offered -1";
+    EXPECT_TRUE(c.comm.settings.empty()) << c.name << ": no settings round after a refusal";
     f.expect_untouched("cp_decode: " + c.name);
   }
 }
@@ -468,9 +477,77 @@ TEST(GpuValidation, CpDecodeAgreesOnTheKeyRoute) {
         << c.name;
     EXPECT_EQ(comm.offered, std::vector<long long>{c.offers}) << c.name;
     EXPECT_EQ(comm.labels, std::vector<std::string>{cpidx::kCpRowsAgreement}) << c.name;
+    EXPECT_TRUE(comm.settings.empty()) << c.name << ": the settings round after rows that differ";
     EXPECT_EQ(comm.gathers, 0) << c.name;
     f.expect_untouched("cp_decode: " + c.name);
   }
+}
+
+// Once the rows agree, the settings that make the ranks' lists mergeable, in one round: a peer
+// with the same rows but another query_len, scale or topk fails both ranks before any collective
+// (the gathers would move as many bytes, and the merge would mix lists scored differently).
+TEST(GpuValidation, CpDecodeAgreesOnItsSettings) {
+  SKIP_WITHOUT_GPU();
+  Fixture f(2, 0);
+  ASSERT_NE(f.dec, nullptr);
+  const DecodeInputs in = f.b.inputs(0, 2);
+  const std::vector<long long> mine = {kK, 1, 1, in.query_len, in.max_seq_len, kT,
+                                       static_cast<long long>(cpidx::float_bits(in.scale)),
+                                       static_cast<long long>(in.cache.dtype)};
+  const std::vector<std::string> names = {"topk",        "init_blocks", "local_blocks",
+                                          "query_len",   "max_seq_len", "total_heads",
+                                          "scale (bits)", "cache dtype"};
+  {  // the same settings: asked once, after the rows, then the step runs (two gathers)
+    ScriptedComm comm(0, 2, cpidx::MemorySpace::kDevice, f.d.rows());
+    comm.peer_settings = mine;
+    const Status s = f.dec->cp_decode(comm, in, f.dense(), nullptr, nullptr);
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(comm.settings, mine);
+    EXPECT_EQ(comm.setting_names, names);
+    EXPECT_EQ(comm.gathers, 2);
+  }
+  const std::vector<std::pair<size_t, long long>> differ = {
+      {3, in.query_len + 1},                                                 // query_len
+      {6, static_cast<long long>(cpidx::float_bits(in.scale * 0.5f))},       // scale
+      {0, kK * 2}};                                                          // topk
+  for (const auto& [field, value] : differ) {
+    SCOPED_TRACE(names[field]);
+    f.poison();
+    ScriptedComm comm(0, 2, cpidx::MemorySpace::kDevice, f.d.rows());
+    comm.peer_settings = mine;
+    (*comm.peer_settings)[field] = value;
+    EXPECT_TRUE(failed_as(f.dec->cp_decode(comm, in, f.dense(), nullptr, nullptr),
+                          {StatusCode::kCommError, {"disagree on " + names[field]}}));
+    EXPECT_EQ(comm.gathers, 0);
+    f.expect_untouched("cp_decode: " + names[field]);
+  }
+}
+
+// Every call runs on the Decoder's device: with another current (its stream would be another
+// device's, and a launch would fail after cp_decode's first collective) each is refused before
+// anything runs, naming both devices; cp_decode offers -1 to its peers. Needs a second GPU.
+TEST(GpuValidation, CallsWithAnotherDeviceCurrentAreRefused) {
+  SKIP_WITHOUT_GPU();
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  if (count < 2) GTEST_SKIP() << "needs a second GPU to make current";
+  Fixture f(2, 0);  // on device 0
+  ASSERT_NE(f.dec, nullptr);
+  f.poison();
+  DeviceVec<Key> keys(static_cast<size_t>(2 * kT * f.d.rows() * kK));
+  const Expected e{kInv, {"the current CUDA device is 1, but this Decoder was created on device 0"}};
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ScriptedComm comm(0, 2, cpidx::MemorySpace::kDevice, f.d.rows());
+  EXPECT_TRUE(failed_as(f.dec->cp_decode(comm, f.b.inputs(0, 2), f.dense(), nullptr, nullptr), e));
+  EXPECT_EQ(comm.offered, std::vector<long long>{-1});
+  EXPECT_EQ(comm.gathers, 0);
+  EXPECT_TRUE(failed_as(f.dec->check_cp_decode(f.b.inputs(0, 2), f.dense(), nullptr), e));
+  EXPECT_TRUE(failed_as(f.dec->shard_keys(f.b.all_heads(), keys.ptr, nullptr), e));
+  EXPECT_TRUE(failed_as(f.dec->merge(keys.ptr, f.b.inputs(0, 2), f.dense(), nullptr, nullptr), e));
+  EXPECT_TRUE(failed_as(f.dec->clear_error_flag(nullptr), e));
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  f.expect_untouched("another device current");
 }
 
 // step_plan is a query of any int arguments: products past the bound (even past INT_MAX) read
