@@ -92,6 +92,59 @@ def test_error_flag_through_the_op_and_compile():
                           error_flag=torch.zeros(1, dtype=torch.int64))
 
 
+def test_gpu_calls_check_the_query_before_making_a_decoder(monkeypatch):
+    # On CUDA tensors the registry's Decoder / Prefiller is made from index_query's heads (it
+    # allocates and synchronises): a bad query must be named as the binding names it, before
+    # one is made. Simulated on the CPU: the tensors taken for CUDA ones, the constructors
+    # recording what they would have made.
+    import cpidx._api as api
+
+    made = []
+
+    def recorder(kind):
+        def make(**kw):
+            made.append(kind)
+            raise KeyError(f"{kind} made")  # stops the call before any CUDA work
+        return make
+
+    monkeypatch.setattr(api, "_is_cuda", lambda x: True)
+    monkeypatch.setattr(api._C, "Decoder", recorder("Decoder"))
+    monkeypatch.setattr(api._C, "Prefiller", recorder("Prefiller"))
+    k = torch.zeros((4, 128, 128), dtype=torch.bfloat16)
+    bt = torch.zeros((1, 8), dtype=torch.int32)
+    sl = torch.tensor([300], dtype=torch.int32)
+    out = torch.zeros((9, 4, 8), dtype=torch.int32)
+
+    def both(q, cache=k):
+        reg = cpidx.Registry()
+        kw = dict(scale=1.0, topk=8, init_blocks=0, local_blocks=1, max_seq_len=1024,
+                  registry=reg)
+        yield lambda: cpidx.decode_topk(q, cache, bt, sl, 1, out, **kw)
+        yield lambda: cpidx.prefill_topk(q, cache, bt, torch.tensor([0, 4], dtype=torch.int32),
+                                         torch.tensor([0], dtype=torch.int32), sl, out, **kw)
+
+    for shape, dtype, exc, match in (
+            ([4, 9, 128], torch.bfloat16, ValueError, r"expected 1 to 8 heads in dim 1, got shape "
+                                                      r"\[4, 9, 128\]"),
+            ([4, 0, 128], torch.bfloat16, ValueError, "expected 1 to 8 heads"),
+            ([4, 128], torch.bfloat16, ValueError, r"expected 3 dims \[tokens, heads, 128\]"),
+            ([4], torch.uint16, ValueError, "expected 3 dims"),
+            ([4, 2, 64], torch.bfloat16, ValueError, "expected head dim 128"),
+            ([4, 2, 128], torch.float32, TypeError, r"expected bfloat16 \(or uint16 holding bf16 "
+                                                    r"bits\), got float32")):
+        for call in both(torch.zeros(shape, dtype=dtype)):
+            with pytest.raises(exc, match="^index_query: " + match):
+                call()
+    for call in both(torch.zeros((4, 2, 128), dtype=torch.bfloat16), k.float()):
+        with pytest.raises(TypeError, match="^index_cache: expected bfloat16 or float8_e4m3fn"):
+            call()
+    assert made == []
+    for call in both(torch.zeros((4, 2, 128), dtype=torch.uint16)):  # good: made, then stopped
+        with pytest.raises(KeyError, match="made"):
+            call()
+    assert made == ["Decoder", "Prefiller"]
+
+
 def _cp_op(cp, local_q, k, bt, sl, query_len, out, scale, error_flag=None):
     torch.ops.cpidx.cp_decode(cp.handle, local_q, k, bt, sl, out, query_len, scale, None, None,
                               None, None, error_flag)
