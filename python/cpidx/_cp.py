@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, HostGroupError, _as_bits,
-                   _capture_refusal, _check_error_flag, _or_host_error_bits,
+                   _cache_dtype_name, _capture_refusal, _check_error_flag, _or_host_error_bits,
                    _refuse_during_capture, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
@@ -232,6 +232,9 @@ class IndexerCPDecode:
             raise ValueError(f"head_dim: expected 128, got {head_dim}")
         if not 1 <= topk <= MAX_TOPK:
             raise ValueError(f"topk: expected 1 to {MAX_TOPK}, got {topk}")
+        for name, value in (("init_blocks", init_blocks), ("local_blocks", local_blocks)):
+            if value < 0:  # else every step would refuse it (the CUDA Decoder refuses it here)
+                raise ValueError(f"{name}: expected >= 0, got {value}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
         if not 1 <= max_query_len <= MAX_QUERY_LEN:
@@ -543,6 +546,12 @@ class IndexerCPDecode:
                 _C.ref_check_cp_decode(*args, scale=scale, max_seq_len=self.max_seq_len,
                                        local_heads=self.local_heads, max_tokens=self.max_tokens,
                                        max_query_len=self.max_query_len, **self._sel(), **table)
+                # The reference runs either cache dtype; the CUDA Decoder only its own, and a CPU
+                # run must refuse what the GPU run would.
+                got = _cache_dtype_name(kv_cache)
+                if got != self.cache_dtype:
+                    raise ValueError(f"kv_cache: dtype must be {self.cache_dtype} (the instance's "
+                                     f"cache_dtype), got {got}")
             return n, None
         except Exception as e:  # the peers must hear of it before anyone enters a collective
             return -1, e

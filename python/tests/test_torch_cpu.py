@@ -744,7 +744,8 @@ def test_indexer_cp_decode_checks_its_bounds_by_name():
     base = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=16,
                 init_blocks=0, local_blocks=1, group=None, device="cpu")
     for name, bad in (("topk", 0), ("topk", 10**6), ("max_tokens", 0), ("max_query_len", 9),
-                      ("max_seq_len", 2**31), ("total_heads", 16)):
+                      ("max_seq_len", 2**31), ("total_heads", 16), ("init_blocks", -1),
+                      ("local_blocks", -1)):
         with pytest.raises(ValueError, match=f"^{name}: "):
             cpidx.IndexerCPDecode(**dict(base, **{name: bad}))
     cp = cpidx.IndexerCPDecode(**base)
@@ -770,6 +771,28 @@ def test_indexer_cp_decode_names_its_own_arguments():
     cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=16, init_blocks=0,
                       local_blocks=1, max_seq_len=1024)
     assert torch.equal(out, want)
+
+
+def test_cpu_instance_refuses_a_cache_of_another_dtype_than_its_own():
+    # The reference runs either dtype; a CUDA instance's Decoder only its cache_dtype. A CPU run
+    # (an engine's test, say) must refuse what the GPU run would, naming kv_cache.
+    b = random_decode(np.random.default_rng(31), 2, 1, [300, 900], max_seq_len=1024)
+    q, k, bt, sl = as_torch(b)
+    bits = np.random.default_rng(32).integers(0, 0x70, size=k.shape, dtype=np.uint8)
+    fp8 = torch.from_numpy(bits)  # finite e4m3 values (0x7f is NaN)
+    kw = dict(total_heads=2, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=8,
+              init_blocks=0, local_blocks=1, group=None, device="cpu")
+    out = torch.zeros((2, 2, 8), dtype=torch.int32)
+    for cache_dtype, wrong, right in (("fp8_e4m3", k, fp8), ("bf16", fp8, k),
+                                      (torch.float8_e4m3fn, k, fp8.view(torch.float8_e4m3fn))):
+        cp = cpidx.IndexerCPDecode(**kw, cache_dtype=cache_dtype)
+        with pytest.raises(ValueError, match=f"^kv_cache: dtype must be {cp.cache_dtype} "):
+            cp(q, wrong, bt, sl, 1, out, scale=b.scale)
+        want = torch.zeros_like(out)
+        cpidx.decode_topk(q, right, bt, sl, 1, want, scale=b.scale, topk=8, max_seq_len=1024)
+        out.fill_(-7)
+        cp(q, right, bt, sl, 1, out, scale=b.scale)
+        assert torch.equal(out, want), cache_dtype
 
 
 def test_shared_cp_decode_registry():
