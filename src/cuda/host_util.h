@@ -158,7 +158,12 @@ template <typename F>
 Status on_device(int device, F&& setup) {
   int count = 0;
   Status st = cuda_status(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
-  if (!st.is_ok()) return st;
+  if (!st.is_ok()) {  // no driver or no GPU: say so first, the runtime's words read otherwise
+    cudaGetLastError();
+    detail::Message msg;
+    msg << "no usable CUDA device (gpu_available() is false): " << st.message();
+    return Status(st.code(), msg.str());
+  }
   CPIDX_CHECK(device >= 0 && device < count,
               "device must be in [0, " << count << "), got " << device);
   int prev = 0;

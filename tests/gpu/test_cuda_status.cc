@@ -4,8 +4,10 @@
 // a call with another device current is refused naming both.
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 
+#include "cpidx/indexer.h"
 #include "cuda/host_util.h"
 
 namespace {
@@ -42,6 +44,23 @@ TEST(CudaStatus, AnotherCurrentDeviceIsRefusedNamingBoth) {
             std::string::npos)
       << st.message();
   EXPECT_NE(st.message().find("cudaSetDevice(0)"), std::string::npos) << st.message();
+}
+
+// Without a driver or a GPU (CI), creating a GPU object says so first, then the runtime's error
+// (cudaErrorInsufficientDriver reads like a version problem on its own).
+TEST(CudaStatus, CreateWithoutAGpuSaysSo) {
+  if (cpidx::gpu_available()) GTEST_SKIP() << "a GPU is present";
+  cpidx::DecodeConfig c;
+  c.max_tokens = 8;
+  c.max_seq_len = 1024;
+  std::unique_ptr<cpidx::Decoder> dec;
+  const cpidx::Status st = cpidx::Decoder::create(c, 0, &dec);
+  EXPECT_EQ(st.code(), StatusCode::kCudaError) << st.to_string();
+  EXPECT_EQ(st.message().rfind("no usable CUDA device (gpu_available() is false): "
+                               "cudaGetDeviceCount: ", 0),
+            0u)
+      << st.message();
+  EXPECT_EQ(dec, nullptr);
 }
 
 }  // namespace
