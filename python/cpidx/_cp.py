@@ -17,6 +17,7 @@ import warnings
 import weakref
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,6 +29,13 @@ from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, HostGroupErro
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
 _EXCHANGES = ("auto", "peer", "nccl", "torch")
+_CACHE_DTYPES = ("bf16", "fp8_e4m3")  # a cache dtype's code in the step's agreement
+# What the ranks of a step agree on besides its rows (the C++ reference's cp_decode agrees on
+# the same): the call's query_len and scale, then the instance's settings. Ranks that differ in
+# one of them would merge wrong ids without an error (or gather different sizes).
+_PER_CALL_SETTINGS = ("query_len", "scale")
+_AGREED_SETTINGS = _PER_CALL_SETTINGS + ("topk", "init_blocks", "local_blocks", "total_heads",
+                                         "max_seq_len", "cache_dtype")
 
 # How long a host group this library makes waits for a rank: to be made, and in each all-reduce
 # (torch's default for its gloo groups: a rank may reach close() long after the others).
@@ -100,6 +108,17 @@ def _make_host_group(group: Any, token: Optional[str],
                            f"through (rank {rank}, within {timeout}): {e}") from e
 
 
+def _float32_bits(x: float) -> int:
+    """The bits of ``x`` as the kernels get it (float32; a finite value past its range is inf,
+    as in the binding's conversion, where struct.pack would raise)."""
+    return int(torch.tensor(float(x), dtype=torch.float32).view(torch.int32))
+
+
+def _float32_of_bits(bits: int) -> str:
+    """The float32 whose bits these are, in the fewest digits that name it ("0.1")."""
+    return str(np.int32(bits).view(np.float32))
+
+
 def _all_reduce_max(group: Any, values: torch.Tensor) -> None:
     """In-place MAX all-reduce of a host tensor over ``group`` (a registered ProcessGroup or
     one made by :func:`_make_host_group`), waited for."""
@@ -139,30 +158,32 @@ class IndexerCPDecode:
     * ``world_size == 1``: the plain decode, no exchange (``"none"``; ``group`` may be None).
 
     Agreement (``check_agreement``): before its first collective, a step can check this rank's
-    arguments (all that the step would refuse) and agree with the other ranks, through a host
-    group, on the decode rows ``n``. Then a rank with bad arguments raises its own error and the
-    others a ``ValueError`` naming ``local_q`` (a peer's arguments were refused), and ranks that
-    disagree on ``n`` all raise one, instead of some waiting forever in a collective. Every rank
-    must make the call, with 0 rows when it has none. The check is one gloo all-reduce of two
-    integers, 0.44-0.49 ms between two processes on a 2-core machine, paid by every layer's
-    call, so by default (``None``) it runs only while a CUDA graph is captured: nothing on its
-    replays, and every captured batch size checked once. ``True`` checks every step, eager ones
-    too (for debugging, as ``TORCH_DISTRIBUTED_DEBUG`` does for torch's collectives); ``False``
-    never. The host group is the ``cpu_group`` of a vLLM GroupCoordinator (any ``group`` with
-    ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo group. For any
-    other ProcessGroup (NCCL-only) the instance makes a gloo group over the same ranks at
-    construction (unless ``check_agreement=False``), on the default store under a name rank 0
-    draws (sent with the NCCL unique id), waiting at most ``cpidx._cp.HOST_GROUP_TIMEOUT`` (30
-    min, torch's default) for a rank, there and in each all-reduce; ``close()`` drops it. With a
-    :class:`cpidx.Communicator` as ``group``, with ``check_agreement=False`` over an NCCL-only
-    group, or without ``init_process_group``'s store (or under an MPI default group), there is
-    none and no check, as with the C++ NCCL communicator without a host channel;
-    ``check_agreement=True`` then warns once. A host group that fails (a rank missing past the
-    timeout, a peer gone) cannot be used again: that step raises :class:`cpidx.HostGroupError`,
-    so do later steps that agree, and ``close()`` lets the instance go without a collective
-    (as when dropped; what a live CUDA graph may still use is kept until the process exits)
-    with a ``RuntimeWarning``. Gloo's timeouts are not atomic across ranks, so normally (not
-    provably) every rank raises together.
+    arguments (all that the step would refuse) and agree with the other ranks, through a host group,
+    on the decode rows ``n`` and the step's settings: the call's ``query_len`` and ``scale``, the
+    instances' ``topk``, ``init_blocks``, ``local_blocks``, ``total_heads``, ``max_seq_len`` and
+    ``cache_dtype``. Then a rank with bad arguments raises its own error and the others a
+    ``ValueError`` naming ``local_q`` (a peer's arguments were refused), and ranks that disagree on
+    ``n`` or a setting all raise one naming it, instead of some waiting forever in a collective (or
+    merging wrong ids without an error). Every rank must make the call, with 0 rows when it has
+    none. The check is one gloo all-reduce of 18 integers, a median 0.44-0.47 ms between two
+    processes on a 2-core machine (0.28-0.33 for the rows alone), paid by every layer's call, so by
+    default (``None``) it runs only while a CUDA graph is captured: nothing on its replays, and
+    every captured batch size checked once. ``True`` checks every step, eager ones too (for
+    debugging, as ``TORCH_DISTRIBUTED_DEBUG`` does for torch's collectives); ``False`` never. The
+    host group is the ``cpu_group`` of a vLLM GroupCoordinator (any ``group`` with ``device_group``
+    and ``cpu_group``), or ``group`` itself when it is a gloo group. For any other ProcessGroup
+    (NCCL-only) the instance makes a gloo group over the same ranks at construction (unless
+    ``check_agreement=False``), on the default store under a name rank 0 draws (sent with the NCCL
+    unique id), waiting at most ``cpidx._cp.HOST_GROUP_TIMEOUT`` (30 min, torch's default) for a
+    rank, there and in each all-reduce; ``close()`` drops it. With a :class:`cpidx.Communicator` as
+    ``group``, with ``check_agreement=False`` over an NCCL-only group, or without
+    ``init_process_group``'s store (or under an MPI default group), there is none and no check, as
+    with the C++ NCCL communicator without a host channel; ``check_agreement=True`` then warns once.
+    A host group that fails (a rank missing past the timeout, a peer gone) cannot be used again:
+    that step raises :class:`cpidx.HostGroupError`, so do later steps that agree, and ``close()``
+    lets the instance go without a collective (as when dropped; what a live CUDA graph may still use
+    is kept until the process exits) with a ``RuntimeWarning``. Gloo's timeouts are not atomic
+    across ranks, so normally (not provably) every rank raises together.
     ``host_group=``, a gloo ProcessGroup of the same ranks in the same order, is used instead
     of all of the above (the one way to agree over a :class:`cpidx.Communicator` as ``group``).
     ``cp.check_agreement`` says what applies: ``"every step"``, ``"captures"`` or ``None``.
@@ -463,7 +484,7 @@ class IndexerCPDecode:
                                           out, scale, table, error_flag,
                                           full=agree or self._comm is None)
             if agree:
-                self._agree(n, refused)
+                self._agree(n, refused, query_len, scale)
             elif refused is not None:
                 raise refused
             if n == 0:
@@ -556,28 +577,50 @@ class IndexerCPDecode:
         except Exception as e:  # the peers must hear of it before anyone enters a collective
             return -1, e
 
-    def _agree(self, n: int, refused: Optional[BaseException]) -> None:
-        """All ranks reach the same verdict on this step: one all-reduce of (n, -n), -1 from a
-        rank whose arguments were refused. Raises on every rank unless all have the same n."""
-        mine = -1 if refused is not None else n
-        both = torch.tensor([mine, -mine], dtype=torch.int64)
+    def _agree(self, n: int, refused: Optional[BaseException], query_len: int,
+               scale: float) -> None:
+        """All ranks reach the same verdict on this step: one MAX all-reduce of ``(v, -v)`` for
+        the rows ``n`` and for each of ``_AGREED_SETTINGS``, so every rank learns the least and
+        the most of each. A rank whose arguments were refused offers -1 rows (its settings go
+        uncompared). Raises on every rank unless all have the same rows and settings."""
+        mine = [-1] + [0] * len(_AGREED_SETTINGS)
+        if refused is None:
+            mine = [n] + self._settings(n, query_len, scale)
+        pairs = torch.tensor([x for v in mine for x in (v, -v)], dtype=torch.int64)
         try:
-            self._host_all_reduce(both, "the step's agreement")
+            self._host_all_reduce(pairs, "the step's agreement")
         except HostGroupError as e:
             if refused is None:
                 raise
             raise HostGroupError(f"{e}; and this rank's arguments were refused: "
                                  f"{type(refused).__name__}: {refused}") from refused
-        most, least = int(both[0]), -int(both[1])
+        most, least = pairs[0::2].tolist(), [-v for v in pairs[1::2].tolist()]
         if refused is not None:
             raise refused
-        if least < 0:
+        if least[0] < 0:
             raise ValueError(f"local_q: another rank's arguments for this step were refused (it "
                              f"raised; no collective ran); this rank has {n} decode rows")
-        if least != most:
+        if least[0] != most[0]:
             raise ValueError(f"local_q: the {self.world_size} ranks disagree on the decode rows "
                              f"(num_reqs * query_len): this rank has {n}, the ranks have "
-                             f"{least} to {most}; every rank must decode the same batch")
+                             f"{least[0]} to {most[0]}; every rank must decode the same batch")
+        for i, name in enumerate(_AGREED_SETTINGS, start=1):
+            if least[i] != most[i]:
+                show = {"scale": _float32_of_bits,
+                        "cache_dtype": _CACHE_DTYPES.__getitem__}.get(name, str)
+                whose, must = ("ranks", "run the same step") if name in _PER_CALL_SETTINGS \
+                    else ("ranks' instances", "make its instance with the same settings")
+                raise ValueError(f"{name}: the {self.world_size} {whose} disagree on {name} (this "
+                                 f"rank {show(mine[i])}, the ranks {show(least[i])} to "
+                                 f"{show(most[i])}); every rank must {must}")
+
+    def _settings(self, n: int, query_len: int, scale: float) -> list:
+        """This rank's ``_AGREED_SETTINGS`` as integers: scale by its float32 bits (ordered as
+        the values, for a scale > 0), the cache dtype by its code. A call without rows offers 0
+        for its own (nothing checked them, and nothing runs: the rows disagree, or all are 0)."""
+        call = [int(query_len), _float32_bits(scale)] if n > 0 else [0, 0]
+        return call + [self.topk, self.init_blocks, self.local_blocks, self.total_heads,
+                       self.max_seq_len, _CACHE_DTYPES.index(self.cache_dtype)]
 
     def _sel(self) -> dict:
         return dict(topk=self.topk, init_blocks=self.init_blocks, local_blocks=self.local_blocks)

@@ -388,6 +388,76 @@ def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
     assert kind == "ValueError" and "another rank's arguments" in msg, msg
 
 
+def _gloo_settings_rank(rank, world, port, results):
+    """Ranks that agree on the rows but not on a setting of the step (query_len, scale) or of
+    their instances (topk) raise on every rank, naming it, before any collective (the torch
+    exchange would merge wrong ids without an error); with the same settings the step equals
+    the plain decode."""
+    import torch.distributed as dist
+
+    seen = {}
+    with process_group(rank, world, port, "gloo"):
+        T, K = 2, 6
+        b = random_decode(np.random.default_rng(43), T, 2, [1500, 129, 700, 640],
+                          max_seq_len=1536)
+        q, k, bt, sl = as_torch(b)
+        kw = dict(total_heads=T, rank=rank, world_size=world, max_tokens=16, max_seq_len=1536,
+                  init_blocks=1, local_blocks=1, group=dist.group.WORLD, device="cpu",
+                  check_agreement=True, max_query_len=2)
+        cp = cpidx.IndexerCPDecode(topk=K, **kw)
+        off = cp.head_offset
+        gathers = [0]
+        real_gather = dist.all_gather_into_tensor
+
+        def counted(*args, **kwargs):
+            gathers[0] += 1
+            return real_gather(*args, **kwargs)
+
+        dist.all_gather_into_tensor = counted
+
+        def step(inst, query_len, reqs, scale=b.scale, topk=K):
+            out = torch.full((1, reqs * query_len, topk), 77, dtype=torch.int32)
+            gathers[0] = 0
+            try:
+                inst(q[: reqs * query_len, off: off + 1].contiguous(), k, bt[:reqs], sl[:reqs],
+                     query_len, out, scale=scale)
+                return None, "", gathers[0], bool((out == 77).all())
+            except Exception as e:  # noqa: BLE001 - the test records what each rank raised
+                return type(e).__name__, str(e), gathers[0], bool((out == 77).all())
+
+        # 4 rows each: 2 requests of 2 queries on rank 0, 4 requests of 1 on rank 1.
+        seen["query_len"] = step(cp, 2, 2) if rank == 0 else step(cp, 1, 4)
+        seen["scale"] = step(cp, 2, 2, scale=1.0 if rank == 0 else 0.5)
+        other = cpidx.IndexerCPDecode(topk=K if rank == 0 else 4, **kw)
+        seen["topk"] = step(other, 2, 2, topk=other.topk)
+        other.close()
+        plain = torch.zeros((T, 8, K), dtype=torch.int32)
+        cpidx.decode_topk(q, k, bt, sl, 2, plain, scale=b.scale, topk=K, init_blocks=1,
+                          local_blocks=1, max_seq_len=1536)
+        out = torch.full((1, 8, K), 77, dtype=torch.int32)
+        cp(q[:, off: off + 1].contiguous(), k, bt, sl, 2, out, scale=b.scale)
+        seen["same settings"] = bool(torch.equal(out[0], plain[off]))
+        cp.close()
+        results[rank] = seen
+
+
+def test_indexer_cp_decode_ranks_disagreeing_on_settings_fail_together():
+    results = run_ranks(_gloo_settings_rank)
+    for rank, mine in ((0, ("2", "1.0", "6")), (1, ("1", "0.5", "4"))):
+        seen = results[rank]
+        for (name, rest), value in zip((
+                ("query_len", "the 2 ranks disagree on query_len (this rank {}, the ranks 1 to 2); "
+                              "every rank must run the same step"),
+                ("scale", "the 2 ranks disagree on scale (this rank {}, the ranks 0.5 to 1.0); "
+                          "every rank must run the same step"),
+                ("topk", "the 2 ranks' instances disagree on topk (this rank {}, the ranks 4 to "
+                         "6); every rank must make its instance with the same settings")), mine):
+            kind, msg, gathers, untouched = seen[name]
+            assert (kind, msg) == ("ValueError", f"{name}: " + rest.format(value)), seen[name]
+            assert gathers == 0 and untouched, seen[name]  # no collective ran, nothing written
+        assert seen["same settings"], seen
+
+
 def _made_host_group_rank(rank, world, port, results):
     """An instance over a group that brings no host group (an NCCL-only ProcessGroup; a gloo
     group stands in for one here, its host group hidden) makes its own: two TP groups of two
