@@ -373,9 +373,11 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                                         out, query_len, float(scale), topk, init_blocks,
                                         local_blocks, max_seq_len, max_tokens or 0, error_flag)
             return out
-        if decoder is None and registry is None and op_flag and None not in (
-                attention_block_table, sparse_block_table_out, sparse_context_lens_out,
-                block_page_stride):
+        # The op takes tensors: table arguments that are host arrays (or missing, which the
+        # binding names) go to the eager path, as a host error_flag does.
+        tables = (attention_block_table, sparse_block_table_out, sparse_context_lens_out)
+        if decoder is None and registry is None and op_flag and block_page_stride is not None \
+                and all(_is_torch(x) for x in tables):
             torch.ops.cpidx.decode_topk_sparse_table(
                 index_query, _as_bits(index_cache), block_table, seq_lens, out, query_len,
                 float(scale), topk, init_blocks, local_blocks, max_seq_len, max_tokens or 0,

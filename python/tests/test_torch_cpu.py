@@ -92,6 +92,23 @@ def test_error_flag_through_the_op_and_compile():
                           error_flag=torch.zeros(1, dtype=torch.int64))
 
 
+def test_sparse_table_as_host_arrays_next_to_a_torch_query():
+    # The op takes tensors: numpy table arguments take the eager path (they were compared with
+    # None elementwise, numpy's "truth value ... is ambiguous"), with the tensors' result.
+    b = random_decode(np.random.default_rng(1), 1, 1, [300, 500], max_seq_len=1024)
+    q, k, bt, sl = as_torch(b)
+    kw = dict(scale=0.5, topk=4, max_seq_len=1024, block_page_stride=8)
+    results = []
+    for wrap in (np.asarray, torch.from_numpy):
+        out = torch.zeros((1, 2, 4), dtype=torch.int32)
+        attn = wrap(np.arange(2 * 8, dtype=np.int32).reshape(2, 8))
+        table, lens = wrap(np.full((2, 4 * 8), -5, np.int32)), wrap(np.full(2, -5, np.int32))
+        cpidx.decode_topk(q, k, bt, sl, 1, out, attention_block_table=attn,
+                          sparse_block_table_out=table, sparse_context_lens_out=lens, **kw)
+        results.append((out.tolist(), np.asarray(table).tolist(), np.asarray(lens).tolist()))
+    assert results[0] == results[1] and results[0][2] == [300, 500], results
+
+
 def test_gpu_calls_check_the_query_before_making_a_decoder(monkeypatch):
     # On CUDA tensors the registry's Decoder / Prefiller is made from index_query's heads (it
     # allocates and synchronises): a bad query must be named as the binding names it, before
