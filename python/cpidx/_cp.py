@@ -549,6 +549,14 @@ class IndexerCPDecode:
         checked on the host before any collective: the rows and the error flag only unless
         ``full``."""
         try:
+            # local_q first: error_flag is checked against its device, which must be this
+            # instance's (a flag on the right device next to a query on the wrong one blamed the
+            # flag).
+            if not isinstance(local_q, torch.Tensor):
+                raise TypeError(f"local_q: expected a torch tensor, got {type(local_q).__name__}")
+            if local_q.device != self.device:
+                raise ValueError(f"local_q: expected a tensor on {self.device} (the instance's "
+                                 f"device), got one on {local_q.device}")
             _check_error_flag(error_flag, local_q)
             n = int(local_q.shape[0])
             if n > self.max_tokens:

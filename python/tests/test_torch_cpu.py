@@ -882,6 +882,27 @@ def test_cpu_instance_refuses_a_cache_of_another_dtype_than_its_own():
         assert torch.equal(out, want), cache_dtype
 
 
+def test_a_step_names_local_q_on_another_device_before_its_error_flag(monkeypatch):
+    # error_flag is checked against local_q's device: a query on another device than the
+    # instance's, next to a flag on the right one, must be named, not the flag. (A meta tensor
+    # stands for a CUDA one, taken for it as the reviewer did: no GPU here.)
+    import cpidx._api as api
+
+    monkeypatch.setattr(api, "_is_cuda", lambda x: isinstance(x, torch.Tensor) and
+                        x.device.type in ("cuda", "meta"))
+    cp = _world_one(total_heads=2)
+    local_q = torch.empty((1, 2, 128), dtype=torch.bfloat16, device="meta")
+    k = torch.zeros((4, 128, 128), dtype=torch.bfloat16)
+    args = (k, torch.zeros((1, 8), dtype=torch.int32), torch.tensor([300], dtype=torch.int32), 1,
+            torch.zeros((2, 1, 6), dtype=torch.int32))
+    for flag in (torch.zeros(1, dtype=torch.int32), None):
+        with pytest.raises(ValueError, match=r"^local_q: expected a tensor on cpu \(the "
+                                             r"instance's device\), got one on meta"):
+            cp(local_q, *args, scale=0.5, error_flag=flag)
+    with pytest.raises(TypeError, match="^local_q: expected a torch tensor, got ndarray"):
+        cp(np.zeros((1, 2, 128), np.uint16), *args, scale=0.5)
+
+
 def test_shared_cp_decode_registry():
     kw = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=16,
               init_blocks=0, local_blocks=1, group=None, device="cpu")
