@@ -317,11 +317,7 @@ class IndexerCPDecode:
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
         if world_size > 1:
             self._setup_exchange(group, exchange, make_host=check_agreement is not False,
-                                 host_group=host_group)
-            if check_agreement and self._host is None:
-                warnings.warn(f"IndexerCPDecode(check_agreement=True): group {group!r} has no "
-                              f"host (gloo) group to agree through: steps are not checked",
-                              stacklevel=2)
+                                 host_group=host_group, warn_unchecked=bool(check_agreement))
         # What the steps agree on (close() agrees whenever there is a host group).
         self.check_agreement: Optional[str] = None
         if self._host is not None and check_agreement is not False:
@@ -331,8 +327,8 @@ class IndexerCPDecode:
         _BY_HANDLE[self.handle] = self
 
     # ---- construction helpers -------------------------------------------------------------
-    def _setup_exchange(self, group: Any, exchange: str, make_host: bool,
-                        host_group: Any) -> None:
+    def _setup_exchange(self, group: Any, exchange: str, make_host: bool, host_group: Any,
+                        warn_unchecked: bool) -> None:
         if isinstance(group, _C.Communicator):
             if (group.rank, group.world_size) != (self.rank, self.world_size):
                 raise ValueError(f"group: communicator is rank {group.rank} of "
@@ -346,6 +342,7 @@ class IndexerCPDecode:
                                  f"Communicator ({group.kind!r}); pass exchange='auto'")
             self._comm, self.exchange = group, group.kind
             self._host = host_group
+            self._warn_if_unchecked(warn_unchecked, group)
             return
         if group is None:
             raise ValueError(f"group: world_size is {self.world_size}, so a torch.distributed "
@@ -383,6 +380,7 @@ class IndexerCPDecode:
                          _host_token() if make_host else None))
         if make_host:
             self._host = _make_host_group(device_group, token)
+        self._warn_if_unchecked(warn_unchecked, group)
         if library:
             nccl = _C.make_nccl_communicator(uid, self.world_size, self.rank, self.device.index)
             self._owned.append(nccl)
@@ -393,6 +391,15 @@ class IndexerCPDecode:
             self._pg = device_group
             self._alloc_exchange_buffers()
             self.exchange = "torch"
+
+    def _warn_if_unchecked(self, asked: bool, group: Any) -> None:
+        """check_agreement=True without a host group to agree through warns, before any
+        communicator is made: a warning raised as an error (``-W error``) then leaves none
+        behind. Every rank warns alike (whether one is made is rank 0's word, broadcast)."""
+        if asked and self._host is None:
+            warnings.warn(f"IndexerCPDecode(check_agreement=True): group {group!r} has no "
+                          f"host (gloo) group to agree through: steps are not checked",
+                          stacklevel=4)  # the caller of IndexerCPDecode(...)
 
     def _broadcast_from_rank0(self, group: Any, make: Any) -> Any:
         """``make()`` on rank 0 of ``group``, handed to every rank (one broadcast). When it raises

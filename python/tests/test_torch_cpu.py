@@ -618,6 +618,53 @@ def test_rank0_failing_before_its_broadcast_fails_every_rank_at_once():
         assert r["then"] == "every step", r
 
 
+def _unchecked_warning_rank(rank, world, port, results):
+    """check_agreement=True where no host group can be had (no default store, as under MPI)
+    warns, naming the caller's line, before the exchange is set up: raised as an error, it
+    leaves nothing made (here the torch exchange's buffers stand for the communicators)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import cpidx._cp as cp_module
+
+    seen = {}
+    with process_group(rank, world, port, "gloo"):
+        cp_module._host_group_of = lambda group: None  # as for an NCCL-only group
+        cp_module._host_token = lambda: None  # and no store to make one on
+        made = []
+        real_alloc = cp_module.IndexerCPDecode._alloc_exchange_buffers
+        cp_module.IndexerCPDecode._alloc_exchange_buffers = \
+            lambda self: (made.append(self), real_alloc(self))
+        kw = dict(total_heads=2, rank=rank, world_size=world, max_tokens=8, max_seq_len=1024,
+                  topk=4, init_blocks=0, local_blocks=1, group=dist.group.WORLD, device="cpu",
+                  check_agreement=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cp = cpidx.IndexerCPDecode(**kw)
+        seen["warned"] = [(str(w.message), os.path.basename(w.filename)) for w in caught]
+        seen["unchecked"] = (cp.check_agreement, len(made))
+        cp.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                cpidx.IndexerCPDecode(**kw)
+                seen["as error"] = None
+            except UserWarning as w:
+                seen["as error"] = (str(w), len(made))
+        results[rank] = seen
+
+
+def test_check_agreement_without_a_host_group_warns_before_setting_up_the_exchange():
+    for seen in run_ranks(_unchecked_warning_rank).values():
+        (msg, where), = seen["warned"]
+        assert "has no host (gloo) group to agree through" in msg, msg
+        assert where == "test_torch_cpu.py", where
+        assert seen["unchecked"] == (None, 1), seen
+        msg, made = seen["as error"]
+        assert "steps are not checked" in msg and made == 1, seen  # nothing more made
+
+
 def _host_group_failure_rank(rank, world, port, results):
     """A made host group that times out (rank 1 late past its 2 s): that step raises
     HostGroupError on both ranks (rank 0's own refused argument named too), so do later agreeing
