@@ -23,9 +23,11 @@ bf16 on the host: numpy has no bfloat16, so host arrays carry bf16 as ``uint16``
 wrappers, a copy). fp8 e4m3 caches are ``uint8`` bit patterns (or torch ``float8_e4m3fn``).
 
 With torch importable, the ops are also registered as ``torch.ops.cpidx.decode_topk``,
-``torch.ops.cpidx.decode_topk_sparse_table`` and ``torch.ops.cpidx.prefill_topk`` (with fake
-implementations, so they work under ``torch.compile``). Their arguments are all positional and
-required, ``error_flag`` last (``None`` for none).
+``torch.ops.cpidx.decode_topk_sparse_table``, ``torch.ops.cpidx.prefill_topk`` and
+``torch.ops.cpidx.cp_decode`` (an IndexerCPDecode's step by its ``handle``; a compiled graph
+keeps it where nothing reads its outputs, since its collectives must run on every rank), with
+fake implementations, so they work under ``torch.compile``. Their arguments are all positional
+and required, ``error_flag`` last (``None`` for none).
 """
 try:  # torch is optional (the numpy path needs only numpy). Imported before _C so that the
     # CUDA runtime and NCCL it loads are the ones _C binds to (same sonames).
