@@ -672,7 +672,8 @@ class IndexerCPDecode:
     def clear_error_flag(self) -> None:
         self._check_open()
         if self._decoder is not None:
-            self._decoder.clear_error_flag(stream=self._stream())
+            with torch.cuda.device(self.device):  # the Decoder refuses another current device
+                self._decoder.clear_error_flag(stream=self._stream())
         else:
             self._host_errors.zero_()
 
@@ -690,7 +691,8 @@ class IndexerCPDecode:
         """Stream-ordered clear of those bits (on the current stream)."""
         self._check_open()
         if self._comm is not None:
-            self._comm.clear_error_flag(stream=self._stream())
+            with torch.cuda.device(self.device):  # its stream's device current
+                self._comm.clear_error_flag(stream=self._stream())
 
     # ---- teardown ---------------------------------------------------------------------------
     @property
