@@ -76,7 +76,7 @@ file(MAKE_DIRECTORY ${WORK_DIR}/components)
 file(WRITE ${WORK_DIR}/components/CMakeLists.txt
      "cmake_minimum_required(VERSION 3.25)\nproject(components LANGUAGES CXX)\n"
      "string(REPLACE \",\" \";\" want \"\${WANT}\")\n"
-     "find_package(cpidx 0.1 CONFIG REQUIRED COMPONENTS \${want})\n")
+     "find_package(cpidx 0.2 CONFIG REQUIRED COMPONENTS \${want})\n")
 if(COMPONENTS)
   run("find_package(cpidx COMPONENTS ${COMPONENTS})" ${CMAKE_COMMAND} -S ${WORK_DIR}/components
       -B ${WORK_DIR}/components/ok ${consumer_args} -DWANT=${COMPONENTS})

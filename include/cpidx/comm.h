@@ -40,11 +40,12 @@ class Communicator {
   // device-memory one that does not override it, it returns kUnsupported (and cp_decode, which
   // asks it first unless DecodeConfig::check_agreement is off, fails saying so).
   virtual Status check_agree(long long value, const char* what);
-  // Every rank must agree on each of values[0..count) at once (a step's settings, say, named
-  // names[i]): returns kCommError naming the first that differs and its values by rank, on
-  // every rank, from one collective. The default gathers them in one all_gather on a
-  // host-memory communicator, and asks check_agree for each in turn on a device-memory one (an
-  // override that agrees in one round is better there).
+  // Every rank must agree on each of values[0..count) (a step's settings, say, named names[i]):
+  // returns kCommError naming the first that differs and its values by rank, on every rank. The
+  // default gathers them in one all_gather on a host-memory communicator, and asks check_agree
+  // for each in turn on a device-memory one (`count` host rounds: the library's NCCL and peer
+  // communicators forward it to their host channel, one round; a subclass of your own should
+  // too).
   virtual Status check_agree_all(const long long* values, const char* const* names, int count);
   virtual Status barrier() = 0;
   // The most bytes a rank may send in one all_gather (the peer communicator's bound, fixed at

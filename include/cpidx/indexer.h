@@ -32,9 +32,10 @@ struct DecodeConfig {
   int head_dim = kHeadDim;
   // cp_decode asks the communicator's check_agree for equal batch sizes on every rank before
   // its first collective, then check_agree_all for equal settings (query_len, scale, topk,
-  // init and local blocks, max_seq_len, total_heads, cache dtype): two host rounds of an eager
-  // step, none in a captured graph's replays (host side only: the graph holds no extra node).
-  // NCCL communicators check only when they have a host channel (comm_nccl.h).
+  // init and local blocks, max_seq_len, total_heads, cache dtype): two host rounds on every
+  // call, eager or captured, and none in a captured graph's replays (host side only: the graph
+  // holds no extra node). NCCL communicators check only when they have a host channel
+  // (comm_nccl.h).
   bool check_agreement = true;
   // Launch kernels with programmatic dependent launch: a step's kernels start while the
   // previous kernel in the stream drains, and wait for its results before reading anything.
@@ -117,12 +118,16 @@ struct DecodePlan {
 // another collective until the channel's timeout), or -1 when its own arguments failed. A rank
 // that skips a step's cp_decode for a reason of its own offers -1 (no decode rows at all: 0)
 // under this name, so that its peers' cp_decode fails instead of waiting for it in a collective.
+// Once the rows agree, cp_decode agrees on its settings too (check_agree_all, DecodeConfig::
+// check_agreement); a rank that skipped its step was refused at the rows and never gets there.
 inline constexpr const char* kCpRowsAgreement =
     "decode rows (num_reqs * query_len; + 2^40 when the keys go through the fused exchange)";
 inline constexpr long long kCpFusedRouteTag = 1LL << 40;
 
 // A Decoder's workspace is scratch for one step at a time: steps (of any layer) must run in
-// order on one stream, as a model's layers do. Use one Decoder per stream otherwise.
+// order on one stream, as a model's layers do. Use one Decoder per stream otherwise. Every call
+// that touches the device needs the device the Decoder was created on current (cudaSetDevice),
+// and refuses another (kInvalidArgument) before anything runs.
 class Decoder {
  public:
   // Checks the configuration (geometry, K, D, dtype, maxima), plans the kernels for `device` and
@@ -163,8 +168,9 @@ class Decoder {
   Status cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
                    const SparseTableOutput* table, cudaStream_t stream);
 
-  // The checks cp_decode runs on this rank's arguments before its first collective (inputs of
-  // L = local heads, outputs [L, n, K], the sparse table), host side only. For front ends that
+  // The checks cp_decode runs on this rank's arguments before its first collective (the current
+  // device, inputs of L = local heads, outputs [L, n, K], the sparse table; the communicator's
+  // rank, memory space and max_bytes_per_rank are cp_decode's own), host side only. For front ends that
   // agree with their peers themselves before calling cp_decode (the Python binding does,
   // through a host group), so that a rank with bad arguments fails together with the others
   // instead of leaving them in a collective.

@@ -47,6 +47,8 @@ struct PrefillPlan {
   size_t workspace_bytes = 0;
 };
 
+// Every call that touches the device needs the device the Prefiller was created on current, and
+// refuses another (kInvalidArgument) before anything runs.
 class Prefiller {
  public:
   // Checks the configuration, plans the kernels for `device` and allocates the workspace there.

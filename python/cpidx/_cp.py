@@ -286,6 +286,8 @@ class IndexerCPDecode:
         self.local_blocks = local_blocks
         self.group = group
         self.device = torch.device(device)
+        if self.device.type == "cpu":  # "cpu:0" is the CPU; tensors there say "cpu"
+            self.device = torch.device("cpu")
         dtype_key = str(cache_dtype).replace("torch.", "")
         if dtype_key not in _DTYPES:
             raise ValueError(f"cache_dtype: expected bf16 or fp8_e4m3, got {cache_dtype}")

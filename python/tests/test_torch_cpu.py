@@ -180,6 +180,16 @@ def _one_rank_step(seed):
     return b, (q, k, bt, sl), cp, want
 
 
+def test_a_cpu_instance_made_for_cpu_0_takes_cpu_tensors():
+    b, (q, k, bt, sl), cp, want = _one_rank_step(10)
+    named = cpidx.IndexerCPDecode(total_heads=2, rank=0, world_size=1, max_tokens=16,
+                                  max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
+                                  group=None, device="cpu:0")
+    got = torch.full_like(want, 77)
+    named(q, k, bt, sl, 2, got, scale=b.scale)
+    assert torch.equal(got, want)
+
+
 def test_cp_decode_op_is_the_instances_step_eager_compiled_and_checked():
     b, (q, k, bt, sl), cp, want = _one_rank_step(9)
     got = _cp_op(cp, q, k, bt, sl, 2, torch.full_like(want, 77), b.scale)

@@ -150,8 +150,9 @@ inline Status check_current_device(int device, const char* who) {
 }
 
 // Runs `setup` (an object's creation: it allocates and synchronizes the device) with `device`
-// current and restores the caller's device afterwards. When a CUDA call of setup fails, its error
-// is cleared from the thread (so that the caller's next error check does not report it again),
+// current and restores the caller's device afterwards. When setup fails, the thread's pending
+// CUDA error is cleared whatever the Status (so that the caller's next error check does not
+// report it again),
 // and a failure caused by a capture under way (a create inside torch.cuda.graph, or the first
 // Python call of a shape) says how to avoid it.
 template <typename F>

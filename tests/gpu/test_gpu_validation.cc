@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cpidx/prefill.h"
 #include "gpu_util.h"
 
 namespace {
@@ -537,7 +538,19 @@ TEST(GpuValidation, CallsWithAnotherDeviceCurrentAreRefused) {
   f.poison();
   DeviceVec<Key> keys(static_cast<size_t>(2 * kT * f.d.rows() * kK));
   const Expected e{kInv, {"the current CUDA device is 1, but this Decoder was created on device 0"}};
+  cpidx::PrefillConfig pc;
+  pc.num_heads = kT;
+  pc.max_tokens = 64;
+  pc.max_seq_len = 1024;
+  pc.sel = {kK, 1, 1};
+  std::unique_ptr<cpidx::Prefiller> pre;
+  ASSERT_TRUE(cpidx::Prefiller::create(pc, 0, &pre).is_ok());
+  const Expected pe{kInv, {"the current CUDA device is 1, but this Prefiller was created on "
+                           "device 0"}};
   ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  // The device is checked first: these inputs are empty, and still named for the device.
+  EXPECT_TRUE(failed_as(pre->prefill(cpidx::PrefillInputs{}, f.dense(), nullptr), pe));
+  EXPECT_TRUE(failed_as(pre->clear_error_flag(nullptr), pe));
   ScriptedComm comm(0, 2, cpidx::MemorySpace::kDevice, f.d.rows());
   EXPECT_TRUE(failed_as(f.dec->cp_decode(comm, f.b.inputs(0, 2), f.dense(), nullptr, nullptr), e));
   EXPECT_EQ(comm.offered, std::vector<long long>{-1});
