@@ -243,11 +243,9 @@ class Registry:
             f"a Prefiller (max_tokens={max_tokens}, max_seq_len={max_seq_len}, {heads} heads)")
 
     def cp_decode(self, **kwargs: Any) -> Any:
-        from ._cp import IndexerCPDecode
+        from ._cp import IndexerCPDecode, _registry_key
 
-        group = kwargs.get("group")
-        key = tuple(sorted((k, str(v)) for k, v in kwargs.items() if k != "group")) + (id(group),)
-        return self._cached(self._cp, key, lambda: IndexerCPDecode(**kwargs))
+        return self._cached(self._cp, _registry_key(kwargs), lambda: IndexerCPDecode(**kwargs))
 
     def clear(self) -> None:
         """Drop every decoder and prefiller and close every shared IndexerCPDecode (their device

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import itertools
 import os
 import uuid
@@ -860,3 +861,30 @@ def get_shared_cp_decode(**kwargs: Any) -> IndexerCPDecode:
     a new one on the next call.
     """
     return registry.cp_decode(**kwargs)
+
+
+def _registry_key(kwargs: dict) -> tuple:
+    """The registry's key for ``IndexerCPDecode(**kwargs)``: the arguments with their defaults
+    applied and the spellings of one value made one (``"bfloat16"`` or ``torch.bfloat16`` for
+    ``"bf16"``, ``"cuda"`` for the current CUDA device, ``"cpu:0"`` for ``"cpu"``), the groups by
+    identity. Spelling out a default must not make a second instance: each has its own workspace
+    and communicators, made collectively."""
+    try:
+        bound = inspect.signature(IndexerCPDecode).bind(**kwargs)
+    except TypeError:  # the constructor names the mistake
+        return tuple(sorted((k, str(v)) for k, v in kwargs.items()))
+    bound.apply_defaults()
+    args = dict(bound.arguments)
+    groups = tuple(id(args.pop(name)) for name in ("group", "host_group"))
+    dtype = str(args["cache_dtype"]).replace("torch.", "")
+    args["cache_dtype"] = _DTYPES.get(dtype, dtype)
+    try:
+        device = torch.device(args["device"])
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type == "cpu":
+            device = torch.device("cpu")
+        args["device"] = device
+    except (RuntimeError, TypeError):  # not a device: the constructor names it
+        pass
+    return tuple(sorted((k, str(v)) for k, v in args.items())) + groups

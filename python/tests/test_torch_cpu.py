@@ -898,6 +898,24 @@ def test_indexer_cp_decode_checks_its_bounds_by_name():
     assert cp.check_agreement is None  # one rank: nothing to agree on
 
 
+def test_registry_shares_one_instance_however_its_arguments_are_spelled():
+    reg = cpidx.Registry()
+    base = dict(total_heads=4, rank=0, world_size=1, max_tokens=8, max_seq_len=1024, topk=16,
+                init_blocks=0, local_blocks=1, group=None, device="cpu")
+    cp = reg.cp_decode(**base)
+    for spelled in (dict(exchange="auto", head_dim=128, max_query_len=8),
+                    dict(cache_dtype="bfloat16"), dict(cache_dtype=torch.bfloat16),
+                    dict(device="cpu:0"), dict(device=torch.device("cpu")),
+                    dict(check_agreement=None, host_group=None)):
+        assert reg.cp_decode(**dict(base, **spelled)) is cp, spelled
+    assert len(reg) == 1
+    other = reg.cp_decode(**dict(base, topk=8))
+    assert other is not cp and len(reg) == 2
+    with pytest.raises(TypeError, match="no_such"):
+        reg.cp_decode(**dict(base, no_such=1))
+    reg.clear()
+
+
 def test_indexer_cp_decode_names_its_own_arguments():
     b = random_decode(np.random.default_rng(5), 4, 1, [300, 900], max_seq_len=1024)
     q, k, bt, sl = as_torch(b)
