@@ -863,19 +863,24 @@ def get_shared_cp_decode(**kwargs: Any) -> IndexerCPDecode:
     return registry.cp_decode(**kwargs)
 
 
+_PARAMETERS: Optional[dict] = None  # IndexerCPDecode's parameters and their defaults
+
+
 def _registry_key(kwargs: dict) -> tuple:
     """The registry's key for ``IndexerCPDecode(**kwargs)``: the arguments with their defaults
     applied and the spellings of one value made one (``"bfloat16"`` or ``torch.bfloat16`` for
     ``"bf16"``, ``"cuda"`` for the current CUDA device, ``"cpu:0"`` for ``"cpu"``), the groups by
     identity. Spelling out a default must not make a second instance: each has its own workspace
     and communicators, made collectively."""
-    try:
-        bound = inspect.signature(IndexerCPDecode).bind(**kwargs)
-    except TypeError:  # the constructor names the mistake
+    global _PARAMETERS
+    if _PARAMETERS is None:  # read once: inspect.signature costs ~40 us, a call's key ~5
+        _PARAMETERS = {name: p.default for name, p in
+                       inspect.signature(IndexerCPDecode).parameters.items()}
+    if not _PARAMETERS.keys() >= kwargs.keys():  # the constructor names the mistake
         return tuple(sorted((k, str(v)) for k, v in kwargs.items()))
-    bound.apply_defaults()
-    args = dict(bound.arguments)
-    groups = tuple(id(args.pop(name)) for name in ("group", "host_group"))
+    args = {k: v for k, v in _PARAMETERS.items() if v is not inspect.Parameter.empty}
+    args.update(kwargs)
+    groups = tuple(id(args.pop(name, None)) for name in ("group", "host_group"))
     dtype = str(args["cache_dtype"]).replace("torch.", "")
     args["cache_dtype"] = _DTYPES.get(dtype, dtype)
     try:
