@@ -267,9 +267,11 @@ DecodeBatch decode_batch(const InArray& index_query, const InArray& index_cache,
   DecodeInputs& in = b.in;
   check_query(index_query, names.query, place);
   if (static_cast<int64_t>(index_query.shape(0)) != b.rows) {
-    value_fail(cat(names.query, ": expected num_reqs * query_len = ", b.rows, " rows (",
-                   in.num_reqs, " requests in seq_lens, query_len ", query_len, "), got shape ",
-                   shape_str(index_query)));
+    // Either may be the mistake: both named, the query first (its shape is what disagrees).
+    value_fail(cat(names.query, ", seq_lens: ", names.query, " has ", index_query.shape(0),
+                   " rows (shape ", shape_str(index_query), "), but num_reqs * query_len = ",
+                   in.num_reqs, " * ", query_len, " = ", b.rows,
+                   " (num_reqs: the length of seq_lens)"));
   }
   fill_query(index_query, names.query, &in.query, &in.q_row_stride, &in.q_head_stride,
              &in.num_heads);

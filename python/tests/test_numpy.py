@@ -189,7 +189,9 @@ BAD = {
     "index_query_head_dim": (lambda k: k.update(index_query=k["index_query"][:, :, :64]),
                              ValueError, "index_query"),
     "index_query_rows": (lambda k: k.update(index_query=k["index_query"][:3]), ValueError,
-                         "index_query"),
+                         "index_query, seq_lens: index_query has 3 rows"),
+    "seq_lens_short": (lambda k: k.update(seq_lens=k["seq_lens"][:1]), ValueError,
+                       "index_query, seq_lens: index_query has 4 rows (shape "),
     "index_query_2d": (lambda k: k.update(index_query=k["index_query"][:, 0, :]), ValueError,
                        "index_query"),
     "index_query_strided_dim": (
