@@ -105,6 +105,17 @@ def _check_gpu_inputs(index_query: Any, index_cache: Any) -> None:
                         f"holding their bits), got {dtype(index_cache)}")
 
 
+def _check_one_device(index_query: Any, **tensors: Any) -> None:
+    """Before a registered op: every torch tensor argument on index_query's device (the error
+    flag has its own check). torch dispatches an op by its arguments' devices, so a meta tensor
+    among CPU ones would run the op's fake (nothing written, no error); the binding names other
+    mixes, but only once reached."""
+    for name, t in tensors.items():
+        if _is_torch(t) and t.device != index_query.device:
+            raise ValueError(f"{name}: expected a tensor on {index_query.device} (index_query's "
+                             f"device), got one on {t.device}")
+
+
 def _current_stream(device: Any) -> int:
     torch = _torch_module()
     return torch.cuda.current_stream(device).cuda_stream
@@ -363,6 +374,11 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     """
     if _is_torch(index_query):
         torch = _torch_module()
+        _check_one_device(index_query, index_cache=index_cache, block_table=block_table,
+                          seq_lens=seq_lens, out=out,
+                          attention_block_table=attention_block_table,
+                          sparse_block_table_out=sparse_block_table_out,
+                          sparse_context_lens_out=sparse_context_lens_out)
         op_flag = _op_takes(error_flag)
         if attention_block_table is None and sparse_block_table_out is None and \
                 sparse_context_lens_out is None and block_page_stride is None and decoder is None \
@@ -464,6 +480,10 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     (clamped into such a sequence), ``ERR_PAGE_OUT_OF_RANGE`` for a block-table entry outside
     the cache.
     """
+    if _is_torch(index_query):
+        _check_one_device(index_query, index_cache=index_cache, block_table=block_table,
+                          cu_seqlens_q=cu_seqlens_q, context_lens=context_lens,
+                          seq_lens=seq_lens, out=out)
     if _is_torch(index_query) and registry is None and _op_takes(error_flag):
         _torch_module().ops.cpidx.prefill_topk(
             index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,

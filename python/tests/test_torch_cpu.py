@@ -109,6 +109,29 @@ def test_sparse_table_as_host_arrays_next_to_a_torch_query():
     assert results[0] == results[1] and results[0][2] == [300, 500], results
 
 
+def test_a_tensor_on_another_device_is_named_before_the_op_runs_its_fake():
+    # torch dispatches by the arguments' devices: a meta tensor among CPU ones ran the op's fake,
+    # writing nothing and raising nothing.
+    b = random_decode(np.random.default_rng(2), 2, 1, [300, 500], max_seq_len=1024)
+    q, k, bt, sl = as_torch(b)
+    kw = dict(scale=0.5, topk=4, max_seq_len=1024)
+    out = torch.full((2, 2, 4), -7, dtype=torch.int32)
+    for name, args in (("index_cache", (q, k.to("meta"), bt, sl)),
+                       ("block_table", (q, k, bt.to("meta"), sl)),
+                       ("seq_lens", (q, k, bt, sl.to("meta")))):
+        with pytest.raises(ValueError, match=f"^{name}: expected a tensor on cpu "):
+            cpidx.decode_topk(*args, 1, out, **kw)
+    with pytest.raises(ValueError, match="^out: expected a tensor on cpu "):
+        cpidx.decode_topk(q, k, bt, sl, 1, out.to("meta"), **kw)
+    assert (out == -7).all()
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ctx = torch.tensor([299, 499], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^context_lens: expected a tensor on cpu "):
+        cpidx.prefill_topk(q[:2], k, bt, cu, ctx.to("meta"), sl, out[:, :2], **kw)
+    cpidx.decode_topk(q, k, bt, sl, 1, out, **kw)  # all on the CPU: runs
+    assert (out != -7).any()
+
+
 def test_gpu_calls_check_the_query_before_making_a_decoder(monkeypatch):
     # On CUDA tensors the registry's Decoder / Prefiller is made from index_query's heads (it
     # allocates and synchronises): a bad query must be named as the binding names it, before
