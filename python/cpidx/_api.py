@@ -106,14 +106,17 @@ def _check_gpu_inputs(index_query: Any, index_cache: Any) -> None:
 
 
 def _check_one_device(index_query: Any, **tensors: Any) -> None:
-    """Before a registered op: every torch tensor argument on index_query's device (the error
-    flag has its own check). torch dispatches an op by its arguments' devices, so a meta tensor
-    among CPU ones would run the op's fake (nothing written, no error); the binding names other
-    mixes, but only once reached."""
+    """Before a registered op: every torch tensor argument on index_query's device. torch
+    dispatches an op by its arguments' devices, so a meta tensor among CPU ones would run the
+    op's fake (nothing written, no error); the binding names other mixes, but only once reached.
+    The error flag is checked by its own rule (_check_error_flag), also before the op."""
+    want = index_query.device
     for name, t in tensors.items():
-        if _is_torch(t) and t.device != index_query.device:
-            raise ValueError(f"{name}: expected a tensor on {index_query.device} (index_query's "
-                             f"device), got one on {t.device}")
+        if _is_torch(t) and t.device != want:  # in the binding's words
+            raise ValueError(f"{name}: expected a CUDA tensor on {want}, got {t.device}"
+                             if want.type == "cuda" else
+                             f"{name}: expected a host array (numpy or a CPU tensor), got "
+                             f"{t.device}")
 
 
 def _current_stream(device: Any) -> int:
@@ -379,6 +382,8 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                           attention_block_table=attention_block_table,
                           sparse_block_table_out=sparse_block_table_out,
                           sparse_context_lens_out=sparse_context_lens_out)
+        if _is_torch(error_flag):
+            _check_error_flag(error_flag, index_query)
         op_flag = _op_takes(error_flag)
         if attention_block_table is None and sparse_block_table_out is None and \
                 sparse_context_lens_out is None and block_page_stride is None and decoder is None \
@@ -484,6 +489,8 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
         _check_one_device(index_query, index_cache=index_cache, block_table=block_table,
                           cu_seqlens_q=cu_seqlens_q, context_lens=context_lens,
                           seq_lens=seq_lens, out=out)
+        if _is_torch(error_flag):
+            _check_error_flag(error_flag, index_query)
     if _is_torch(index_query) and registry is None and _op_takes(error_flag):
         _torch_module().ops.cpidx.prefill_topk(
             index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,

@@ -856,9 +856,10 @@ def get_shared_cp_decode(**kwargs: Any) -> IndexerCPDecode:
 
     Each of M3's sparse layers has its own indexer; the buffers are written and consumed within
     one call and layers run in order on one stream, so all layers reuse one set. The instances
-    live in :data:`cpidx.registry` (``registry.clear()`` closes them: collective); the key is
-    every keyword argument except ``group``, plus ``id(group)``. A closed instance is replaced by
-    a new one on the next call.
+    live in :data:`cpidx.registry` (``registry.clear()`` closes them: collective); the key is the
+    constructor's arguments with their defaults applied and the spellings of one value made one
+    (dtype names, ``"cuda"`` for the current CUDA device), ``group`` and ``host_group`` by
+    identity. A closed instance is replaced by a new one on the next call.
     """
     return registry.cp_decode(**kwargs)
 
@@ -876,7 +877,9 @@ def _registry_key(kwargs: dict) -> tuple:
     if _PARAMETERS is None:  # read once: inspect.signature costs ~40 us, a call's key ~5
         _PARAMETERS = {name: p.default for name, p in
                        inspect.signature(IndexerCPDecode).parameters.items()}
-    if not _PARAMETERS.keys() >= kwargs.keys():  # the constructor names the mistake
+    missing = [k for k, v in _PARAMETERS.items()
+               if v is inspect.Parameter.empty and k not in kwargs]
+    if missing or not _PARAMETERS.keys() >= kwargs.keys():  # the constructor names the mistake
         return tuple(sorted((k, str(v)) for k, v in kwargs.items()))
     args = {k: v for k, v in _PARAMETERS.items() if v is not inspect.Parameter.empty}
     args.update(kwargs)
@@ -892,4 +895,5 @@ def _registry_key(kwargs: dict) -> tuple:
         args["device"] = device
     except (RuntimeError, TypeError):  # not a device: the constructor names it
         pass
-    return tuple(sorted((k, str(v)) for k, v in args.items())) + groups
+    # A bool apart from its string and its int (check_agreement=False is not 0, nor "False").
+    return tuple(sorted((k, isinstance(v, bool), str(v)) for k, v in args.items())) + groups

@@ -119,15 +119,20 @@ def test_a_tensor_on_another_device_is_named_before_the_op_runs_its_fake():
     for name, args in (("index_cache", (q, k.to("meta"), bt, sl)),
                        ("block_table", (q, k, bt.to("meta"), sl)),
                        ("seq_lens", (q, k, bt, sl.to("meta")))):
-        with pytest.raises(ValueError, match=f"^{name}: expected a tensor on cpu "):
+        with pytest.raises(ValueError, match=f"^{name}: expected a host array "):
             cpidx.decode_topk(*args, 1, out, **kw)
-    with pytest.raises(ValueError, match="^out: expected a tensor on cpu "):
+    with pytest.raises(ValueError, match="^out: expected a host array "):
         cpidx.decode_topk(q, k, bt, sl, 1, out.to("meta"), **kw)
+    meta_flag = torch.zeros(1, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="^error_flag: expected one writable int32 element on cpu"):
+        cpidx.decode_topk(q, k, bt, sl, 1, out, error_flag=meta_flag, **kw)
     assert (out == -7).all()
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     ctx = torch.tensor([299, 499], dtype=torch.int32)
-    with pytest.raises(ValueError, match="^context_lens: expected a tensor on cpu "):
+    with pytest.raises(ValueError, match="^context_lens: expected a host array "):
         cpidx.prefill_topk(q[:2], k, bt, cu, ctx.to("meta"), sl, out[:, :2], **kw)
+    with pytest.raises(ValueError, match="^error_flag: expected one writable int32 element on cpu"):
+        cpidx.prefill_topk(q[:2], k, bt, cu, ctx, sl, out[:, :2], error_flag=meta_flag, **kw)
     cpidx.decode_topk(q, k, bt, sl, 1, out, **kw)  # all on the CPU: runs
     assert (out != -7).any()
 
@@ -934,6 +939,11 @@ def test_registry_shares_one_instance_however_its_arguments_are_spelled():
     assert len(reg) == 1
     other = reg.cp_decode(**dict(base, topk=8))
     assert other is not cp and len(reg) == 2
+    # A bool is not its int: check_agreement=0 is not False (the constructor reads 0 as None).
+    assert reg.cp_decode(**dict(base, check_agreement=0)) is not \
+        reg.cp_decode(**dict(base, check_agreement=False))
+    with pytest.raises(TypeError, match="device"):
+        reg.cp_decode(**{k: v for k, v in base.items() if k != "device"})
     with pytest.raises(TypeError, match="no_such"):
         reg.cp_decode(**dict(base, no_such=1))
     reg.clear()
