@@ -78,31 +78,10 @@ def _cache_dtype_name(cache: Any) -> str:
 
 def _check_gpu_inputs(index_query: Any, index_cache: Any) -> None:
     """What the registry's GPU Decoder / Prefiller is made from (the query's heads, the cache's
-    dtype), checked with the binding's messages before one is made: making one allocates and
+    dtype), checked by the binding's own checks before one is made: making one allocates and
     synchronises (refused inside a capture), and a bad query would otherwise be reported as the
     decoder's total_heads, an argument the caller never passed."""
-    torch = _torch_module()
-    bits = tuple(getattr(torch, name, None) for name in ("uint16", "uint8", "float8_e4m3fn"))
-
-    def dtype(t: Any) -> str:  # as the binding names it: "float32"
-        return str(t.dtype).replace("torch.", "")
-
-    if index_query.dtype not in (torch.bfloat16, bits[0]):
-        raise TypeError(f"index_query: expected bfloat16 (or uint16 holding bf16 bits), got "
-                        f"{dtype(index_query)}")
-    shape = list(index_query.shape)
-    if len(shape) != 3:
-        raise ValueError(f"index_query: expected 3 dims [tokens, heads, {HEAD_DIM}], got shape "
-                         f"{shape}")
-    if shape[2] != HEAD_DIM:
-        raise ValueError(f"index_query: expected head dim {HEAD_DIM} (shape [tokens, heads, "
-                         f"{HEAD_DIM}]), got shape {shape}")
-    if not 1 <= shape[1] <= MAX_HEADS:
-        raise ValueError(f"index_query: expected 1 to {MAX_HEADS} heads in dim 1, got shape "
-                         f"{shape}")
-    if _is_torch(index_cache) and index_cache.dtype not in (torch.bfloat16,) + bits:
-        raise TypeError(f"index_cache: expected bfloat16 or float8_e4m3fn (or uint16 / uint8 "
-                        f"holding their bits), got {dtype(index_cache)}")
+    _C.check_query_and_cache(index_query, _as_bits(index_cache))
 
 
 def _check_one_device(index_query: Any, **tensors: Any) -> None:

@@ -218,6 +218,9 @@ void bind_decoder(nb::module_& m) {
   using namespace nb::literals;
   m.def("gpu_available", &gpu_available,
         "True when the module was built with CUDA and a device is visible.");
+  m.def("check_query_and_cache", &check_query_and_cache, "index_query"_a, "index_cache"_a,
+        "Raises what decode / prefill would for the query's and the cache's own dtype and "
+        "layout (the cache on the query's device), before anything is made from them.");
   nb::class_<PyDecoder>(m, "Decoder",
                         "The GPU decode indexer of one (device, geometry): workspace sized at "
                         "construction; decode / shard_keys / merge / cp_decode only enqueue work.")

@@ -414,4 +414,10 @@ void check_range(const char* name, int64_t value, int64_t lo, const char* hi_nam
   }
 }
 
+void check_query_and_cache(const InArray& index_query, const InArray& index_cache) {
+  const Place own{index_query.device_type() == kDLCUDA, index_query.device_id()};
+  check_query(index_query, "index_query", own);
+  paged_cache(index_cache, "index_cache", own);
+}
+
 }  // namespace cpidx::py

@@ -55,6 +55,11 @@ DecodeBatch decode_batch(const InArray& index_query, const InArray& index_cache,
                          double scale, int64_t max_seq_len, const Place& place,
                          const DecodeArgNames& names = {});
 
+// The query's and the cache's own checks (dtype, layout; the cache on the query's device), as
+// decode and prefill make them: for a front end that sizes a GPU object from them before any
+// call takes them (the registry's Decoder is made from the query's heads and the cache's dtype).
+void check_query_and_cache(const InArray& index_query, const InArray& index_cache);
+
 // seq_lens only (the merge needs the batch shape, not the inputs).
 DecodeBatch merge_batch(const InArray& seq_lens, int query_len, int64_t max_seq_len,
                         const Place& place);
