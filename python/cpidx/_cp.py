@@ -59,6 +59,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _resolve_device(device: Any) -> torch.device:
+    """The device an instance runs on, one spelling each: ``"cuda"`` is the current CUDA device,
+    ``"cpu:0"`` the CPU (tensors there say ``"cpu"``)."""
+    d = torch.device(device)
+    if d.type == "cpu":
+        return torch.device("cpu")
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _cache_dtype_key(cache_dtype: Any) -> Optional[str]:
+    """``"bf16"`` or ``"fp8_e4m3"`` for any of their names (``torch.bfloat16`` too); None."""
+    return _DTYPES.get(str(cache_dtype).replace("torch.", ""))
+
+
 def _host_group_of(group: Any) -> Any:
     """The gloo group that ``group`` brings for the ranks to agree through, or None: the
     ``cpu_group`` of a vLLM GroupCoordinator, or ``group`` itself when it is a gloo group."""
@@ -286,16 +302,11 @@ class IndexerCPDecode:
         self.init_blocks = init_blocks
         self.local_blocks = local_blocks
         self.group = group
-        self.device = torch.device(device)
-        if self.device.type == "cpu":  # "cpu:0" is the CPU; tensors there say "cpu"
-            self.device = torch.device("cpu")
-        dtype_key = str(cache_dtype).replace("torch.", "")
-        if dtype_key not in _DTYPES:
+        self.device = _resolve_device(device)
+        self.cache_dtype = _cache_dtype_key(cache_dtype)
+        if self.cache_dtype is None:
             raise ValueError(f"cache_dtype: expected bf16 or fp8_e4m3, got {cache_dtype}")
-        self.cache_dtype = _DTYPES[dtype_key]
         self._cuda = self.device.type == "cuda"
-        if self._cuda and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         if exchange in ("peer", "nccl") and not self._cuda:
             raise ValueError(f"exchange: {exchange!r} needs device='cuda', got device "
                              f"{str(self.device)!r}; use 'torch' or 'auto'")
@@ -884,16 +895,10 @@ def _registry_key(kwargs: dict) -> tuple:
     args = {k: v for k, v in _PARAMETERS.items() if v is not inspect.Parameter.empty}
     args.update(kwargs)
     groups = tuple(id(args.pop(name, None)) for name in ("group", "host_group"))
-    dtype = str(args["cache_dtype"]).replace("torch.", "")
-    args["cache_dtype"] = _DTYPES.get(dtype, dtype)
+    args["cache_dtype"] = _cache_dtype_key(args["cache_dtype"]) or args["cache_dtype"]
     try:
-        device = torch.device(args["device"])
-        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif device.type == "cpu":
-            device = torch.device("cpu")
-        args["device"] = device
-    except (RuntimeError, TypeError):  # not a device: the constructor names it
-        pass
+        args["device"] = _resolve_device(args["device"])
+    except (RuntimeError, TypeError, AssertionError):  # not a device (or no CUDA): the
+        pass  # constructor names it
     # A bool apart from its string and its int (check_agreement=False is not 0, nor "False").
     return tuple(sorted((k, isinstance(v, bool), str(v)) for k, v in args.items())) + groups
