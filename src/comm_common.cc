@@ -7,24 +7,38 @@
 #include "cpidx/comm.h"
 
 namespace cpidx {
+namespace {
+
+// One all_gather of every rank's `count` values, then the first value that differs, named, with
+// its values by rank (the same message on every rank).
+Status gather_and_compare(Communicator& comm, const long long* values, const char* const* names,
+                          int count) {
+  const int world = comm.world_size();
+  const size_t n = static_cast<size_t>(count);
+  std::vector<long long> all(static_cast<size_t>(world) * n, 0);
+  CPIDX_RETURN_IF_ERROR(comm.all_gather(values, all.data(), n * sizeof(long long), nullptr));
+  for (size_t f = 0; f < n; ++f) {
+    bool same = true;
+    for (int r = 0; r < world; ++r) same = same && all[static_cast<size_t>(r) * n + f] == all[f];
+    if (same) continue;
+    ::cpidx::detail::Message os;
+    os << "ranks disagree on " << (names[f] != nullptr ? names[f] : "value")
+       << ": values by rank [";
+    for (int r = 0; r < world; ++r) os << (r ? ", " : "") << all[static_cast<size_t>(r) * n + f];
+    os << "]";
+    return Status(StatusCode::kCommError, os.str());
+  }
+  return Status::ok();
+}
+
+}  // namespace
 
 Status Communicator::check_agree(long long value, const char* what) {
-  const char* name = what != nullptr ? what : "value";
   if (memory_space() != MemorySpace::kHost) {
-    return unsupported(std::string("check_agree on ") + name +
+    return unsupported(std::string("check_agree on ") + (what != nullptr ? what : "value") +
                        " needs a host-memory communicator; this one gathers device memory");
   }
-  const int world = world_size();
-  std::vector<long long> values(static_cast<size_t>(world), 0);
-  CPIDX_RETURN_IF_ERROR(all_gather(&value, values.data(), sizeof(long long), nullptr));
-  bool same = true;
-  for (long long v : values) same = same && v == values[0];
-  if (same) return Status::ok();
-  ::cpidx::detail::Message os;
-  os << "ranks disagree on " << name << ": values by rank [";
-  for (int i = 0; i < world; ++i) os << (i ? ", " : "") << values[static_cast<size_t>(i)];
-  os << "]";
-  return Status(StatusCode::kCommError, os.str());
+  return gather_and_compare(*this, &value, &what, 1);
 }
 
 Status Communicator::check_agree_all(const long long* values, const char* const* names,
@@ -36,22 +50,7 @@ Status Communicator::check_agree_all(const long long* values, const char* const*
     for (int i = 0; i < count; ++i) CPIDX_RETURN_IF_ERROR(check_agree(values[i], names[i]));
     return Status::ok();
   }
-  const int world = world_size();
-  const size_t n = static_cast<size_t>(count);
-  std::vector<long long> all(static_cast<size_t>(world) * n, 0);
-  CPIDX_RETURN_IF_ERROR(all_gather(values, all.data(), n * sizeof(long long), nullptr));
-  for (size_t f = 0; f < n; ++f) {
-    bool same = true;
-    for (int r = 0; r < world; ++r) same = same && all[static_cast<size_t>(r) * n + f] == all[f];
-    if (same) continue;
-    ::cpidx::detail::Message os;
-    os << "ranks disagree on " << (names[f] != nullptr ? names[f] : "a value")
-       << ": values by rank [";
-    for (int r = 0; r < world; ++r) os << (r ? ", " : "") << all[static_cast<size_t>(r) * n + f];
-    os << "]";
-    return Status(StatusCode::kCommError, os.str());
-  }
-  return Status::ok();
+  return gather_and_compare(*this, values, names, count);
 }
 
 }  // namespace cpidx
