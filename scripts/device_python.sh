@@ -15,7 +15,7 @@ CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) 
   >/tmp/cpidx_pip_install.log 2>&1 || { tail -40 /tmp/cpidx_pip_install.log; exit 1; }
 # Run from outside the source tree so `import cpidx` is the installed package.
 cd /tmp && PYTHONPATH="$site:$OLDPWD/python/tests" python3 -m pytest -q -p no:cacheprovider \
-  --durations=12 "$OLDPWD/python/tests" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  -rs --durations=12 "$OLDPWD/python/tests" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 rc=${PIPESTATUS[0]}
 cd "$OLDPWD" || exit 1
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
