@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 import pytest
 
 import cpidx
@@ -170,6 +171,16 @@ def _table(kw, width_minus=0, ctx_len=None, stride=8):
     return kw
 
 
+def _out_on(kw, name, out="out"):
+    """Puts kw[out] in one buffer with kw[name], its first element on name's last."""
+    src, dst = kw[name], kw[out]
+    buf = np.zeros(src.size + dst.size, np.int32)
+    buf[:src.size] = src.ravel()
+    kw[name] = buf[:src.size].reshape(src.shape)
+    kw[out] = buf[src.size - 1:src.size - 1 + dst.size].reshape(dst.shape)
+    return kw
+
+
 BAD = {
     "seq_lens_int64": (lambda k: k.update(seq_lens=k["seq_lens"].astype(np.int64)), TypeError,
                        "seq_lens: expected int32, got int64"),
@@ -231,6 +242,18 @@ BAD = {
     "table_two_heads": (lambda k: (_table(k), k.update(index_query=k["index_query"].repeat(2, 1),
                                                       out=np.zeros((2, 4, 4), np.int32))),
                         ValueError, "one index head"),
+    "out_on_seq_lens": (lambda k: _out_on(k, "seq_lens"), ValueError,
+                        "ids output (out) and seq_lens share memory"),
+    "table_on_attention_block_table": (
+        lambda k: _out_on(_table(k), "attention_block_table", "sparse_block_table_out"),
+        ValueError,
+        "sparse table (sparse_block_table_out) and attention_block_table share memory"),
+    "out_read_only": (lambda k: k["out"].setflags(write=False), ValueError,
+                      "out: expected a writeable array, got a read-only one"),
+    "table_read_only": (lambda k: _table(k)["sparse_context_lens_out"].setflags(write=False),
+                        ValueError, "sparse_context_lens_out: expected a writeable array"),
+    "seq_lens_big_endian": (lambda k: k.update(seq_lens=k["seq_lens"].astype(">i4")), TypeError,
+                            "seq_lens: expected the machine's byte order, got dtype >i4"),
     "table_attn_int64": (lambda k: (_table(k), k.update(
         attention_block_table=k["attention_block_table"].astype(np.int64))), TypeError,
                          "attention_block_table"),
@@ -276,6 +299,17 @@ def test_bad_prefill_arguments_are_named():
         cpidx.prefill_topk(query, cache, bt, cu, ctx.astype(np.int64), sl, out, **common)
     with pytest.raises(ValueError, match="out: expected shape"):
         cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out[:, 1:], **common)
+    kw = _out_on(dict(cu_seqlens_q=cu, out=out), "cu_seqlens_q")
+    with pytest.raises(ValueError, match=r"ids output \(out\) and cu_seqlens_q share memory"):
+        cpidx.prefill_topk(query, cache, bt, kw["cu_seqlens_q"], ctx, sl, kw["out"], **common)
+    # More requests than an int holds (arrays claiming 2^31 of them over the real few): refused
+    # by name before anything reads them, not narrowed to a smaller batch.
+    big = 2**31
+    with pytest.raises(ValueError, match="seq_lens: expected 1 to INT_MAX requests"):
+        _C.ref_prefill_topk(query, cache, as_strided(bt, (big, bt.shape[1]), bt.strides),
+                            as_strided(cu, (big + 1,), (4,)), as_strided(ctx, (big,), (4,)),
+                            as_strided(sl, (big,), (4,)), out, scale=1.0, topk=case["K"],
+                            init_blocks=0, local_blocks=1, max_seq_len=msl)
     # No tokens: nothing to check or write, as on the GPU path.
     empty = np.full((case["T"], 0, case["K"]), 9, np.int32)
     assert cpidx.prefill_topk(query[:0], cache, bt, cu, ctx, sl, empty, **common) is empty

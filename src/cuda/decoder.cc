@@ -111,9 +111,10 @@ struct Decoder::Impl {
   }
 
   // Outputs of a step with `heads` heads over `n` rows: ids strides that do not overlap, and
-  // every sparse-table argument (all or none, strides, widths) before any kernel runs.
+  // every sparse-table argument (all or none, strides, widths) before any kernel runs; then
+  // no output sharing memory with another or with an input (`gathered`: the merge's keys).
   Status check_outputs(const TopkOutput& out, int heads, const DecodeInputs& batch,
-                       const SparseTableOutput* table) const {
+                       const SparseTableOutput* table, ref::detail::Span gathered = {}) const {
     CPIDX_RETURN_IF_ERROR(ref::detail::check_ids(out, heads, batch.num_rows(), cfg.sel.topk));
     if (table != nullptr) {
       CPIDX_RETURN_IF_ERROR(ref::validate(*table, heads));
@@ -122,7 +123,11 @@ struct Decoder::Impl {
             *table, batch.num_reqs, batch.query_len, cfg.max_seq_len, cfg.sel.topk));
       }
     }
-    return Status::ok();
+    ref::detail::CallSpans spans =
+        ref::detail::decode_spans(batch, out, heads, cfg.sel.topk, table);
+    spans.output({"error_flag", batch.error_flag, sizeof(int32_t)});
+    spans.input(gathered);
+    return ref::detail::check_no_aliasing(spans);
   }
 
   cuda::ScoreTopkParams score_params(const DecodeInputs& in, int world, int rank) const {
@@ -317,6 +322,13 @@ Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t strea
   CPIDX_CHECK(keys != nullptr, "keys must not be null");
   CPIDX_CHECK(ref::detail::aligned(keys, alignof(Key)),
               "keys must be 8-byte aligned, got address " << keys);
+  ref::detail::CallSpans spans;
+  spans.decode_inputs(in);
+  spans.output({"keys", keys,
+                static_cast<int64_t>(sizeof(Key)) * in.num_heads * in.num_rows() *
+                    impl_->cfg.sel.topk});
+  spans.output({"error_flag", in.error_flag, sizeof(int32_t)});
+  CPIDX_RETURN_IF_ERROR(ref::detail::check_no_aliasing(spans));
   cuda::ScoreTopkParams p =
       impl_->score_params(in, impl_->cfg.world_size, impl_->cfg.rank);
   p.keys = keys;
@@ -339,7 +351,10 @@ Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const Topk
   CPIDX_CHECK(batch.num_rows() <= impl_->cfg.max_tokens,
               "num_reqs * query_len (" << batch.num_rows() << ") exceeds max_tokens ("
                                        << impl_->cfg.max_tokens << ")");
-  CPIDX_RETURN_IF_ERROR(impl_->check_outputs(out, impl_->geo.local_heads, batch, table));
+  const int64_t gathered_bytes = static_cast<int64_t>(sizeof(Key)) * impl_->cfg.world_size *
+                                 impl_->cfg.total_heads * batch.num_rows() * impl_->cfg.sel.topk;
+  CPIDX_RETURN_IF_ERROR(impl_->check_outputs(out, impl_->geo.local_heads, batch, table,
+                                             {"gathered keys", gathered, gathered_bytes}));
   return impl_->launch_merge(gathered, nullptr, batch, out, table, stream);
 }
 

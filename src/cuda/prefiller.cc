@@ -162,7 +162,12 @@ Status Prefiller::validate(const PrefillInputs& in, const TopkOutput& out) const
   CPIDX_RETURN_IF_ERROR(cuda_host::check_kernel_inputs(
       in.query, in.q_row_stride, in.q_head_stride, in.cache, in.max_seq_len, c.max_seq_len,
       c.cache_dtype, in.error_flag, "Prefiller"));
-  return ref::detail::check_ids(out, in.num_heads, in.num_tokens, c.sel.topk);
+  CPIDX_RETURN_IF_ERROR(ref::detail::check_ids(out, in.num_heads, in.num_tokens, c.sel.topk));
+  ref::detail::CallSpans spans;
+  spans.prefill_inputs(in);
+  spans.ids(out, in.num_heads, in.num_tokens, c.sel.topk);
+  spans.output({"error_flag", in.error_flag, sizeof(int32_t)});
+  return ref::detail::check_no_aliasing(spans);
 }
 
 Status Prefiller::prefill(const PrefillInputs& in, const TopkOutput& out, cudaStream_t stream) {
@@ -205,6 +210,13 @@ Status mixed_topk(Decoder& dec, Communicator* comm, const DecodeInputs& decode_r
                                             << decode_heads << ")");
     if (!has_decode && !has_prefill) return Status::ok();
     CPIDX_RETURN_IF_ERROR(ref::detail::check_ids(all, heads, nd + np, k));
+    // Each part checks its own rows; the decode part's rows must not overlap the prefill
+    // part's inputs either (the prefill reads them after the decode wrote).
+    ref::detail::CallSpans spans;
+    if (has_decode) spans.decode_inputs(decode_rows);
+    if (has_prefill) spans.prefill_inputs(prefill_rows);
+    spans.ids(all, heads, nd + np, k);
+    CPIDX_RETURN_IF_ERROR(ref::detail::check_no_aliasing(spans));
     if (has_prefill) CPIDX_RETURN_IF_ERROR(pre.validate(prefill_rows, prefill_out));
     return Status::ok();
   }();

@@ -11,8 +11,6 @@
 namespace cpidx {
 namespace cuda {
 
-constexpr int kPagesPerBlock = kBlockSize / 16;  // 16-token pages per 128-token block
-
 // keys[0..K): the row's selection in output order (kPadKey = none). pos: the row's position
 // (< 0 for padding rows). Every lane of the warp calls it.
 __device__ __forceinline__ void write_sparse_row(const SparseTableArgs& t, const Key* keys, int k,

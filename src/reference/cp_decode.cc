@@ -43,7 +43,8 @@ Status check_local(const Communicator& comm, const Geometry& geo, const DecodeIn
                                                      local.max_seq_len, sel.topk));
     }
   }
-  return Status::ok();
+  return detail::check_no_aliasing(
+      detail::decode_spans(local, out, geo.local_heads, sel.topk, table));
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <utility>
 
 #include "cpidx/comm.h"
 #include "cpidx/contract.h"
@@ -49,6 +51,56 @@ inline bool aligned(const void* p, size_t alignment) {
 // ids [heads, rows, topk]: not null, int32-aligned, strides that nest without overlap (either
 // [heads, n, K] or [n, heads, K], gaps allowed). Names the strides and the bound on failure.
 Status check_ids(const TopkOutput& out, int heads, int64_t rows, int topk);
+
+// The memory one argument spans, from its first byte to its last (strides as given): the unit
+// of the aliasing check. A null pointer or no bytes spans nothing.
+struct Span {
+  const char* name = "";
+  const void* data = nullptr;
+  int64_t bytes = 0;
+};
+
+// Bytes from an array's first element to its last: `inner` contiguous elements of `elem`
+// bytes, then outer dims of {count, stride} elements (a dim of count 1 adds nothing, as its
+// stride is free; an empty dim empties the array). Saturates at INT64_MAX.
+int64_t span_bytes(int elem, int64_t inner,
+                   std::initializer_list<std::pair<int64_t, int64_t>> dims);
+
+// The spans of one call's arguments, split into what it writes and what it only reads. Fixed
+// capacity: building them allocates nothing.
+struct CallSpans {
+  static constexpr int kCapacity = 12;
+  Span outputs[kCapacity];
+  Span inputs[kCapacity];
+  int num_outputs = 0;
+  int num_inputs = 0;
+  void output(Span s) {
+    if (num_outputs < kCapacity) outputs[num_outputs++] = s;
+  }
+  void input(Span s) {
+    if (num_inputs < kCapacity) inputs[num_inputs++] = s;
+  }
+  // Query, cache, block_table and seq_lens of a decode step (those set).
+  void decode_inputs(const DecodeInputs& in);
+  // Query, cache, block_table, cu_seqlens_q, context_lens and seq_lens of a prefill call.
+  void prefill_inputs(const PrefillInputs& in);
+  // ids [heads, rows, topk] with out's strides.
+  void ids(const TopkOutput& out, int heads, int64_t rows, int topk);
+  // A sparse-table call's attention block table (read) and its two outputs, when enabled.
+  void table(const SparseTableOutput* table, int num_reqs, int query_len, int32_t max_seq_len,
+             int topk);
+};
+
+// A call's outputs must share no memory with one another or with any of its inputs: the
+// kernels and the reference read inputs (the sparse table reads the ids back) after outputs
+// are written, so aliasing would give silently wrong ids, or a race on the GPU. Judged by each
+// argument's span, first element to last, so outputs laid in the gaps of a strided input are
+// refused too. Names both arguments. Run after each argument's own checks.
+Status check_no_aliasing(const CallSpans& spans);
+
+// The spans of a decode step: decode_inputs(in), ids over `heads` heads and the sparse table.
+CallSpans decode_spans(const DecodeInputs& in, const TopkOutput& out, int heads, int topk,
+                       const SparseTableOutput* table);
 
 // topk in [1, kMaxTopK] (kUnsupported above), init/local blocks >= 0.
 Status check_selection(const Selection& sel);

@@ -27,6 +27,11 @@ Status prefill_topk(const PrefillInputs& in, const Selection& sel, const TopkOut
                     int32_t* err) {
   CPIDX_RETURN_IF_ERROR(validate(in, sel));
   CPIDX_RETURN_IF_ERROR(detail::check_ids(out, in.num_heads, in.num_tokens, sel.topk));
+  detail::CallSpans spans;
+  spans.prefill_inputs(in);
+  spans.ids(out, in.num_heads, in.num_tokens, sel.topk);
+  spans.output({"err", err, err != nullptr ? int64_t{sizeof(int32_t)} : 0});
+  CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
   const int heads = in.num_heads;
   const int k = sel.topk;
   // Rows no request covers (cu_seqlens_q short of num_tokens) still get a defined -1 row.

@@ -44,6 +44,11 @@ Status shard_topk_keys(const DecodeInputs& in, const Selection& sel, int world, 
   CPIDX_CHECK(detail::aligned(keys, alignof(Key)), "keys must be 8-byte aligned, got address "
                                                        << keys);
   const int64_t n = in.num_rows();
+  detail::CallSpans spans;
+  spans.decode_inputs(in);
+  spans.output({"keys", keys, static_cast<int64_t>(sizeof(Key)) * in.num_heads * n * sel.topk});
+  spans.output({"err", err, err != nullptr ? int64_t{sizeof(int32_t)} : 0});
+  CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
   const int num_q = in.query_len;
   const int heads = in.num_heads;
   const int k = sel.topk;
@@ -106,6 +111,15 @@ Status merge_topk_keys(const Key* gathered, int world, int total_heads, int64_t 
           detail::check_table_args(*table, num_reqs, query_len, max_seq_len, sel.topk));
     }
   }
+  detail::CallSpans spans;
+  spans.input({"gathered keys", gathered,
+               static_cast<int64_t>(sizeof(Key)) * world * total_heads * n * sel.topk});
+  if (with_table && table->enabled()) {
+    spans.input({"seq_lens", seq_lens, int64_t{sizeof(int32_t)} * num_reqs});
+  }
+  spans.ids(out, local_heads, n, sel.topk);
+  spans.table(table, num_reqs, query_len, max_seq_len, sel.topk);
+  CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
 
   const int k = sel.topk;
   const int64_t rows = n;
@@ -142,6 +156,9 @@ Status decode_topk(const DecodeInputs& in, const Selection& sel, const TopkOutpu
                                                      in.max_seq_len, sel.topk));
     }
   }
+  detail::CallSpans spans = detail::decode_spans(in, out, in.num_heads, sel.topk, table);
+  spans.output({"err", err, err != nullptr ? int64_t{sizeof(int32_t)} : 0});
+  CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
   std::vector<Key> keys(static_cast<size_t>(in.num_heads * in.num_rows() * sel.topk));
   CPIDX_RETURN_IF_ERROR(shard_topk_keys(in, sel, 1, 0, keys.data(), err));
   return merge_topk_keys(keys.data(), 1, in.num_heads, in.num_rows(), sel, 0, in.num_heads,

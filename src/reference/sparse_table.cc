@@ -8,9 +8,6 @@
 
 namespace cpidx {
 namespace ref {
-
-constexpr int kPagesPerBlock = kBlockSize / 16;  // 16-token pages in one 128-token block
-
 namespace detail {
 
 Status check_table_args(const SparseTableOutput& table, int num_reqs, int query_len,
@@ -49,6 +46,11 @@ Status sparse_table(const int32_t* ids, int64_t ids_row_stride, const int32_t* s
   const int64_t n = int64_t{num_reqs} * query_len;
   CPIDX_CHECK(ids_row_stride >= topk || n == 1,
               "ids_row_stride must be >= topk = " << topk << ", got " << ids_row_stride);
+  detail::CallSpans spans;
+  spans.input({"ids", ids, detail::span_bytes(sizeof(int32_t), topk, {{n, ids_row_stride}})});
+  spans.input({"seq_lens", seq_lens, detail::span_bytes(sizeof(int32_t), num_reqs, {})});
+  spans.table(&table, num_reqs, query_len, max_seq_len, topk);
+  CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
 
   const int64_t width = int64_t{topk} * kPagesPerBlock;
   for (int64_t row = 0; row < n; ++row) {

@@ -3,7 +3,9 @@
 // and the expected value. O(1).
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "cpidx/reference.h"
 #include "reference/internal.h"
@@ -43,6 +45,117 @@ Status check_ids(const TopkOutput& out, int heads, int64_t rows, int topk) {
                      "row_stride (or head_stride >= topk and row_stride >= heads * "
                      "head_stride), got row_stride "
                   << out.row_stride << ", head_stride " << out.head_stride);
+  return Status::ok();
+}
+
+namespace {
+
+using Wide = __int128;  // spans of a fuzzed call's strides must not overflow
+
+}  // namespace
+
+int64_t span_bytes(int elem, int64_t inner,
+                   std::initializer_list<std::pair<int64_t, int64_t>> dims) {
+  if (inner <= 0) return 0;
+  Wide last = inner;
+  for (const auto& [count, stride] : dims) {
+    if (count <= 0) return 0;
+    last += Wide{count - 1} * (stride < 0 ? -Wide{stride} : Wide{stride});
+  }
+  const Wide bytes = last * elem;
+  return bytes > INT64_MAX ? INT64_MAX : static_cast<int64_t>(bytes);
+}
+
+namespace {
+
+int64_t table_rows_bytes(int num_reqs, int64_t row_stride, int32_t max_seq_len) {
+  return span_bytes(sizeof(int32_t), cdiv(max_seq_len, kBlockSize), {{num_reqs, row_stride}});
+}
+
+Span cache_span(const PagedCache& cache) {
+  constexpr int64_t kPage = int64_t{kBlockSize} * kHeadDim;
+  return {"cache (index_cache)", cache.data,
+          span_bytes(dtype_bytes(cache.dtype), kPage, {{cache.num_pages, kPage}})};
+}
+
+bool overlap(const Span& a, const Span& b) {
+  if (a.data == nullptr || b.data == nullptr || a.bytes <= 0 || b.bytes <= 0) return false;
+  const Wide a0 = static_cast<Wide>(reinterpret_cast<uintptr_t>(a.data));
+  const Wide b0 = static_cast<Wide>(reinterpret_cast<uintptr_t>(b.data));
+  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+}
+
+}  // namespace
+
+void CallSpans::decode_inputs(const DecodeInputs& in) {
+  const int64_t rows = in.num_rows();
+  input({"query (index_query)", in.query,
+         span_bytes(sizeof(uint16_t), kHeadDim,
+                    {{rows, in.q_row_stride}, {in.num_heads, in.q_head_stride}})});
+  input(cache_span(in.cache));
+  input({"block_table", in.block_table,
+         table_rows_bytes(in.num_reqs, in.bt_row_stride, in.max_seq_len)});
+  input({"seq_lens", in.seq_lens, span_bytes(sizeof(int32_t), in.num_reqs, {})});
+}
+
+void CallSpans::prefill_inputs(const PrefillInputs& in) {
+  input({"query (index_query)", in.query,
+         span_bytes(sizeof(uint16_t), kHeadDim,
+                    {{in.num_tokens, in.q_row_stride}, {in.num_heads, in.q_head_stride}})});
+  input(cache_span(in.cache));
+  input({"block_table", in.block_table,
+         table_rows_bytes(in.num_reqs, in.bt_row_stride, in.max_seq_len)});
+  input({"cu_seqlens_q", in.cu_seqlens_q,
+         span_bytes(sizeof(int32_t), int64_t{in.num_reqs} + 1, {})});
+  input({"context_lens", in.context_lens, span_bytes(sizeof(int32_t), in.num_reqs, {})});
+  input({"seq_lens", in.seq_lens, span_bytes(sizeof(int32_t), in.num_reqs, {})});
+}
+
+void CallSpans::ids(const TopkOutput& out, int heads, int64_t rows, int topk) {
+  output({"ids output (out)", out.ids,
+          span_bytes(sizeof(int32_t), topk, {{heads, out.head_stride}, {rows, out.row_stride}})});
+}
+
+void CallSpans::table(const SparseTableOutput* t, int num_reqs, int query_len,
+                      int32_t max_seq_len, int topk) {
+  if (t == nullptr || !t->enabled()) return;
+  const int64_t rows = int64_t{num_reqs} * query_len;
+  input({"attention_block_table", t->attention_block_table,
+         table_rows_bytes(num_reqs, t->attn_bt_row_stride, max_seq_len)});
+  output({"sparse table (sparse_block_table_out)", t->table,
+          span_bytes(sizeof(int32_t), int64_t{topk} * kPagesPerBlock,
+                     {{rows, t->table_row_stride}})});
+  output({"sparse context lens (sparse_context_lens_out)", t->context_lens,
+          span_bytes(sizeof(int32_t), rows, {})});
+}
+
+CallSpans decode_spans(const DecodeInputs& in, const TopkOutput& out, int heads, int topk,
+                       const SparseTableOutput* table) {
+  CallSpans spans;
+  spans.decode_inputs(in);
+  spans.ids(out, heads, in.num_rows(), topk);
+  spans.table(table, in.num_reqs, in.query_len, in.max_seq_len, topk);
+  return spans;
+}
+
+Status check_no_aliasing(const CallSpans& spans) {
+  for (int i = 0; i < spans.num_outputs; ++i) {
+    const Span& o = spans.outputs[i];
+    for (int j = i + 1; j < spans.num_outputs; ++j) {
+      const Span& p = spans.outputs[j];
+      CPIDX_CHECK(!overlap(o, p), o.name << " and " << p.name << " share memory (" << o.bytes
+                                         << " bytes at " << o.data << ", " << p.bytes
+                                         << " bytes at " << p.data
+                                         << "): outputs must not overlap each other");
+    }
+    for (int j = 0; j < spans.num_inputs; ++j) {
+      const Span& p = spans.inputs[j];
+      CPIDX_CHECK(!overlap(o, p), o.name << " and " << p.name << " share memory (" << o.bytes
+                                         << " bytes at " << o.data << ", " << p.bytes
+                                         << " bytes at " << p.data
+                                         << "): an output must not overlap an input");
+    }
+  }
   return Status::ok();
 }
 

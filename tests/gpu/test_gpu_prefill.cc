@@ -662,6 +662,56 @@ TEST(GpuPrefill, MixedBatchRefusesNegativePartSizes) {
   }
 }
 
+// An output on an input is refused before any kernel: the Prefiller's ids on cu_seqlens_q, and
+// a mixed batch whose output rows (the decode part's, written first) reach the prefill part's
+// context_lens. The inputs stay as they were; with the ids just past them, both are accepted.
+TEST(GpuPrefill, OutputsOnInputsAreRefused) {
+  SKIP_WITHOUT_GPU();
+  const Selection sel = sel_of(16, 1, 2);
+  const cpidx_test::DecodeData dd = cpidx_test::random_decode(1730, 2, 1, {5000, 900}, 8192);
+  const PrefillCase pc = make_case(1731, 2, {40, 7}, {3000, 100}, DType::kBF16);
+  DeviceBatch db(dd);
+  DevicePrefill dp(pc);
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(dd, sel), 0, &dec).is_ok());
+  std::unique_ptr<cpidx::Prefiller> pre;
+  ASSERT_TRUE(cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok());
+  const int64_t K = sel.topk, rows = dd.rows() + pc.tokens;
+  // One int32 buffer: an input (cu_seqlens_q, or context_lens) and then room for every row.
+  auto buffer_after = [&](const std::vector<int32_t>& input) {
+    std::vector<int32_t> host(input);
+    host.resize(input.size() + static_cast<size_t>(2 * rows * K), cpidx_test::kPoison);
+    return host;
+  };
+  for (const bool mixed : {false, true}) {
+    SCOPED_TRACE(mixed ? "mixed_topk" : "Prefiller::prefill");
+    const std::vector<int32_t>& input = mixed ? pc.context_lens : pc.cu;
+    const std::vector<int32_t> host = buffer_after(input);
+    DeviceVec<int32_t> buf(host);
+    cpidx::PrefillInputs p = dp.inputs(pc);
+    (mixed ? p.context_lens : p.cu_seqlens_q) = buf.ptr;
+    auto run = [&](int32_t* out) {
+      if (!mixed) return pre->prefill(p, {out, pc.tokens * K, K}, nullptr);
+      return cpidx::mixed_topk(*dec, nullptr, db.all_heads(), *pre, p, out, rows * K, K,
+                               nullptr);
+    };
+    const cpidx::Status refused = run(buf.ptr + input.size() - 1);
+    EXPECT_EQ(refused.code(), cpidx::StatusCode::kInvalidArgument) << refused.to_string();
+    const std::string pair =
+        mixed ? "ids output (out) and context_lens" : "ids output (out) and cu_seqlens_q";
+    EXPECT_NE(refused.message().find(pair + " share memory"), std::string::npos)
+        << refused.message();
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(buf.download(), host) << "a refused call wrote";
+    const cpidx::Status ok = run(buf.ptr + input.size());
+    EXPECT_TRUE(ok.is_ok()) << ok.to_string();
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<int32_t> after = buf.download();
+    EXPECT_TRUE(std::equal(input.begin(), input.end(), after.begin()));
+    EXPECT_NE(after[input.size()], cpidx_test::kPoison);
+  }
+}
+
 // A context-parallel mixed batch whose own part fails, or that has no decode rows, still joins
 // cp_decode's agreement (-1, or 0), so a peer that runs cp_decode fails instead of waiting for
 // this rank in a collective.

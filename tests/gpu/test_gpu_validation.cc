@@ -372,6 +372,79 @@ TEST(GpuValidation, ShardKeysAndMerge) {
   }
 }
 
+// An output sharing memory with an input (or with the per-call error flag) is refused by every
+// Decoder entry point before any kernel runs: the inputs in one device buffer with the output
+// placed on their last element stay as they were, and nothing else is written.
+TEST(GpuValidation, OutputsOnInputsAreRefusedByEveryEntryPoint) {
+  SKIP_WITHOUT_GPU();
+  Fixture f(2, 1);  // rank 1 of 2: owns heads 2-3
+  ASSERT_NE(f.dec, nullptr);
+  const int64_t n = f.d.rows();
+  // seq_lens, then room for ids: the ids placed on the seq_lens' last element.
+  std::vector<int32_t> host(f.d.seq_lens);
+  host.resize(host.size() + static_cast<size_t>(kT * n * kK), cpidx_test::kPoison);
+  DeviceVec<int32_t> lens_then_out(host);
+  const int32_t* lens = lens_then_out.ptr;
+  int32_t* on_lens_end = lens_then_out.ptr + f.d.num_reqs() - 1;
+  auto expect_kept = [&](const std::string& where) {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << where;
+    EXPECT_EQ(lens_then_out.download(), host) << where << ": written";
+    f.expect_untouched(where);
+  };
+  DecodeInputs in = f.b.all_heads();
+  in.seq_lens = lens;
+  const cpidx::TopkOutput out_all{on_lens_end, n * kK, kK};
+  const Expected ids_on_lens{kInv, {"ids output (out) and seq_lens share memory"}};
+
+  f.poison();
+  EXPECT_TRUE(failed_as(f.dec->decode(in, out_all, nullptr, nullptr), ids_on_lens));
+  expect_kept("decode");
+  // The per-call error flag on the seq_lens.
+  DecodeInputs flag_on_lens = f.b.all_heads();
+  flag_on_lens.seq_lens = lens;
+  flag_on_lens.error_flag = on_lens_end;
+  f.poison();
+  EXPECT_TRUE(failed_as(f.dec->decode(flag_on_lens, f.dense(), nullptr, nullptr),
+                        {kInv, {"error_flag and seq_lens share memory"}}));
+  expect_kept("decode, error_flag");
+  // shard_keys: keys on the seq_lens.
+  f.poison();
+  EXPECT_TRUE(failed_as(f.dec->shard_keys(in, reinterpret_cast<Key*>(lens_then_out.ptr), nullptr),
+                        {kInv, {"keys and seq_lens share memory"}}));
+  expect_kept("shard_keys");
+  // merge: ids on the seq_lens, and on the gathered keys.
+  DeviceVec<Key> keys(static_cast<size_t>(2 * kT * n * kK));
+  keys.poison();
+  f.poison();
+  EXPECT_TRUE(failed_as(f.dec->merge(keys.ptr, in, {on_lens_end, n * kK, kK}, nullptr, nullptr),
+                        ids_on_lens));
+  expect_kept("merge, seq_lens");
+  f.poison();
+  EXPECT_TRUE(failed_as(
+      f.dec->merge(keys.ptr, f.b.all_heads(),
+                   {reinterpret_cast<int32_t*>(keys.ptr + keys.count) - 1, n * kK, kK}, nullptr,
+                   nullptr),
+      {kInv, {"ids output (out) and gathered keys share memory"}}));
+  for (Key k : keys.download()) ASSERT_EQ(k, 0x7B7B7B7B7B7B7B7Bull) << "merge: gathered written";
+  f.expect_untouched("merge, gathered keys");
+  // cp_decode's checks (before any collective): its local query's rows on the ids.
+  DecodeInputs local = f.b.inputs(2, 2);
+  local.seq_lens = lens;
+  EXPECT_TRUE(failed_as(f.dec->check_cp_decode(local, {on_lens_end, n * kK, kK}, nullptr),
+                        ids_on_lens));
+  // With the ids just past the seq_lens (touching) the calls are accepted, and the decode
+  // writes the ids the Decoder writes into a buffer of their own.
+  int32_t* past_lens = lens_then_out.ptr + f.d.num_reqs();
+  EXPECT_TRUE(f.dec->check_cp_decode(local, {past_lens, n * kK, kK}, nullptr).is_ok());
+  const Status s = f.dec->decode(in, {past_lens, n * kK, kK}, nullptr, nullptr);
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  f.poison();
+  ASSERT_TRUE(f.dec->decode(f.b.all_heads(), f.dense(), nullptr, nullptr).is_ok());
+  const std::vector<int32_t> got = lens_then_out.download(), want = f.ids.download();
+  EXPECT_TRUE(std::equal(got.begin() + f.d.num_reqs(), got.end(), want.begin()));
+  EXPECT_TRUE(std::equal(f.d.seq_lens.begin(), f.d.seq_lens.end(), got.begin()));
+}
+
 TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
   SKIP_WITHOUT_GPU();
   Fixture f(2, 0);  // rank 0 of 2: L = 2
