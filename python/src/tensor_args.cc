@@ -385,7 +385,9 @@ PrefillInputs prefill_inputs(const InArray& index_query, const InArray& index_ca
   check_scalars(1, scale, max_seq_len);
   check_vector(seq_lens, "seq_lens", -1, place);
   const int64_t num_reqs = static_cast<int64_t>(seq_lens.shape(0));
-  if (num_reqs < 1) value_fail("seq_lens: expected at least one request, got shape [0]");
+  if (num_reqs < 1 || num_reqs > INT_MAX) {
+    value_fail(cat("seq_lens: expected 1 to INT_MAX requests, got shape ", shape_str(seq_lens)));
+  }
   check_vector(context_lens, "context_lens", num_reqs, place);
   check_vector(cu_seqlens_q, "cu_seqlens_q", num_reqs + 1, place);
   check_query(index_query, "index_query", place);
