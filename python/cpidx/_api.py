@@ -49,6 +49,18 @@ def _host_bf16(x: Any, name: str) -> Any:
     return x
 
 
+def _check_host_arrays(outputs: tuple, **arrays: Any) -> None:
+    """numpy arrays the binding would refuse with a generic TypeError that names no argument:
+    another byte order than the machine's, and read-only outputs."""
+    for name, a in arrays.items():
+        if not isinstance(a, np.ndarray):
+            continue
+        if not a.dtype.isnative:
+            raise TypeError(f"{name}: expected the machine's byte order, got dtype {a.dtype.str}")
+        if name in outputs and not a.flags.writeable:
+            raise ValueError(f"{name}: expected a writeable array, got a read-only one")
+
+
 def _torch_module():
     """torch if it is already imported (never imports it: the numpy path stays torch-free)."""
     return sys.modules.get("torch")
@@ -436,6 +448,9 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
         return
     if decoder is not None:
         raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
+    _check_host_arrays(("out", "sparse_block_table_out", "sparse_context_lens_out"),
+                       index_query=index_query, index_cache=index_cache, block_table=block_table,
+                       seq_lens=seq_lens, out=out, **table)
     bits = _C.ref_decode_topk(_host_bf16(index_query, "index_query"),
                               _as_bits(_host_bf16(index_cache, "index_cache")), block_table,
                               seq_lens, query_len, out, scale=scale, topk=topk,
@@ -493,6 +508,9 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     if tokens == 0:  # nothing to check or write, on either path
         return
     if not _is_cuda(index_query):
+        _check_host_arrays(("out",), index_query=index_query, index_cache=index_cache,
+                           block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+                           context_lens=context_lens, seq_lens=seq_lens, out=out)
         bits = _C.ref_prefill_topk(_host_bf16(index_query, "index_query"),
                                    _as_bits(_host_bf16(index_cache, "index_cache")), block_table,
                                    cu_seqlens_q, context_lens, seq_lens, out, scale=scale,

@@ -3,7 +3,7 @@
 Destination passing: each op writes into its ``out`` tensors (``mutates_args``) and returns
 nothing, so it is allocation-free on the decode path, works inside ``torch.cuda.graph`` (after a
 warm-up call has created the decoder) and under ``torch.compile`` (the fake implementations
-below only describe that nothing new is returned).
+below describe that nothing new is returned, and check that the tensors share one device).
 
 Every argument is positional and required, ``error_flag`` last (``None``: no flag): torch 2.11
 drops a trailing optional argument left at its default before its in-place bookkeeping, which
@@ -21,6 +21,18 @@ from ._cp import _by_handle
 Tensor = torch.Tensor
 
 
+def _fake_one_device(op: str, first: str, **tensors: Optional[Tensor]) -> None:
+    """The fakes' one check: every tensor on the first one's device. torch runs the fake
+    instead of the op when one tensor is a meta tensor, so without it a meta ``out`` among CPU
+    tensors, passed to ``torch.ops.cpidx.*`` directly, would write nothing and raise nothing.
+    Under torch.compile the fake tensors carry the real devices: a valid call passes."""
+    want = tensors[first].device
+    for name, t in tensors.items():
+        if t is not None and t.device != want:
+            raise ValueError(f"{op}: {name} is on {t.device}, {first} on {want}: every tensor "
+                             "of a call must be on one device")
+
+
 @torch.library.custom_op("cpidx::decode_topk", mutates_args=("out", "error_flag"))
 def decode_topk(index_query: Tensor, index_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                 out: Tensor, query_len: int, scale: float, topk: int, init_blocks: int,
@@ -36,7 +48,9 @@ def decode_topk(index_query: Tensor, index_cache: Tensor, block_table: Tensor, s
 def _decode_topk_fake(index_query, index_cache, block_table, seq_lens, out, query_len, scale,
                       topk, init_blocks, local_blocks, max_seq_len, max_tokens,
                       error_flag) -> None:
-    return None
+    _fake_one_device("cpidx::decode_topk", "index_query", index_query=index_query,
+                     index_cache=index_cache, block_table=block_table, seq_lens=seq_lens,
+                     out=out, error_flag=error_flag)
 
 
 @torch.library.custom_op(
@@ -64,7 +78,11 @@ def _decode_topk_sparse_table_fake(index_query, index_cache, block_table, seq_le
                                    max_tokens, attention_block_table, sparse_block_table_out,
                                    sparse_context_lens_out, block_page_stride,
                                    error_flag) -> None:
-    return None
+    _fake_one_device("cpidx::decode_topk_sparse_table", "index_query", index_query=index_query,
+                     index_cache=index_cache, block_table=block_table, seq_lens=seq_lens,
+                     out=out, attention_block_table=attention_block_table,
+                     sparse_block_table_out=sparse_block_table_out,
+                     sparse_context_lens_out=sparse_context_lens_out, error_flag=error_flag)
 
 
 @torch.library.custom_op("cpidx::prefill_topk", mutates_args=("out", "error_flag"))
@@ -82,7 +100,9 @@ def prefill_topk(index_query: Tensor, index_cache: Tensor, block_table: Tensor,
 def _prefill_topk_fake(index_query, index_cache, block_table, cu_seqlens_q, context_lens,
                        seq_lens, out, scale, topk, init_blocks, local_blocks, max_seq_len,
                        max_tokens, error_flag) -> None:
-    return None
+    _fake_one_device("cpidx::prefill_topk", "index_query", index_query=index_query,
+                     index_cache=index_cache, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+                     context_lens=context_lens, seq_lens=seq_lens, out=out, error_flag=error_flag)
 
 
 @torch.library.custom_op(
@@ -109,7 +129,11 @@ def cp_decode(handle: int, local_q: Tensor, kv_cache: Tensor, block_table: Tenso
 def _cp_decode_fake(handle, local_q, kv_cache, block_table, seq_lens, out, query_len, scale,
                     attention_block_table, sparse_block_table_out, sparse_context_lens_out,
                     block_page_stride, error_flag) -> None:
-    return None
+    _fake_one_device("cpidx::cp_decode", "local_q", local_q=local_q, kv_cache=kv_cache,
+                     block_table=block_table, seq_lens=seq_lens, out=out,
+                     attention_block_table=attention_block_table,
+                     sparse_block_table_out=sparse_block_table_out,
+                     sparse_context_lens_out=sparse_context_lens_out, error_flag=error_flag)
 
 
 # The step's collectives (and its agreement) are a side effect the schema does not show: a graph

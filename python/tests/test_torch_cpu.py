@@ -133,6 +133,20 @@ def test_a_tensor_on_another_device_is_named_before_the_op_runs_its_fake():
         cpidx.prefill_topk(q[:2], k, bt, cu, ctx.to("meta"), sl, out[:, :2], **kw)
     with pytest.raises(ValueError, match="^error_flag: expected one writable int32 element on cpu"):
         cpidx.prefill_topk(q[:2], k, bt, cu, ctx, sl, out[:, :2], error_flag=meta_flag, **kw)
+    # The registered ops called directly (the README's torch.ops form): the fakes check the
+    # devices, so the same mixes raise there too, naming the tensor.
+    ops = torch.ops.cpidx
+    op_args = (0.5, 4, 0, 1, 1024, 0)  # scale, topk, init, local, max_seq_len, max_tokens
+    with pytest.raises(ValueError, match="^cpidx::decode_topk: out is on meta, index_query on cpu"):
+        ops.decode_topk(q, k, bt, sl, out.to("meta"), 1, *op_args, None)
+    with pytest.raises(ValueError, match="^cpidx::decode_topk: error_flag is on meta"):
+        ops.decode_topk(q, k, bt, sl, out, 1, *op_args, meta_flag)
+    with pytest.raises(ValueError, match="^cpidx::prefill_topk: context_lens is on meta"):
+        ops.prefill_topk(q[:2], k, bt, cu, ctx.to("meta"), sl, out[:, :2], *op_args, None)
+    assert (out == -7).all()
+    # All meta (shape propagation): the fakes run, nothing to check.
+    meta = [t.to("meta") for t in (q, k, bt, sl, out)]
+    ops.decode_topk(*meta[:4], meta[4], 1, *op_args, None)
     cpidx.decode_topk(q, k, bt, sl, 1, out, **kw)  # all on the CPU: runs
     assert (out != -7).any()
 
