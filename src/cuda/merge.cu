@@ -121,9 +121,11 @@ cudaError_t launch_pack_queries(const __nv_bfloat16* src, int64_t row_stride,
   const int64_t chunks = n * heads * (kHeadDim / 8);
   if (chunks == 0) return cudaSuccess;
   const int64_t blocks = (chunks + 255) / 256;
-  pack_queries_kernel<<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(
-      src, row_stride, head_stride, n, heads, dst);
-  return cudaGetLastError();
+  // cudaLaunchKernelEx returns this launch's own error (cudaGetLastError after <<<>>> would also
+  // return, and clear, an earlier one of the caller's).
+  return launch_with_pdl(false, pack_queries_kernel,
+                         dim3(static_cast<unsigned>(blocks < 1024 ? blocks : 1024)), dim3(256), 0,
+                         stream, src, row_stride, head_stride, n, heads, dst);
 }
 
 }  // namespace cuda

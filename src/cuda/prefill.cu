@@ -666,25 +666,28 @@ int prefill_splits(int64_t num_tokens, int heads, int sms, int max_splits) {
 
 cudaError_t launch_prefill(const PrefillParams& p, const PrefillLaunch& l, cudaStream_t stream) {
   if (p.splits < 1 || p.splits > kPrefillMaxSplits || p.topk != l.topk) return cudaErrorInvalidValue;
-  prefill_plan_kernel<<<1, kPlanThreads, 0, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
+  // cudaLaunchKernelEx returns each launch's own error (cudaGetLastError after <<<>>> would also
+  // return, and clear, an earlier one of the caller's).
+  cudaError_t e = launch_with_pdl(false, prefill_plan_kernel, dim3(1), dim3(kPlanThreads), 0,
+                                  stream, p);
   if (e != cudaSuccess) return e;
-  const int64_t grid = prefill_max_tiles(p.num_tokens, p.num_reqs, p.num_heads) * p.splits;
+  const dim3 grid(static_cast<unsigned>(prefill_max_tiles(p.num_tokens, p.num_reqs, p.num_heads) *
+                                        p.splits));
   if (l.wgmma) {
     auto* kernel = l.dtype == DType::kBF16 ? prefill_score_wgmma_kernel<DType::kBF16>
                                            : prefill_score_wgmma_kernel<DType::kFP8E4M3>;
-    kernel<<<static_cast<unsigned>(grid), kWgThreads, l.smem_bytes, stream>>>(p, l.stages);
-  } else if (l.dtype == DType::kBF16) {
-    prefill_score_kernel<DType::kBF16>
-        <<<static_cast<unsigned>(grid), kPrefillThreads, l.smem_bytes, stream>>>(p, l.stages);
+    e = launch_with_pdl(false, kernel, grid, dim3(kWgThreads), l.smem_bytes, stream, p, l.stages);
   } else {
-    prefill_score_kernel<DType::kFP8E4M3>
-        <<<static_cast<unsigned>(grid), kPrefillThreads, l.smem_bytes, stream>>>(p, l.stages);
+    auto* kernel = l.dtype == DType::kBF16 ? prefill_score_kernel<DType::kBF16>
+                                           : prefill_score_kernel<DType::kFP8E4M3>;
+    e = launch_with_pdl(false, kernel, grid, dim3(kPrefillThreads), l.smem_bytes, stream, p,
+                        l.stages);
   }
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  if (e != cudaSuccess) return e;
   const int64_t merge_threads = p.num_tokens * p.num_heads * kMergeLanes;
-  prefill_merge_kernel<<<static_cast<unsigned>(cdiv(merge_threads, 256)), 256, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_with_pdl(false, prefill_merge_kernel,
+                         dim3(static_cast<unsigned>(cdiv(merge_threads, 256))), dim3(256), 0,
+                         stream, p);
 }
 
 }  // namespace cuda
