@@ -613,19 +613,36 @@ TEST(GpuPrefill, MixedBatchEqualsSeparateCalls) {
   });
 }
 
+// A mixed batch's two parts on the device: 2 decode requests of 2 heads (5000 and 900 tokens,
+// seed `seed`) and a bf16 prefill case (seed + 1), with a Decoder (plain, or rank `rank` of
+// `world`) and a Prefiller for them, K = 16.
+struct MixedParts {
+  MixedParts(uint64_t seed, int prefill_heads, const std::vector<int32_t>& q_lens,
+             const std::vector<int32_t>& context_lens, int world = 1, int rank = 0)
+      : dd(cpidx_test::random_decode(seed, 2, 1, {5000, 900}, 8192)),
+        pc(make_case(seed + 1, prefill_heads, q_lens, context_lens, DType::kBF16)),
+        db(dd),
+        dp(pc) {
+    made = cpidx::Decoder::create(config_for(dd, sel, world, rank), 0, &dec).is_ok() &&
+           cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok();
+  }
+  const Selection sel = sel_of(16, 1, 2);
+  const cpidx_test::DecodeData dd;
+  const PrefillCase pc;
+  DeviceBatch db;
+  DevicePrefill dp;
+  std::unique_ptr<cpidx::Decoder> dec;
+  std::unique_ptr<cpidx::Prefiller> pre;
+  bool made = false;
+};
+
 // A part is empty only at num_reqs == 0: a negative count (or prefill tokens without requests) is
 // refused before anything runs, where it read as an empty part and left its rows unwritten.
 TEST(GpuPrefill, MixedBatchRefusesNegativePartSizes) {
   SKIP_WITHOUT_GPU();
-  const Selection sel = sel_of(16, 1, 2);
-  const cpidx_test::DecodeData dd = cpidx_test::random_decode(1720, 2, 1, {5000, 900}, 8192);
-  const PrefillCase pc = make_case(1721, 2, {40}, {3000}, DType::kBF16);
-  DeviceBatch db(dd);
-  DevicePrefill dp(pc);
-  std::unique_ptr<cpidx::Decoder> dec;
-  ASSERT_TRUE(cpidx::Decoder::create(config_for(dd, sel), 0, &dec).is_ok());
-  std::unique_ptr<cpidx::Prefiller> pre;
-  ASSERT_TRUE(cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok());
+  MixedParts m(1720, 2, {40}, {3000});
+  ASSERT_TRUE(m.made);
+  const auto& [sel, dd, pc, db, dp, dec, pre, made] = m;
   const int64_t K = sel.topk, max_rows = dd.rows() + pc.tokens;
   DeviceVec<int32_t> out(static_cast<size_t>(2 * max_rows * K));
   struct Case {
@@ -667,15 +684,9 @@ TEST(GpuPrefill, MixedBatchRefusesNegativePartSizes) {
 // context_lens. The inputs stay as they were; with the ids just past them, both are accepted.
 TEST(GpuPrefill, OutputsOnInputsAreRefused) {
   SKIP_WITHOUT_GPU();
-  const Selection sel = sel_of(16, 1, 2);
-  const cpidx_test::DecodeData dd = cpidx_test::random_decode(1730, 2, 1, {5000, 900}, 8192);
-  const PrefillCase pc = make_case(1731, 2, {40, 7}, {3000, 100}, DType::kBF16);
-  DeviceBatch db(dd);
-  DevicePrefill dp(pc);
-  std::unique_ptr<cpidx::Decoder> dec;
-  ASSERT_TRUE(cpidx::Decoder::create(config_for(dd, sel), 0, &dec).is_ok());
-  std::unique_ptr<cpidx::Prefiller> pre;
-  ASSERT_TRUE(cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok());
+  MixedParts m(1730, 2, {40, 7}, {3000, 100});
+  ASSERT_TRUE(m.made);
+  const auto& [sel, dd, pc, db, dp, dec, pre, made] = m;
   const int64_t K = sel.topk, rows = dd.rows() + pc.tokens;
   // One int32 buffer: an input (cu_seqlens_q, or context_lens) and then room for every row.
   auto buffer_after = [&](const std::vector<int32_t>& input) {
@@ -717,16 +728,10 @@ TEST(GpuPrefill, OutputsOnInputsAreRefused) {
 // this rank in a collective.
 TEST(GpuPrefill, MixedBatchJoinsTheAgreementWhenItRunsNoContextParallelDecode) {
   SKIP_WITHOUT_GPU();
-  const Selection sel = sel_of(16, 1, 2);
-  const cpidx_test::DecodeData dd = cpidx_test::random_decode(1710, 2, 1, {5000, 900}, 8192);
-  const PrefillCase pc = make_case(1711, 1, {40}, {3000}, DType::kBF16);
-  DeviceBatch db(dd);
-  DevicePrefill dp(pc);
-  std::unique_ptr<cpidx::Decoder> dec;
-  ASSERT_TRUE(cpidx::Decoder::create(config_for(dd, sel, 2, 0), 0, &dec).is_ok());
+  MixedParts m(1710, 1, {40}, {3000}, 2, 0);
+  ASSERT_TRUE(m.made);
+  const auto& [sel, dd, pc, db, dp, dec, pre, made] = m;
   ASSERT_EQ(dec->geometry().local_heads, 1);
-  std::unique_ptr<cpidx::Prefiller> pre;
-  ASSERT_TRUE(cpidx::Prefiller::create(config_of(pc, sel), 0, &pre).is_ok());
   const int64_t K = sel.topk, max_rows = dd.rows() + pc.tokens;
   DeviceVec<int32_t> out(static_cast<size_t>(max_rows * K));
   out.poison();
