@@ -296,4 +296,28 @@ TEST(Aliasing, EveryReferenceEntryPointRefusesAnOutputOnAnInput) {
   EXPECT_EQ(d.cache_bf16, cache_before);
 }
 
+// A context-parallel rank whose error word overlaps its inputs is refused before the
+// agreement, so its peers fail with it instead of waiting in the key gather.
+TEST(Aliasing, AContextParallelRankWithAnOverlappingErrorWordFailsEveryRank) {
+  const DecodeData d = random_decode(4343, 2, 1, {300, 700}, 1024);
+  std::vector<cpidx::Status> got(2);
+  run_ranks(2, [&](int rank, cpidx::Communicator& comm) {
+    cpidx::Geometry g;
+    ASSERT_TRUE(cpidx::make_geometry(2, 2, rank, &g).is_ok());
+    std::vector<int32_t> lens = d.seq_lens;
+    IdsBuffer ids(1, d.rows(), kTopK);
+    int32_t own_err = 0;
+    int32_t* err = rank == 0 ? lens.data() + 1 : &own_err;  // rank 0's on its seq_lens
+    cpidx::DecodeInputs local = d.inputs(rank, 1);
+    local.seq_lens = lens.data();
+    got[static_cast<size_t>(rank)] =
+        cpidx::ref::cp_decode(comm, g, local, {kTopK, 0, 1}, ids.out(), nullptr, err);
+    EXPECT_TRUE(ids.all_poison()) << "rank " << rank;
+    EXPECT_EQ(lens, d.seq_lens) << "rank " << rank;
+  });
+  EXPECT_NE(got[0].message().find("err and seq_lens share memory"), std::string::npos)
+      << got[0].to_string();
+  EXPECT_FALSE(got[1].is_ok()) << "rank 1 went on alone";
+}
+
 }  // namespace

@@ -49,9 +49,28 @@ def _host_bf16(x: Any, name: str) -> Any:
     return x
 
 
-def _check_host_arrays(outputs: tuple, **arrays: Any) -> None:
-    """numpy arrays the binding would refuse with a generic TypeError that names no argument:
-    another byte order than the machine's, and read-only outputs."""
+def _host_bytes(x: Any) -> Optional[tuple]:
+    """[first byte, past the last) of a host array or CPU tensor, from its strides; None when it
+    is empty or neither."""
+    if isinstance(x, np.ndarray):
+        base, item, strides = x.__array_interface__["data"][0], x.itemsize, x.strides
+    elif _is_torch(x) and not x.is_cuda and x.device.type == "cpu":
+        item = x.element_size()
+        base, strides = x.data_ptr(), [st * item for st in x.stride()]
+    else:
+        return None
+    if any(n == 0 for n in x.shape):
+        return None
+    lo = base + sum((n - 1) * st for n, st in zip(x.shape, strides) if st < 0)
+    hi = base + item + sum((n - 1) * st for n, st in zip(x.shape, strides) if st > 0)
+    return lo, hi
+
+
+def _check_host_arrays(outputs: tuple, error_flag: Any, **arrays: Any) -> None:
+    """What the binding cannot name on the host path: numpy arrays of another byte order than
+    the machine's, and read-only outputs (its generic TypeError names no argument); and an
+    error flag sharing memory with an argument (on the host the flag is ORed here, after the
+    call, so the library's own check never sees it)."""
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray):
             continue
@@ -59,6 +78,14 @@ def _check_host_arrays(outputs: tuple, **arrays: Any) -> None:
             raise TypeError(f"{name}: expected the machine's byte order, got dtype {a.dtype.str}")
         if name in outputs and not a.flags.writeable:
             raise ValueError(f"{name}: expected a writeable array, got a read-only one")
+    flag = _host_bytes(error_flag)
+    if flag is None:
+        return
+    for name, a in arrays.items():
+        span = _host_bytes(a)
+        if span is not None and flag[0] < span[1] and span[0] < flag[1]:
+            raise ValueError(f"error_flag and {name} share memory: an output must not overlap "
+                             "another argument")
 
 
 def _torch_module():
@@ -448,11 +475,12 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
         return
     if decoder is not None:
         raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
-    _check_host_arrays(("out", "sparse_block_table_out", "sparse_context_lens_out"),
-                       index_query=index_query, index_cache=index_cache, block_table=block_table,
+    query = _host_bf16(index_query, "index_query")  # float arrays of any byte order: bf16 bits
+    cache = _as_bits(_host_bf16(index_cache, "index_cache"))
+    _check_host_arrays(("out", "sparse_block_table_out", "sparse_context_lens_out"), error_flag,
+                       index_query=query, index_cache=cache, block_table=block_table,
                        seq_lens=seq_lens, out=out, **table)
-    bits = _C.ref_decode_topk(_host_bf16(index_query, "index_query"),
-                              _as_bits(_host_bf16(index_cache, "index_cache")), block_table,
+    bits = _C.ref_decode_topk(query, cache, block_table,
                               seq_lens, query_len, out, scale=scale, topk=topk,
                               init_blocks=init_blocks, local_blocks=local_blocks,
                               max_seq_len=max_seq_len, **table)
@@ -508,11 +536,12 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     if tokens == 0:  # nothing to check or write, on either path
         return
     if not _is_cuda(index_query):
-        _check_host_arrays(("out",), index_query=index_query, index_cache=index_cache,
+        query = _host_bf16(index_query, "index_query")
+        cache = _as_bits(_host_bf16(index_cache, "index_cache"))
+        _check_host_arrays(("out",), error_flag, index_query=query, index_cache=cache,
                            block_table=block_table, cu_seqlens_q=cu_seqlens_q,
                            context_lens=context_lens, seq_lens=seq_lens, out=out)
-        bits = _C.ref_prefill_topk(_host_bf16(index_query, "index_query"),
-                                   _as_bits(_host_bf16(index_cache, "index_cache")), block_table,
+        bits = _C.ref_prefill_topk(query, cache, block_table,
                                    cu_seqlens_q, context_lens, seq_lens, out, scale=scale,
                                    topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                                    max_seq_len=max_seq_len)

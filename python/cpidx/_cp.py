@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from . import _C
 from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, HostGroupError, _as_bits,
-                   _cache_dtype_name, _capture_refusal, _check_error_flag, _or_host_error_bits,
-                   _refuse_during_capture, registry)
+                   _cache_dtype_name, _capture_refusal, _check_error_flag, _check_host_arrays,
+                   _or_host_error_bits, _refuse_during_capture, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
@@ -587,6 +587,9 @@ class IndexerCPDecode:
             if local_q.dim() != 3 or local_q.shape[1] != self.local_heads:
                 raise ValueError(f"local_q: expected shape [n, {self.local_heads}, 128] (this "
                                  f"rank's heads), got {list(local_q.shape)}")
+            if not self._cuda:  # the flag is ORed here after the step: the library never sees it
+                _check_host_arrays((), error_flag, local_q=local_q, kv_cache=kv_cache,
+                                   block_table=block_table, seq_lens=seq_lens, out=out, **table)
             if not full:
                 return n, None
             args = (local_q, _as_bits(kv_cache), block_table, seq_lens, query_len, out)

@@ -531,6 +531,29 @@ def test_an_explicit_decoder_must_match_the_call():
             _check_decoder_matches(dec, **dict(same, **{name: value}))
 
 
+def test_host_error_flag_on_an_argument_is_refused_and_float_inputs_take_any_byte_order():
+    kw = _valid()
+    want = cpidx.decode_topk(**kw).copy()
+    # The flag is ORed by Python after a host call: it must not share memory with any argument.
+    for name in ("out", "seq_lens", "block_table"):
+        kw = _valid()
+        before = kw[name].copy()
+        flag = kw[name].reshape(-1)[1:2]
+        with pytest.raises(ValueError, match=f"^error_flag and {name} share memory"):
+            cpidx.decode_topk(**kw, error_flag=flag)
+        np.testing.assert_array_equal(kw[name], before)
+    case, query, cache, bt, cu, ctx, sl, msl = _golden_prefill_inputs()
+    out = np.zeros((case["T"], sum(case["q_lens"]), case["K"]), np.int32)
+    with pytest.raises(ValueError, match="^error_flag and context_lens share memory"):
+        cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out, scale=1.0, topk=case["K"],
+                           max_seq_len=msl, error_flag=ctx[:1])
+    # Float queries and caches are rounded to bf16 whatever their byte order.
+    kw = _valid()
+    kw["index_query"] = cpidx.bf16_to_float32(kw["index_query"]).astype(">f4")
+    kw["index_cache"] = cpidx.bf16_to_float32(kw["index_cache"]).astype(">f4")
+    np.testing.assert_array_equal(cpidx.decode_topk(**kw), want)
+
+
 def test_error_flag_reports_clamped_values_and_ids_follow_the_clamp():
     """Bad device-side values are clamped (CONTRACT.md section 8): the call ORs their bits into
     error_flag, and its ids are those of the clamped inputs."""

@@ -232,6 +232,21 @@ def test_a_cpu_instance_made_for_cpu_0_takes_cpu_tensors():
     assert torch.equal(got, want)
 
 
+def test_a_cpu_instance_refuses_an_error_flag_on_its_arguments():
+    # On the host the flag is ORed by Python after the step, where the library cannot see it.
+    b, (q, k, bt, sl), cp, want = _one_rank_step(12)
+    for where in ("out", "seq_lens"):
+        got = torch.full_like(want, 77)
+        lens = sl.clone()
+        flag = (got if where == "out" else lens).reshape(-1)[1:2]
+        with pytest.raises(ValueError, match=f"^error_flag and {where} share memory"):
+            cp(q, k, bt, lens, 2, got, scale=b.scale, error_flag=flag)
+        assert (got == 77).all() and torch.equal(lens, sl)
+    got = torch.full_like(want, 77)
+    cp(q, k, bt, sl, 2, got, scale=b.scale, error_flag=torch.zeros(1, dtype=torch.int32))
+    assert torch.equal(got, want)
+
+
 def test_cp_decode_op_is_the_instances_step_eager_compiled_and_checked():
     b, (q, k, bt, sl), cp, want = _one_rank_step(9)
     got = _cp_op(cp, q, k, bt, sl, 2, torch.full_like(want, 77), b.scale)

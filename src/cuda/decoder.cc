@@ -112,9 +112,10 @@ struct Decoder::Impl {
 
   // Outputs of a step with `heads` heads over `n` rows: ids strides that do not overlap, and
   // every sparse-table argument (all or none, strides, widths) before any kernel runs; then
-  // no output sharing memory with another or with an input (`gathered`: the merge's keys).
+  // no output sharing memory with another or with an input. A merge (`gathered`: its keys)
+  // reads only those keys, and seq_lens for a sparse table, and raises no error bit.
   Status check_outputs(const TopkOutput& out, int heads, const DecodeInputs& batch,
-                       const SparseTableOutput* table, ref::detail::Span gathered = {}) const {
+                       const SparseTableOutput* table, const Key* gathered = nullptr) const {
     CPIDX_RETURN_IF_ERROR(ref::detail::check_ids(out, heads, batch.num_rows(), cfg.sel.topk));
     if (table != nullptr) {
       CPIDX_RETURN_IF_ERROR(ref::validate(*table, heads));
@@ -123,10 +124,22 @@ struct Decoder::Impl {
             *table, batch.num_reqs, batch.query_len, cfg.max_seq_len, cfg.sel.topk));
       }
     }
-    ref::detail::CallSpans spans =
-        ref::detail::decode_spans(batch, out, heads, cfg.sel.topk, table);
-    spans.output({"error_flag", batch.error_flag, sizeof(int32_t)});
-    spans.input(gathered);
+    DecodeInputs step = batch;
+    step.max_seq_len = cfg.max_seq_len;  // the tables' columns read (a merge's batch may omit it)
+    ref::detail::CallSpans spans;
+    if (gathered == nullptr) {
+      spans = ref::detail::decode_spans(step, out, heads, cfg.sel.topk, table);
+      spans.output({"error_flag", step.error_flag, sizeof(int32_t)});
+    } else {
+      spans.input({"gathered keys", gathered,
+                   static_cast<int64_t>(sizeof(Key)) * cfg.world_size * cfg.total_heads *
+                       step.num_rows() * cfg.sel.topk});
+      if (table != nullptr && table->enabled()) {
+        spans.input({"seq_lens", step.seq_lens, int64_t{sizeof(int32_t)} * step.num_reqs});
+      }
+      spans.ids(out, heads, step.num_rows(), cfg.sel.topk);
+      spans.table(table, step.num_reqs, step.query_len, step.max_seq_len, cfg.sel.topk);
+    }
     return ref::detail::check_no_aliasing(spans);
   }
 
@@ -351,10 +364,8 @@ Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const Topk
   CPIDX_CHECK(batch.num_rows() <= impl_->cfg.max_tokens,
               "num_reqs * query_len (" << batch.num_rows() << ") exceeds max_tokens ("
                                        << impl_->cfg.max_tokens << ")");
-  const int64_t gathered_bytes = static_cast<int64_t>(sizeof(Key)) * impl_->cfg.world_size *
-                                 impl_->cfg.total_heads * batch.num_rows() * impl_->cfg.sel.topk;
-  CPIDX_RETURN_IF_ERROR(impl_->check_outputs(out, impl_->geo.local_heads, batch, table,
-                                             {"gathered keys", gathered, gathered_bytes}));
+  CPIDX_RETURN_IF_ERROR(
+      impl_->check_outputs(out, impl_->geo.local_heads, batch, table, gathered));
   return impl_->launch_merge(gathered, nullptr, batch, out, table, stream);
 }
 

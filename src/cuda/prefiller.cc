@@ -210,12 +210,17 @@ Status mixed_topk(Decoder& dec, Communicator* comm, const DecodeInputs& decode_r
                                             << decode_heads << ")");
     if (!has_decode && !has_prefill) return Status::ok();
     CPIDX_RETURN_IF_ERROR(ref::detail::check_ids(all, heads, nd + np, k));
-    // Each part checks its own rows; the decode part's rows must not overlap the prefill
-    // part's inputs either (the prefill reads them after the decode wrote).
+    // Each part checks its own rows; across the parts, neither's outputs (rows, error flag) may
+    // overlap the other's inputs or outputs either: the prefill runs after the decode wrote. One
+    // flag shared by both parts is fine.
     ref::detail::CallSpans spans;
     if (has_decode) spans.decode_inputs(decode_rows);
     if (has_prefill) spans.prefill_inputs(prefill_rows);
     spans.ids(all, heads, nd + np, k);
+    if (has_decode) spans.output({"decode error_flag", decode_rows.error_flag, sizeof(int32_t)});
+    if (has_prefill && !(has_decode && prefill_rows.error_flag == decode_rows.error_flag)) {
+      spans.output({"prefill error_flag", prefill_rows.error_flag, sizeof(int32_t)});
+    }
     CPIDX_RETURN_IF_ERROR(ref::detail::check_no_aliasing(spans));
     if (has_prefill) CPIDX_RETURN_IF_ERROR(pre.validate(prefill_rows, prefill_out));
     return Status::ok();

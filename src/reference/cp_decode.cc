@@ -19,7 +19,8 @@ double elapsed_ms(Clock::time_point since) {
 }
 
 Status check_local(const Communicator& comm, const Geometry& geo, const DecodeInputs& local,
-                   const Selection& sel, const TopkOutput& out, const SparseTableOutput* table) {
+                   const Selection& sel, const TopkOutput& out, const SparseTableOutput* table,
+                   const int32_t* err) {
   CPIDX_CHECK(comm.memory_space() == MemorySpace::kHost,
               "cp_decode (CPU reference) needs a host-memory communicator");
   CPIDX_CHECK(comm.world_size() == geo.world_size && comm.rank() == geo.rank,
@@ -43,8 +44,11 @@ Status check_local(const Communicator& comm, const Geometry& geo, const DecodeIn
                                                      local.max_seq_len, sel.topk));
     }
   }
-  return detail::check_no_aliasing(
-      detail::decode_spans(local, out, geo.local_heads, sel.topk, table));
+  // Here, before the agreement: a rank refused later (by shard_topk_keys) would leave its
+  // peers in the key gather.
+  detail::CallSpans spans = detail::decode_spans(local, out, geo.local_heads, sel.topk, table);
+  spans.output({"err", err, err != nullptr ? int64_t{sizeof(int32_t)} : 0});
+  return detail::check_no_aliasing(spans);
 }
 
 }  // namespace
@@ -67,7 +71,7 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
                  int32_t* err, CpStageTimes* times) {
   // Every rank joins the agreement even when its own inputs are bad (it sends -1), so a
   // mistake on one rank is an error on all ranks, never a hang in a later collective.
-  const Status local_status = check_local(comm, geo, local, sel, out, table);
+  const Status local_status = check_local(comm, geo, local, sel, out, table, err);
   const long long n_or_bad = local_status.is_ok() ? local.num_rows() : -1;
   const Status agree_rows =
       comm.check_agree(n_or_bad, "decode rows n = num_reqs * query_len (-1: inputs rejected)");
