@@ -721,6 +721,29 @@ TEST(GpuPrefill, OutputsOnInputsAreRefused) {
     EXPECT_TRUE(std::equal(input.begin(), input.end(), after.begin()));
     EXPECT_NE(after[input.size()], cpidx_test::kPoison);
   }
+  // A mixed batch's prefill error flag inside the decode part's rows: refused (the prefill would
+  // OR its bits into decode ids); one flag of its own shared by both parts: accepted.
+  DeviceVec<int32_t> out(static_cast<size_t>(2 * rows * K));
+  DeviceVec<int32_t> shared_flag(1);
+  CUDA_OK(cudaMemset(shared_flag.ptr, 0, sizeof(int32_t)));
+  cpidx::DecodeInputs d = db.all_heads();
+  cpidx::PrefillInputs p = dp.inputs(pc);
+  p.error_flag = out.ptr + 3;
+  out.poison();
+  const cpidx::Status refused =
+      cpidx::mixed_topk(*dec, nullptr, d, *pre, p, out.ptr, rows * K, K, nullptr);
+  EXPECT_NE(refused.message().find("ids output (out) and prefill error_flag share memory"),
+            std::string::npos)
+      << refused.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t> untouched = out.download();
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(),
+                          [](int32_t v) { return v == cpidx_test::kPoison; }));
+  d.error_flag = p.error_flag = shared_flag.ptr;
+  const cpidx::Status ok = cpidx::mixed_topk(*dec, nullptr, d, *pre, p, out.ptr, rows * K, K,
+                                             nullptr);
+  EXPECT_TRUE(ok.is_ok()) << ok.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
 }
 
 // A context-parallel mixed batch whose own part fails, or that has no decode rows, still joins
