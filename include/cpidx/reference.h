@@ -26,6 +26,11 @@ float cache_value(const PagedCache& cache, int64_t page, int token, int dim);
 Status validate(const DecodeInputs& in, const Selection& sel, int64_t max_tokens = -1);
 Status validate(const PrefillInputs& in, const Selection& sel);
 Status validate(const SparseTableOutput& table, int local_heads);
+// A decode step's outputs (ids over `heads` heads, the sparse table if enabled) sharing memory
+// with one another or with `in`'s arrays, each taken from its first element to its last: an
+// error naming both. Every entry point runs it; exposed for callers that check a step ahead.
+Status check_no_aliasing(const DecodeInputs& in, const TopkOutput& out, int heads, int topk,
+                         const SparseTableOutput* table);
 
 // Shard block scores S[h][row][l] for local slots l < W = owned_blocks(G, world, rank), global
 // block g = l * world + rank. Blocks at or past the row's visible count hold -inf.

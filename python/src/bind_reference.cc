@@ -133,11 +133,12 @@ void ref_check_cp_decode(const InArray& local_q, const InArray& kv_cache,
                               .c_str());
   }
   check_status(ref::validate(b.in, sel, max_tokens));
-  topk_output(out, local_heads, b.rows, topk, kHost);
+  const TopkOutput o = topk_output(out, local_heads, b.rows, topk, kHost);
   const SparseTableOutput t = sparse_table_output(
       attention_block_table, sparse_block_table_out, sparse_context_lens_out, block_page_stride,
       b.in.num_reqs, b.rows, topk, max_seq_len, kHost);
   check_status(ref::validate(t, local_heads));
+  check_status(ref::check_no_aliasing(b.in, o, local_heads, topk, t.enabled() ? &t : nullptr));
 }
 
 }  // namespace

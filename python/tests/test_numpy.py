@@ -554,6 +554,23 @@ def test_host_error_flag_on_an_argument_is_refused_and_float_inputs_take_any_byt
     np.testing.assert_array_equal(cpidx.decode_topk(**kw), want)
 
 
+def test_a_context_parallel_step_check_refuses_an_output_on_an_input():
+    # What a CPU IndexerCPDecode rank checks before its collectives (and agrees on): an output
+    # over an input too, as the reference cp_decode, the GPU and the one-rank path refuse it.
+    kw = _valid()
+    args = dict(scale=0.5, topk=4, init_blocks=0, local_blocks=1, max_seq_len=512,
+                local_heads=2, max_tokens=16, max_query_len=2)
+    names = ("index_query", "index_cache", "block_table", "seq_lens", "query_len", "out")
+
+    def check(kw):
+        _C.ref_check_cp_decode(*(kw[n] for n in names), **args)
+
+    check(kw)
+    kw = _out_on(_valid(), "seq_lens")
+    with pytest.raises(ValueError, match=r"^ids output \(out\) and seq_lens share memory"):
+        check(kw)
+
+
 def test_error_flag_reports_clamped_values_and_ids_follow_the_clamp():
     """Bad device-side values are clamped (CONTRACT.md section 8): the call ORs their bits into
     error_flag, and its ids are those of the clamped inputs."""

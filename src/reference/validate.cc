@@ -248,6 +248,11 @@ Status validate(const PrefillInputs& in, const Selection& sel) {
   return Status::ok();
 }
 
+Status check_no_aliasing(const DecodeInputs& in, const TopkOutput& out, int heads, int topk,
+                         const SparseTableOutput* table) {
+  return detail::check_no_aliasing(detail::decode_spans(in, out, heads, topk, table));
+}
+
 Status validate(const SparseTableOutput& table, int local_heads) {
   const int given = (table.attention_block_table != nullptr) + (table.table != nullptr) +
                     (table.context_lens != nullptr) + (table.block_page_stride != 0);

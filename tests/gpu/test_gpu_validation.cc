@@ -424,6 +424,18 @@ TEST(GpuValidation, OutputsOnInputsAreRefusedByEveryEntryPoint) {
       {kInv, {"ids output (out) and gathered keys share memory"}}));
   for (Key k : keys.download()) ASSERT_EQ(k, 0x7B7B7B7B7B7B7B7Bull) << "merge: gathered written";
   f.expect_untouched("merge, gathered keys");
+  // A merge without a sparse table reads no seq_lens (nor the query, cache or block table):
+  // ids over them are accepted, as by the reference's merge_topk_keys.
+  {
+    DeviceVec<int32_t> lens_copy(host);
+    DecodeInputs merge_batch = f.b.all_heads();
+    merge_batch.seq_lens = lens_copy.ptr;
+    merge_batch.max_seq_len = 0;  // a merge's batch need not carry it
+    const Status s =
+        f.dec->merge(keys.ptr, merge_batch, {lens_copy.ptr + 1, n * kK, kK}, nullptr, nullptr);
+    EXPECT_TRUE(s.is_ok()) << s.to_string();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
   // cp_decode's checks (before any collective): its local query's rows on the ids.
   DecodeInputs local = f.b.inputs(2, 2);
   local.seq_lens = lens;
