@@ -139,21 +139,20 @@ CallSpans decode_spans(const DecodeInputs& in, const TopkOutput& out, int heads,
 }
 
 Status check_no_aliasing(const CallSpans& spans) {
+  auto apart = [](const Span& o, const Span& p, const char* rule) -> Status {
+    CPIDX_CHECK(!overlap(o, p), o.name << " and " << p.name << " share memory (" << o.bytes
+                                       << " bytes at " << o.data << ", " << p.bytes
+                                       << " bytes at " << p.data << "): " << rule);
+    return Status::ok();
+  };
   for (int i = 0; i < spans.num_outputs; ++i) {
     const Span& o = spans.outputs[i];
     for (int j = i + 1; j < spans.num_outputs; ++j) {
-      const Span& p = spans.outputs[j];
-      CPIDX_CHECK(!overlap(o, p), o.name << " and " << p.name << " share memory (" << o.bytes
-                                         << " bytes at " << o.data << ", " << p.bytes
-                                         << " bytes at " << p.data
-                                         << "): outputs must not overlap each other");
+      CPIDX_RETURN_IF_ERROR(
+          apart(o, spans.outputs[j], "outputs must not overlap each other"));
     }
     for (int j = 0; j < spans.num_inputs; ++j) {
-      const Span& p = spans.inputs[j];
-      CPIDX_CHECK(!overlap(o, p), o.name << " and " << p.name << " share memory (" << o.bytes
-                                         << " bytes at " << o.data << ", " << p.bytes
-                                         << " bytes at " << p.data
-                                         << "): an output must not overlap an input");
+      CPIDX_RETURN_IF_ERROR(apart(o, spans.inputs[j], "an output must not overlap an input"));
     }
   }
   return Status::ok();
