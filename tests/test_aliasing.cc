@@ -4,7 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpidx/comm.h"
@@ -301,20 +306,33 @@ TEST(Aliasing, EveryReferenceEntryPointRefusesAnOutputOnAnInput) {
 TEST(Aliasing, AContextParallelRankWithAnOverlappingErrorWordFailsEveryRank) {
   const DecodeData d = random_decode(4343, 2, 1, {300, 700}, 1024);
   std::vector<cpidx::Status> got(2);
-  run_ranks(2, [&](int rank, cpidx::Communicator& comm) {
-    cpidx::Geometry g;
-    ASSERT_TRUE(cpidx::make_geometry(2, 2, rank, &g).is_ok());
-    std::vector<int32_t> lens = d.seq_lens;
-    IdsBuffer ids(1, d.rows(), kTopK);
-    int32_t own_err = 0;
-    int32_t* err = rank == 0 ? lens.data() + 1 : &own_err;  // rank 0's on its seq_lens
-    cpidx::DecodeInputs local = d.inputs(rank, 1);
-    local.seq_lens = lens.data();
-    got[static_cast<size_t>(rank)] =
-        cpidx::ref::cp_decode(comm, g, local, {kTopK, 0, 1}, ids.out(), nullptr, err);
-    EXPECT_TRUE(ids.all_poison()) << "rank " << rank;
-    EXPECT_EQ(lens, d.seq_lens) << "rank " << rank;
+  // A rank failing alone leaves the other in a collective with no timeout: a watchdog turns
+  // that hang into a failure.
+  std::promise<void> finished;
+  std::future<void> done = finished.get_future();
+  std::thread ranks([&] {
+    run_ranks(2, [&](int rank, cpidx::Communicator& comm) {
+      cpidx::Geometry g;
+      ASSERT_TRUE(cpidx::make_geometry(2, 2, rank, &g).is_ok());
+      std::vector<int32_t> lens = d.seq_lens;
+      IdsBuffer ids(1, d.rows(), kTopK);
+      int32_t own_err = 0;
+      int32_t* err = rank == 0 ? lens.data() + 1 : &own_err;  // rank 0's on its seq_lens
+      cpidx::DecodeInputs local = d.inputs(rank, 1);
+      local.seq_lens = lens.data();
+      got[static_cast<size_t>(rank)] =
+          cpidx::ref::cp_decode(comm, g, local, {kTopK, 0, 1}, ids.out(), nullptr, err);
+      EXPECT_TRUE(ids.all_poison()) << "rank " << rank;
+      EXPECT_EQ(lens, d.seq_lens) << "rank " << rank;
+    });
+    finished.set_value();
   });
+  if (done.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::fprintf(stderr, "FAILED: a rank is still waiting in a collective after 60 s\n");
+    std::fflush(nullptr);
+    std::_Exit(1);
+  }
+  ranks.join();
   EXPECT_NE(got[0].message().find("err and seq_lens share memory"), std::string::npos)
       << got[0].to_string();
   EXPECT_FALSE(got[1].is_ok()) << "rank 1 went on alone";
