@@ -124,22 +124,15 @@ struct Decoder::Impl {
             *table, batch.num_reqs, batch.query_len, cfg.max_seq_len, cfg.sel.topk));
       }
     }
-    DecodeInputs step = batch;
-    step.max_seq_len = cfg.max_seq_len;  // the tables' columns read (a merge's batch may omit it)
-    ref::detail::CallSpans spans;
-    if (gathered == nullptr) {
-      spans = ref::detail::decode_spans(step, out, heads, cfg.sel.topk, table);
-      spans.output({"error_flag", step.error_flag, sizeof(int32_t)});
-    } else {
-      spans.input({"gathered keys", gathered,
-                   static_cast<int64_t>(sizeof(Key)) * cfg.world_size * cfg.total_heads *
-                       step.num_rows() * cfg.sel.topk});
-      if (table != nullptr && table->enabled()) {
-        spans.input({"seq_lens", step.seq_lens, int64_t{sizeof(int32_t)} * step.num_reqs});
-      }
-      spans.ids(out, heads, step.num_rows(), cfg.sel.topk);
-      spans.table(table, step.num_reqs, step.query_len, step.max_seq_len, cfg.sel.topk);
+    if (gathered != nullptr) {  // over the Decoder's max_seq_len: a merge's batch may omit it
+      return ref::detail::check_no_aliasing(ref::detail::merge_spans(
+          gathered, cfg.world_size, cfg.total_heads, batch.num_rows(), cfg.sel.topk,
+          batch.seq_lens, batch.num_reqs, batch.query_len, cfg.max_seq_len, out, heads, table));
     }
+    // batch.max_seq_len equals the Decoder's here (check_inputs required it).
+    ref::detail::CallSpans spans =
+        ref::detail::decode_spans(batch, out, heads, cfg.sel.topk, table);
+    spans.flag("error_flag", batch.error_flag);
     return ref::detail::check_no_aliasing(spans);
   }
 
@@ -337,10 +330,9 @@ Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t strea
               "keys must be 8-byte aligned, got address " << keys);
   ref::detail::CallSpans spans;
   spans.decode_inputs(in);
-  spans.output({"keys", keys,
-                static_cast<int64_t>(sizeof(Key)) * in.num_heads * in.num_rows() *
-                    impl_->cfg.sel.topk});
-  spans.output({"error_flag", in.error_flag, sizeof(int32_t)});
+  spans.output(ref::detail::CallSpans::keys("keys", keys, in.num_heads * in.num_rows(),
+                                            impl_->cfg.sel.topk));
+  spans.flag("error_flag", in.error_flag);
   CPIDX_RETURN_IF_ERROR(ref::detail::check_no_aliasing(spans));
   cuda::ScoreTopkParams p =
       impl_->score_params(in, impl_->cfg.world_size, impl_->cfg.rank);

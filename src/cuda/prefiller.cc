@@ -166,7 +166,7 @@ Status Prefiller::validate(const PrefillInputs& in, const TopkOutput& out) const
   ref::detail::CallSpans spans;
   spans.prefill_inputs(in);
   spans.ids(out, in.num_heads, in.num_tokens, c.sel.topk);
-  spans.output({"error_flag", in.error_flag, sizeof(int32_t)});
+  spans.flag("error_flag", in.error_flag);
   return ref::detail::check_no_aliasing(spans);
 }
 
@@ -217,9 +217,9 @@ Status mixed_topk(Decoder& dec, Communicator* comm, const DecodeInputs& decode_r
     if (has_decode) spans.decode_inputs(decode_rows);
     if (has_prefill) spans.prefill_inputs(prefill_rows);
     spans.ids(all, heads, nd + np, k);
-    if (has_decode) spans.output({"decode error_flag", decode_rows.error_flag, sizeof(int32_t)});
+    if (has_decode) spans.flag("decode error_flag", decode_rows.error_flag);
     if (has_prefill && !(has_decode && prefill_rows.error_flag == decode_rows.error_flag)) {
-      spans.output({"prefill error_flag", prefill_rows.error_flag, sizeof(int32_t)});
+      spans.flag("prefill error_flag", prefill_rows.error_flag);
     }
     CPIDX_RETURN_IF_ERROR(ref::detail::check_no_aliasing(spans));
     if (has_prefill) CPIDX_RETURN_IF_ERROR(pre.validate(prefill_rows, prefill_out));

@@ -47,7 +47,7 @@ Status check_local(const Communicator& comm, const Geometry& geo, const DecodeIn
   // Here, before the agreement: a rank refused later (by shard_topk_keys) would leave its
   // peers in the key gather.
   detail::CallSpans spans = detail::decode_spans(local, out, geo.local_heads, sel.topk, table);
-  spans.output({"err", err, err != nullptr ? int64_t{sizeof(int32_t)} : 0});
+  spans.flag("err", err);
   return detail::check_no_aliasing(spans);
 }
 

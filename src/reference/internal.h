@@ -89,6 +89,12 @@ struct CallSpans {
   // A sparse-table call's attention block table (read) and its two outputs, when enabled.
   void table(const SparseTableOutput* table, int num_reqs, int query_len, int32_t max_seq_len,
              int topk);
+  // One int32 error word the call ORs into (null: none).
+  void flag(const char* name, const int32_t* word) { output({name, word, sizeof(int32_t)}); }
+  // `lists` lists of `topk` keys.
+  static Span keys(const char* name, const Key* keys, int64_t lists, int topk) {
+    return {name, keys, static_cast<int64_t>(sizeof(Key)) * lists * topk};
+  }
 };
 
 // A call's outputs must share no memory with one another or with any of its inputs: the
@@ -101,6 +107,12 @@ Status check_no_aliasing(const CallSpans& spans);
 // The spans of a decode step: decode_inputs(in), ids over `heads` heads and the sparse table.
 CallSpans decode_spans(const DecodeInputs& in, const TopkOutput& out, int heads, int topk,
                        const SparseTableOutput* table);
+
+// The spans of a merge of `world` ranks' key lists over `total_heads` heads and n rows: it
+// reads only those keys, and seq_lens when it writes the sparse table; raises no error bit.
+CallSpans merge_spans(const Key* gathered, int world, int total_heads, int64_t n, int topk,
+                      const int32_t* seq_lens, int num_reqs, int query_len, int32_t max_seq_len,
+                      const TopkOutput& out, int heads, const SparseTableOutput* table);
 
 // topk in [1, kMaxTopK] (kUnsupported above), init/local blocks >= 0.
 Status check_selection(const Selection& sel);

@@ -30,7 +30,7 @@ Status prefill_topk(const PrefillInputs& in, const Selection& sel, const TopkOut
   detail::CallSpans spans;
   spans.prefill_inputs(in);
   spans.ids(out, in.num_heads, in.num_tokens, sel.topk);
-  spans.output({"err", err, err != nullptr ? int64_t{sizeof(int32_t)} : 0});
+  spans.flag("err", err);
   CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
   const int heads = in.num_heads;
   const int k = sel.topk;

@@ -46,8 +46,8 @@ Status shard_topk_keys(const DecodeInputs& in, const Selection& sel, int world, 
   const int64_t n = in.num_rows();
   detail::CallSpans spans;
   spans.decode_inputs(in);
-  spans.output({"keys", keys, static_cast<int64_t>(sizeof(Key)) * in.num_heads * n * sel.topk});
-  spans.output({"err", err, err != nullptr ? int64_t{sizeof(int32_t)} : 0});
+  spans.output(detail::CallSpans::keys("keys", keys, in.num_heads * n, sel.topk));
+  spans.flag("err", err);
   CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
   const int num_q = in.query_len;
   const int heads = in.num_heads;
@@ -111,15 +111,9 @@ Status merge_topk_keys(const Key* gathered, int world, int total_heads, int64_t 
           detail::check_table_args(*table, num_reqs, query_len, max_seq_len, sel.topk));
     }
   }
-  detail::CallSpans spans;
-  spans.input({"gathered keys", gathered,
-               static_cast<int64_t>(sizeof(Key)) * world * total_heads * n * sel.topk});
-  if (with_table && table->enabled()) {
-    spans.input({"seq_lens", seq_lens, int64_t{sizeof(int32_t)} * num_reqs});
-  }
-  spans.ids(out, local_heads, n, sel.topk);
-  spans.table(table, num_reqs, query_len, max_seq_len, sel.topk);
-  CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
+  CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(
+      detail::merge_spans(gathered, world, total_heads, n, sel.topk, seq_lens, num_reqs,
+                          query_len, max_seq_len, out, local_heads, table)));
 
   const int k = sel.topk;
   const int64_t rows = n;
@@ -157,7 +151,7 @@ Status decode_topk(const DecodeInputs& in, const Selection& sel, const TopkOutpu
     }
   }
   detail::CallSpans spans = detail::decode_spans(in, out, in.num_heads, sel.topk, table);
-  spans.output({"err", err, err != nullptr ? int64_t{sizeof(int32_t)} : 0});
+  spans.flag("err", err);
   CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
   std::vector<Key> keys(static_cast<size_t>(in.num_heads * in.num_rows() * sel.topk));
   CPIDX_RETURN_IF_ERROR(shard_topk_keys(in, sel, 1, 0, keys.data(), err));

@@ -138,6 +138,19 @@ CallSpans decode_spans(const DecodeInputs& in, const TopkOutput& out, int heads,
   return spans;
 }
 
+CallSpans merge_spans(const Key* gathered, int world, int total_heads, int64_t n, int topk,
+                      const int32_t* seq_lens, int num_reqs, int query_len, int32_t max_seq_len,
+                      const TopkOutput& out, int heads, const SparseTableOutput* table) {
+  CallSpans spans;
+  spans.input(CallSpans::keys("gathered keys", gathered, int64_t{world} * total_heads * n, topk));
+  if (table != nullptr && table->enabled()) {
+    spans.input({"seq_lens", seq_lens, span_bytes(sizeof(int32_t), num_reqs, {})});
+  }
+  spans.ids(out, heads, n, topk);
+  spans.table(table, num_reqs, query_len, max_seq_len, topk);
+  return spans;
+}
+
 Status check_no_aliasing(const CallSpans& spans) {
   auto apart = [](const Span& o, const Span& p, const char* rule) -> Status {
     CPIDX_CHECK(!overlap(o, p), o.name << " and " << p.name << " share memory (" << o.bytes
