@@ -265,21 +265,8 @@ TEST(Aliasing, EveryReferenceEntryPointRefusesAnOutputOnAnInput) {
   // prefill_topk: ids on cu_seqlens_q, and on context_lens.
   std::vector<int32_t> meta = {0, 1, 2, 299, 699, 300, 700};  // cu, context_lens, seq_lens
   meta.resize(meta.size() + static_cast<size_t>(ids_size()), kPoison);
-  cpidx::PrefillInputs pre;
-  pre.query = d.query.data();
-  pre.q_row_stride = kD;
-  pre.q_head_stride = kD;
-  pre.num_heads = 1;
-  pre.cache = d.all_heads().cache;
-  pre.block_table = d.block_table.data();
-  pre.bt_row_stride = d.bt_row_stride;
-  pre.cu_seqlens_q = meta.data();
-  pre.context_lens = meta.data() + 3;
-  pre.seq_lens = meta.data() + 5;
-  pre.num_reqs = 2;
-  pre.num_tokens = 2;
-  pre.max_seq_len = d.max_seq_len;
-  pre.scale = d.scale;
+  const cpidx::PrefillInputs pre =
+      prefill_over(d, 1, 2, meta.data(), meta.data() + 3, meta.data() + 5, 2);
   IdsBuffer pre_ids(1, 2, kTopK);
   ASSERT_TRUE(cpidx::ref::prefill_topk(pre, sel, pre_ids.out(), nullptr).is_ok());
   const std::vector<int32_t> meta_before = meta;

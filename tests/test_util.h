@@ -90,6 +90,31 @@ struct DecodeData {
 
 inline uint16_t bf16_of(float f) { return cpidx::ref::float_to_bf16(f); }
 
+// Prefill inputs over a decode batch's arrays: its query rows as `tokens` tokens of its first
+// `heads` heads, its cache and block table, and the caller's cu_seqlens_q, context_lens and
+// seq_lens of `num_reqs` requests.
+inline cpidx::PrefillInputs prefill_over(const DecodeData& d, int heads, int64_t tokens,
+                                         const int32_t* cu_seqlens_q, const int32_t* context_lens,
+                                         const int32_t* seq_lens, int num_reqs) {
+  cpidx::PrefillInputs in;
+  const cpidx::DecodeInputs all = d.all_heads();
+  in.query = all.query;
+  in.q_row_stride = all.q_row_stride;
+  in.q_head_stride = all.q_head_stride;
+  in.num_heads = heads;
+  in.cache = all.cache;
+  in.block_table = all.block_table;
+  in.bt_row_stride = all.bt_row_stride;
+  in.cu_seqlens_q = cu_seqlens_q;
+  in.context_lens = context_lens;
+  in.seq_lens = seq_lens;
+  in.num_reqs = num_reqs;
+  in.num_tokens = tokens;
+  in.max_seq_len = all.max_seq_len;
+  in.scale = all.scale;
+  return in;
+}
+
 // Golden decode inputs: queries then cache from one stream, block_table[req][b] = b * B + req.
 inline DecodeData golden_decode(uint64_t seed, int total_heads, int query_len,
                                 const std::vector<int32_t>& seq_lens, float scale) {

@@ -431,20 +431,7 @@ TEST(ValidationTable, IdsOutputOnEveryEntryPoint) {
   const Selection sel{kK, 0, 1};
   // Prefill: 5 tokens of 2 requests on 2 heads.
   std::vector<int32_t> cu = {0, 3, 5}, ctx = {10, 200}, seq = {13, 202};
-  cpidx::PrefillInputs pre;
-  pre.query = d.query.data();
-  pre.q_row_stride = kT * kD;
-  pre.q_head_stride = kD;
-  pre.num_heads = 2;
-  pre.cache = d.all_heads().cache;
-  pre.block_table = d.block_table.data();
-  pre.bt_row_stride = d.bt_row_stride;
-  pre.cu_seqlens_q = cu.data();
-  pre.context_lens = ctx.data();
-  pre.seq_lens = seq.data();
-  pre.num_reqs = 2;
-  pre.num_tokens = 5;
-  pre.max_seq_len = d.max_seq_len;
+  const cpidx::PrefillInputs pre = prefill_over(d, 2, 5, cu.data(), ctx.data(), seq.data(), 2);
   std::vector<Key> keys(static_cast<size_t>(kT * n * kK));
   ASSERT_TRUE(cpidx::ref::shard_topk_keys(d.all_heads(), sel, 1, 0, keys.data(), nullptr).is_ok());
 
