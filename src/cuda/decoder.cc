@@ -169,8 +169,8 @@ struct Decoder::Impl {
   // Scoring and selection: the scoring kernel, then select_topk (the split path's selection, or
   // the fused path's merge of requests that span CTAs).
   Status launch_scoring(const cuda::ScoreTopkParams& p, DType dtype, cudaStream_t stream) const {
-    CPIDX_CUDA_TRY(cuda::launch_score_topk(p, dtype, launch, stream));
-    CPIDX_CUDA_TRY(cuda::launch_select_topk(p, launch, stream));
+    CPIDX_LAUNCH_TRY(cuda::launch_score_topk(p, dtype, launch, stream));
+    CPIDX_LAUNCH_TRY(cuda::launch_select_topk(p, launch, stream));
     return Status::ok();
   }
 
@@ -203,7 +203,7 @@ struct Decoder::Impl {
     m.query_len = batch.query_len;
     m.max_seq_len = cfg.max_seq_len;
     m.pdl = cfg.programmatic_launch;
-    CPIDX_CUDA_TRY(cuda::launch_merge_topk(m, stream));
+    CPIDX_LAUNCH_TRY(cuda::launch_merge_topk(m, stream));
     return Status::ok();
   }
 
@@ -309,7 +309,7 @@ size_t Decoder::exchange_buffer_bytes() const {
 
 Status Decoder::clear_error_flag(cudaStream_t stream) {
   CPIDX_RETURN_IF_ERROR(impl_->check_device());
-  CPIDX_CUDA_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
+  CPIDX_LAUNCH_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
   return Status::ok();
 }
 
@@ -427,11 +427,17 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
                           (L == 1 || local.q_head_stride == kHeadDim);
   if (!contiguous) {
     auto* packed = im.at<__nv_bfloat16>(im.layout.q_send);
-    CPIDX_CUDA_TRY(cuda::launch_pack_queries(query, local.q_row_stride, local.q_head_stride, n, L,
+    CPIDX_LAUNCH_TRY(cuda::launch_pack_queries(query, local.q_row_stride, local.q_head_stride, n, L,
                                              packed, stream));
     q_send = packed;
   }
-  CPIDX_RETURN_IF_ERROR(comm.all_gather(q_send, q_recv, gather.queries, stream));
+  // A gather that failed (a capture invalidated under it, say) may leave the CUDA error it met
+  // pending: cleared as the launches' are (launch_status), its Status says what it was.
+  auto gathered = [](Status st) {
+    if (!st.is_ok()) cudaGetLastError();
+    return st;
+  };
+  CPIDX_RETURN_IF_ERROR(gathered(comm.all_gather(q_send, q_recv, gather.queries, stream)));
 
   // 2-3. Score all T heads on this rank's shard; keep ordered top-K keys. Global head h comes
   // from the lowest rank of its replica group: rank (h / L) * R, local head h % L.
@@ -451,7 +457,7 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   if (channel != nullptr) p.channel = *channel;
   CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
   if (channel == nullptr) {
-    CPIDX_RETURN_IF_ERROR(comm.all_gather(keys_send, keys_recv, gather.keys, stream));
+    CPIDX_RETURN_IF_ERROR(gathered(comm.all_gather(keys_send, keys_recv, gather.keys, stream)));
   }
   return im.launch_merge(channel == nullptr ? keys_recv : nullptr, channel, local, out, table,
                          stream);  // validated above

@@ -34,6 +34,17 @@ inline Status cuda_status(cudaError_t e, const char* what) {
   return Status(StatusCode::kCudaError, msg.str());
 }
 
+// A call's launch or stream-ordered copy on the caller's stream: its error as a Status, and the
+// thread's last-error slot cleared, so that the caller's next error check (torch's after its
+// next kernel, say) does not report this call's failure again, against another operation. The
+// Status already says it; an error that is sticky (the context lost) stays whatever is cleared.
+// Not for an object's creation, whose errors on_device reads and clears itself.
+inline Status launch_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::ok();
+  cudaGetLastError();
+  return cuda_status(e, what);
+}
+
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 // Frees device memory from an object's destructor (or a create that failed), which may run while
@@ -189,3 +200,7 @@ Status on_device(int device, F&& setup) {
 
 #define CPIDX_CUDA_TRY(expr) \
   CPIDX_RETURN_IF_ERROR(::cpidx::cuda_host::cuda_status((expr), #expr))
+
+// The calls' launches (decode, merge, prefill, clearing the error flag): see launch_status.
+#define CPIDX_LAUNCH_TRY(expr) \
+  CPIDX_RETURN_IF_ERROR(::cpidx::cuda_host::launch_status((expr), #expr))

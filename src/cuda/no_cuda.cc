@@ -5,7 +5,9 @@
 
 namespace cpidx {
 namespace {
-Status no_cuda() { return unsupported("cpidx was built without CUDA: the GPU decoder is unavailable"); }
+Status no_cuda() {
+  return unsupported("cpidx was built without CUDA: the GPU decoder is unavailable");
+}
 }  // namespace
 
 struct Decoder::Impl {

@@ -143,7 +143,7 @@ int32_t* Prefiller::error_flag() const { return impl_->at<int32_t>(impl_->layout
 
 Status Prefiller::clear_error_flag(cudaStream_t stream) {
   CPIDX_RETURN_IF_ERROR(cuda_host::check_current_device(impl_->device, "Prefiller"));
-  CPIDX_CUDA_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
+  CPIDX_LAUNCH_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
   return Status::ok();
 }
 
@@ -172,7 +172,7 @@ Status Prefiller::validate(const PrefillInputs& in, const TopkOutput& out) const
 
 Status Prefiller::prefill(const PrefillInputs& in, const TopkOutput& out, cudaStream_t stream) {
   CPIDX_RETURN_IF_ERROR(validate(in, out));
-  CPIDX_CUDA_TRY(cuda::launch_prefill(impl_->params(in, out), impl_->launch, stream));
+  CPIDX_LAUNCH_TRY(cuda::launch_prefill(impl_->params(in, out), impl_->launch, stream));
   return Status::ok();
 }
 

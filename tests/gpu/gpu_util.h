@@ -384,4 +384,34 @@ class ScriptedComm final : public cpidx::Communicator {
   std::optional<long long> peer_offers_;
 };
 
+// Runs `call` (one entry point, on `stream`) while the stream's capture is invalidated, so that
+// the call's first launch or stream-ordered copy fails. The call must return kCudaError naming
+// the capture's error and leave no CUDA error pending: otherwise the caller's next error check
+// (torch's after its next kernel) reports it again, against that kernel. The premise is checked
+// first: a plain copy refused on that stream does leave its error pending.
+inline void expect_failed_launch_leaves_nothing_pending(
+    cudaStream_t stream, const std::function<cpidx::Status()>& call) {
+  int* scratch = nullptr;
+  CUDA_OK(cudaMalloc(&scratch, sizeof(int)));
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  EXPECT_NE(cudaStreamSynchronize(stream), cudaSuccess);  // refused; invalidates the capture
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  EXPECT_EQ(cudaStreamIsCapturing(stream, &capture), cudaSuccess);
+  EXPECT_EQ(capture, cudaStreamCaptureStatusInvalidated);
+  cudaGetLastError();
+  EXPECT_NE(cudaMemsetAsync(scratch, 0, sizeof(int), stream), cudaSuccess);
+  EXPECT_NE(cudaPeekAtLastError(), cudaSuccess) << "a refused copy left no error: no premise";
+  cudaGetLastError();
+  const cpidx::Status st = call();
+  const cudaError_t left = cudaPeekAtLastError();
+  cudaGraph_t graph = nullptr;
+  cudaStreamEndCapture(stream, &graph);  // refused: the capture is invalid
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaGetLastError();
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kCudaError) << st.to_string();
+  EXPECT_NE(st.message().find("cudaErrorStreamCapture"), std::string::npos) << st.to_string();
+  EXPECT_EQ(left, cudaSuccess) << "left pending: " << cudaGetErrorName(left);
+  CUDA_OK(cudaFree(scratch));
+}
+
 }  // namespace cpidx_gpu_test

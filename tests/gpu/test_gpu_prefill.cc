@@ -746,6 +746,38 @@ TEST(GpuPrefill, OutputsOnInputsAreRefused) {
   CUDA_OK(cudaDeviceSynchronize());
 }
 
+// A prefill or a mixed batch whose launch fails returns the error and leaves none pending (the
+// helper in gpu_util.h); so does clearing the Prefiller's flag.
+TEST(GpuPrefill, FailedLaunchesLeaveNoErrorPending) {
+  SKIP_WITHOUT_GPU();
+  MixedParts m(1740, 2, {40, 7}, {3000, 100});
+  ASSERT_TRUE(m.made);
+  const auto& [sel, dd, pc, db, dp, dec, pre, made] = m;
+  const int64_t K = sel.topk, rows = dd.rows() + pc.tokens;
+  DeviceVec<int32_t> out(static_cast<size_t>(2 * rows * K));
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto mixed = [&] {
+    return cpidx::mixed_topk(*dec, nullptr, db.all_heads(), *pre, dp.inputs(pc), out.ptr,
+                             rows * K, K, stream);
+  };
+  const std::vector<std::pair<std::string, std::function<cpidx::Status()>>> calls = {
+      {"clear_error_flag", [&] { return pre->clear_error_flag(stream); }},
+      {"prefill", [&] { return pre->prefill(dp.inputs(pc), {out.ptr, pc.tokens * K, K}, stream); }},
+      {"mixed_topk", mixed},
+  };
+  for (const auto& [name, call] : calls) {
+    SCOPED_TRACE(name);
+    expect_failed_launch_leaves_nothing_pending(stream, call);
+  }
+  // The stream and both objects work again.
+  out.poison();
+  const cpidx::Status again = mixed();
+  EXPECT_TRUE(again.is_ok()) << again.to_string();
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
 // A context-parallel mixed batch whose own part fails, or that has no decode rows, still joins
 // cp_decode's agreement (-1, or 0), so a peer that runs cp_decode fails instead of waiting for
 // this rank in a collective.

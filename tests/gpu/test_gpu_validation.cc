@@ -645,6 +645,39 @@ TEST(GpuValidation, CallsWithAnotherDeviceCurrentAreRefused) {
   f.expect_untouched("another device current");
 }
 
+// A call whose launch fails returns the error and leaves none pending (see the helper), on every
+// entry point: the plain decode, the context-parallel pieces, cp_decode (the launches after its
+// agreement), and clearing the error flag.
+TEST(GpuValidation, FailedLaunchesLeaveNoErrorPending) {
+  SKIP_WITHOUT_GPU();
+  Fixture f(2, 0);  // rank 0 of 2: L = 2
+  ASSERT_NE(f.dec, nullptr);
+  DeviceVec<Key> keys(static_cast<size_t>(2 * kT * f.d.rows() * kK));
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  ScriptedComm comm(0, 2);  // agrees with whatever this rank offers; gathers nothing
+  const std::vector<std::pair<std::string, std::function<Status()>>> calls = {
+      {"clear_error_flag", [&] { return f.dec->clear_error_flag(stream); }},
+      {"decode", [&] { return f.dec->decode(f.b.all_heads(), f.dense(), nullptr, stream); }},
+      {"shard_keys", [&] { return f.dec->shard_keys(f.b.all_heads(), keys.ptr, stream); }},
+      {"merge",
+       [&] { return f.dec->merge(keys.ptr, f.b.inputs(0, 2), f.dense(), nullptr, stream); }},
+      {"cp_decode",
+       [&] { return f.dec->cp_decode(comm, f.b.inputs(0, 2), f.dense(), nullptr, stream); }},
+  };
+  for (const auto& [name, call] : calls) {
+    SCOPED_TRACE(name);
+    expect_failed_launch_leaves_nothing_pending(stream, call);
+  }
+  EXPECT_EQ(comm.gathers, 0);  // cp_decode's first launch (packing its queries) failed
+  // The stream and the Decoder work again.
+  f.poison();
+  const Status again = f.dec->decode(f.b.all_heads(), f.dense(), nullptr, stream);
+  EXPECT_TRUE(again.is_ok()) << again.to_string();
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
 // step_plan is a query of any int arguments: products past the bound (even past INT_MAX) read
 // as the bound's plan, fewer than one column as the narrowest instance's.
 TEST(GpuValidation, StepPlanReadsAnyArgumentsAsDocumented) {
