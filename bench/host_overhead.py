@@ -9,7 +9,8 @@ same inputs and output:
 * ``torch_op``: ``torch.ops.cpidx.decode_topk`` called directly (what a compiled graph calls);
 * ``decoder``: ``Decoder.decode`` of an explicit ``cpidx.Decoder`` (the binding alone);
 * ``graph_replay``: ``torch.cuda.CUDAGraph.replay`` of one captured functional call;
-* ``torch_zero_``: ``out.zero_()``, one torch kernel launch, for scale.
+* ``torch_zero_``: ``out.zero_()``, one torch kernel launch, for scale;
+* ``piece: ...``: parts of the functional route's host side (and cheaper candidates), alone.
 
 Host us a call: the wall time of N calls issued back to back without a sync, divided by N (N is
 small enough that the launch queue never fills, so no call waits for the GPU). GPU us a step:
@@ -94,6 +95,34 @@ def measure(reqs: int, seq_len: int, n: int, reps: int) -> list:
     def zero():
         out.zero_()
 
+    # The pieces of the functional route's host side, each alone.
+    from cpidx import _api
+
+    dev = q.device
+
+    def device_guard():
+        with torch.cuda.device(dev):
+            pass
+
+    def current_stream():
+        torch.cuda.current_stream(dev).cuda_stream
+
+    def check_inputs():
+        _api._check_gpu_inputs(q, k)
+
+    def registry_lookup():
+        cpidx.registry.decoder(device=0, heads=HEADS, max_tokens=64, max_seq_len=msl, topk=TOPK,
+                               init_blocks=0, local_blocks=1)
+
+    def is_compiling():
+        torch.compiler.is_compiling()
+
+    def current_device():
+        torch.cuda.current_device()
+
+    def raw_stream():
+        torch._C._cuda_getCurrentRawStream(0)
+
     # Every route gives the same ids (the check that the timed calls compute the step).
     functional()
     want = out.clone()
@@ -120,7 +149,14 @@ def measure(reqs: int, seq_len: int, n: int, reps: int) -> list:
     shape = f"{reqs} x {seq_len // 1024}K"
     step_gpu = gpu_us(graph, n, reps)
     for name, call in (("functional", functional), ("torch_op", torch_op), ("decoder", decoder),
-                       ("graph_replay", graph.replay), ("torch_zero_", zero)):
+                       ("graph_replay", graph.replay), ("torch_zero_", zero),
+                       ("piece: torch.cuda.device", device_guard),
+                       ("piece: current_stream", current_stream),
+                       ("piece: _check_gpu_inputs", check_inputs),
+                       ("piece: registry.decoder", registry_lookup),
+                       ("piece: is_compiling", is_compiling),
+                       ("piece: current_device", current_device),
+                       ("piece: raw stream", raw_stream)):
         for _ in range(3):
             call()  # warm
         rows.append(dict(shape=shape, route=name, host_us=round(host_us(call, n, reps), 2),
@@ -137,9 +173,9 @@ def main() -> None:
     rows = []
     for reqs, seq_len in ((1, 8192), (8, 65536)):
         rows += measure(reqs, seq_len, args.calls, args.reps)
-    print(f"{'shape':>10} {'route':>13} {'host us':>8} {'GPU us':>7}")
+    print(f"{'shape':>10} {'route':>26} {'host us':>8} {'GPU us':>7}")
     for r in rows:
-        print(f"{r['shape']:>10} {r['route']:>13} {r['host_us']:8.2f} {r['step_gpu_us']:7.2f}")
+        print(f"{r['shape']:>10} {r['route']:>26} {r['host_us']:8.2f} {r['step_gpu_us']:7.2f}")
     doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                cpidx_version=cpidx.__version__, calls=args.calls, reps=args.reps, rows=rows)
     if args.json:

@@ -198,10 +198,16 @@ def _or_host_error_bits(error_flag: Any, bits: int) -> None:
         flat[0] = int(flat[0]) | int(bits)
 
 
-def _op_takes(error_flag: Any) -> bool:
-    """The registered ops take a tensor flag or none; another one goes to the eager path, which
-    names it."""
-    return error_flag is None or _is_torch(error_flag)
+def _op_takes(error_flag: Any, index_query: Any) -> bool:
+    """Whether a functional call goes through its registered op: only where something traces it
+    (torch.compile, or a tensor subclass such as a fake tensor), since the op's dispatch costs
+    more host time than the rest of an eager call (bench/host_overhead.py). An eager call runs
+    the same implementation directly. The ops take a tensor flag or none; another one goes to
+    the eager path, which names it."""
+    if error_flag is not None and not _is_torch(error_flag):
+        return False
+    torch = _torch_module()
+    return torch.compiler.is_compiling() or type(index_query) is not torch.Tensor
 
 
 def _token_bucket(n: int) -> int:
@@ -380,10 +386,11 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     together (one head only; CONTRACT.md section 6).
 
     numpy arrays / CPU tensors: the C++ reference (bf16 as uint16 bits, or float arrays rounded
-    here). torch CUDA tensors: ``torch.ops.cpidx.decode_topk`` on the current stream, through
-    ``decoder`` if given (its topk, init_blocks, local_blocks and max_seq_len must be the
-    call's), else the registry's decoder for this shape (``max_tokens`` fixes its size; default:
-    the next power of two >= n).
+    here). torch CUDA tensors: the GPU decoder on the current stream (called directly when
+    eager; under torch.compile through ``torch.ops.cpidx.decode_topk``), ``decoder`` if given
+    (its topk, init_blocks, local_blocks and max_seq_len must be the call's), else the
+    registry's decoder for this shape (``max_tokens`` fixes its size; default: the next power of
+    two >= n).
 
     ``error_flag``: optional one-element int32 array or tensor on the inputs' device. The call
     ORs into it the bits of the values it clamped instead of reading out of bounds
@@ -402,10 +409,10 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                           sparse_context_lens_out=sparse_context_lens_out)
         if _is_torch(error_flag):
             _check_error_flag(error_flag, index_query)
-        op_flag = _op_takes(error_flag)
+        use_op = _op_takes(error_flag, index_query)
         if attention_block_table is None and sparse_block_table_out is None and \
                 sparse_context_lens_out is None and block_page_stride is None and decoder is None \
-                and registry is None and op_flag:
+                and registry is None and use_op:
             torch.ops.cpidx.decode_topk(index_query, _as_bits(index_cache), block_table, seq_lens,
                                         out, query_len, float(scale), topk, init_blocks,
                                         local_blocks, max_seq_len, max_tokens or 0, error_flag)
@@ -413,7 +420,7 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
         # The op takes tensors: table arguments that are host arrays (or missing, which the
         # binding names) go to the eager path, as a host error_flag does.
         tables = (attention_block_table, sparse_block_table_out, sparse_context_lens_out)
-        if decoder is None and registry is None and op_flag and block_page_stride is not None \
+        if decoder is None and registry is None and use_op and block_page_stride is not None \
                 and all(_is_torch(x) for x in tables):
             torch.ops.cpidx.decode_topk_sparse_table(
                 index_query, _as_bits(index_cache), block_table, seq_lens, out, query_len,
@@ -421,8 +428,8 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                 attention_block_table, sparse_block_table_out, sparse_context_lens_out,
                 int(block_page_stride), error_flag)
             return out
-    # Not a registered-op case (host arrays, an explicit decoder, or an incomplete table
-    # argument set that the binding will name): call the implementation directly.
+    # Not a registered-op case (an eager call, host arrays, an explicit decoder, or an incomplete
+    # table argument set that the binding will name): call the implementation directly.
     _decode_now(index_query, index_cache, block_table, seq_lens, query_len, out, scale=scale,
                 topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                 max_seq_len=max_seq_len, attention_block_table=attention_block_table,
@@ -496,8 +503,8 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     (rows ``cu_seqlens_q[req] <= row < cu_seqlens_q[req + 1]``) sits at
     ``context_lens[req] + i``. Writes int32 ``[heads, tokens, topk]`` into ``out``, returns it.
 
-    Host arrays: the C++ reference. torch CUDA tensors: the GPU prefill kernel
-    (``torch.ops.cpidx.prefill_topk`` on the current stream) through the registry's
+    Host arrays: the C++ reference. torch CUDA tensors: the GPU prefill kernel on the current
+    stream (under torch.compile through ``torch.ops.cpidx.prefill_topk``) through the registry's
     :class:`cpidx.Prefiller` for this shape (``max_tokens`` fixes its size; default: the next
     power of two >= tokens; with ``registry`` given, that registry's, called directly rather
     than through the op). Allocation-free after the first call of a shape. ``error_flag``: as
@@ -513,7 +520,7 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                           seq_lens=seq_lens, out=out)
         if _is_torch(error_flag):
             _check_error_flag(error_flag, index_query)
-    if _is_torch(index_query) and registry is None and _op_takes(error_flag):
+    if _is_torch(index_query) and registry is None and _op_takes(error_flag, index_query):
         _torch_module().ops.cpidx.prefill_topk(
             index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
             seq_lens, out, float(scale), topk, init_blocks, local_blocks, max_seq_len,

@@ -63,6 +63,45 @@ def test_compile_calls_op_on_cpu():
     assert torch.equal(got, want)
 
 
+def test_functional_call_dispatches_the_op_only_when_traced():
+    # Eager, cpidx.decode_topk / prefill_topk run their implementation directly (the op's
+    # dispatch costs more host time than the rest of the call); compiled, the functional call
+    # becomes the op in the graph, with the eager call's ids.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    b = random_decode(np.random.default_rng(4), 2, 1, [700, 129], max_seq_len=768)
+    q, k, bt, sl = as_torch(b)
+    want = torch.full((2, b.rows, 8), -5, dtype=torch.int32)
+    with Seen() as seen:
+        cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=8, max_seq_len=768)
+    assert not [op for op in seen.ops if "cpidx" in op], seen.ops
+    assert int(want.min()) >= -1
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, bt, sl, out):
+        cpidx.decode_topk(q, k, bt, sl, 1, out, scale=b.scale, topk=8, max_seq_len=768)
+        return out + 0
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend=backend)(q, k, bt, sl, torch.zeros_like(want))
+    assert torch.equal(got, want)
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes]
+    assert any("cpidx.decode_topk" in t for t in targets), targets
+
+
 def test_error_flag_through_the_op_and_compile():
     rng = np.random.default_rng(3)
     b = random_decode(rng, 2, 2, [600, 40], max_seq_len=512)  # 600 > max_seq_len: clamped
