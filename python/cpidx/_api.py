@@ -3,6 +3,7 @@ the bf16 helpers of the host path, and the Registry (the package's one cache).""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
 import threading
 from typing import Any, Optional
@@ -119,8 +120,15 @@ def _check_gpu_inputs(index_query: Any, index_cache: Any) -> None:
     """What the registry's GPU Decoder / Prefiller is made from (the query's heads, the cache's
     dtype), checked by the binding's own checks before one is made: making one allocates and
     synchronises (refused inside a capture), and a bad query would otherwise be reported as the
-    decoder's total_heads, an argument the caller never passed."""
+    decoder's total_heads, an argument the caller never passed. Run on a registry miss only: an
+    existing object's call checks every argument itself."""
     _C.check_query_and_cache(index_query, _as_bits(index_cache))
+
+
+def _heads(index_query: Any) -> int:
+    """The registry key's head count: -1 for a query that is not 3-dimensional, a key no object
+    has, so that the miss's check (_check_gpu_inputs) names the query."""
+    return index_query.shape[1] if index_query.dim() == 3 else -1
 
 
 def _check_one_device(index_query: Any, **tensors: Any) -> None:
@@ -138,8 +146,25 @@ def _check_one_device(index_query: Any, **tensors: Any) -> None:
 
 
 def _current_stream(device: Any) -> int:
+    """The current stream of ``device`` (a torch.device or an index), as its cudaStream_t. torch's
+    raw accessor (what torch.compile's generated code calls) takes ~0.3 us; the public
+    ``current_stream(...).cuda_stream`` builds a Stream object first (bench/host_overhead.py)."""
     torch = _torch_module()
+    index = device if isinstance(device, int) else device.index
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None and index is not None:
+        return raw(index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def _device_current(device: Any) -> Any:
+    """A context that makes ``device`` (a CUDA torch.device) current for a call: the GPU objects
+    refuse another current device, and the current stream is that device's. Nothing to switch
+    (a no-op context) when it is current already, as it is in an engine's steps."""
+    torch = _torch_module()
+    if device.index is not None and torch.cuda.current_device() == device.index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _capture_refusal(what: str) -> Optional[str]:
@@ -251,34 +276,42 @@ class Registry:
         self._prefillers: dict = {}
         self._cp: dict = {}
 
-    def _cached(self, store: dict, key: tuple, make: Any, what: Optional[str] = None) -> Any:
-        """The entry for ``key``, made by ``make()`` when missing or closed. ``what`` names a GPU
-        object for the capture check (None: ``make`` checks for itself)."""
+    def _cached(self, store: dict, key: tuple, make: Any, what: Any = None,
+                check: Any = None) -> Any:
+        """The entry for ``key``, made by ``make()`` when missing or closed. ``what()`` names a
+        GPU object for the capture check (None: ``make`` checks for itself); ``check()``, when
+        given, runs first, on a miss only (a call's arguments that sized the key)."""
         with self._lock:
             obj = store.get(key)
             if obj is None or getattr(obj, "closed", False):
+                if check is not None:
+                    check()
                 if what is not None:
-                    _refuse_during_capture(f"creating {what} (the first call of this shape)")
+                    _refuse_during_capture(f"creating {what()} (the first call of this shape)")
                 obj = store[key] = make()
             return obj
 
     def decoder(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
-                init_blocks: int, local_blocks: int, cache_dtype: str = "bf16") -> "_C.Decoder":
+                init_blocks: int, local_blocks: int, cache_dtype: str = "bf16",
+                _check: Any = None) -> "_C.Decoder":
         key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
         return self._cached(self._decoders, key, lambda: _C.Decoder(
             total_heads=heads, world_size=1, rank=0, max_tokens=max_tokens,
             max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
             local_blocks=local_blocks, device=device, cache_dtype=cache_dtype),
-            f"a Decoder (max_tokens={max_tokens}, max_seq_len={max_seq_len}, {heads} heads)")
+            lambda: f"a Decoder (max_tokens={max_tokens}, max_seq_len={max_seq_len}, "
+                    f"{heads} heads)", _check)
 
     def prefiller(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
-                  init_blocks: int, local_blocks: int, cache_dtype: str = "bf16") -> Any:
+                  init_blocks: int, local_blocks: int, cache_dtype: str = "bf16",
+                  _check: Any = None) -> Any:
         key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
         return self._cached(self._prefillers, key, lambda: _C.Prefiller(
             num_heads=heads, max_tokens=max_tokens, max_seq_len=max_seq_len, topk=topk,
             init_blocks=init_blocks, local_blocks=local_blocks, device=device,
             cache_dtype=cache_dtype),
-            f"a Prefiller (max_tokens={max_tokens}, max_seq_len={max_seq_len}, {heads} heads)")
+            lambda: f"a Prefiller (max_tokens={max_tokens}, max_seq_len={max_seq_len}, "
+                    f"{heads} heads)", _check)
 
     def cp_decode(self, **kwargs: Any) -> Any:
         from ._cp import IndexerCPDecode, _registry_key
@@ -468,14 +501,14 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
             _check_decoder_matches(decoder, topk=topk, init_blocks=init_blocks,
                                    local_blocks=local_blocks, max_seq_len=max_seq_len)
         else:
-            _check_gpu_inputs(index_query, index_cache)
             reg = registry if registry is not None else globals()["registry"]
-            decoder = reg.decoder(device=index_query.device.index, heads=index_query.shape[1],
+            decoder = reg.decoder(device=index_query.device.index, heads=_heads(index_query),
                                   max_tokens=max_tokens or _token_bucket(index_query.shape[0]),
                                   max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
                                   local_blocks=local_blocks,
-                                  cache_dtype=_cache_dtype_name(index_cache))
-        with _torch_module().cuda.device(index_query.device):  # its stream's device is current
+                                  cache_dtype=_cache_dtype_name(index_cache),
+                                  _check=lambda: _check_gpu_inputs(index_query, index_cache))
+        with _device_current(index_query.device):  # its stream's device is current
             stream = _current_stream(index_query.device)
             decoder.decode(index_query, _as_bits(index_cache), block_table, seq_lens, query_len,
                            out, scale=scale, error_flag=error_flag, stream=stream, **table)
@@ -554,13 +587,13 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                                    max_seq_len=max_seq_len)
         _or_host_error_bits(error_flag, bits)
         return
-    _check_gpu_inputs(index_query, index_cache)
     reg = registry if registry is not None else globals()["registry"]
-    pre = reg.prefiller(device=index_query.device.index, heads=index_query.shape[1],
+    pre = reg.prefiller(device=index_query.device.index, heads=_heads(index_query),
                         max_tokens=max_tokens or _token_bucket(tokens), max_seq_len=max_seq_len,
                         topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
-                        cache_dtype=_cache_dtype_name(index_cache))
-    with _torch_module().cuda.device(index_query.device):  # its stream's device is current
+                        cache_dtype=_cache_dtype_name(index_cache),
+                        _check=lambda: _check_gpu_inputs(index_query, index_cache))
+    with _device_current(index_query.device):  # its stream's device is current
         stream = _current_stream(index_query.device)
         pre.prefill(index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
                     seq_lens, out, scale=scale, error_flag=error_flag, stream=stream)

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from . import _C
 from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, HostGroupError, _as_bits,
                    _cache_dtype_name, _capture_refusal, _check_error_flag, _check_host_arrays,
-                   _or_host_error_bits, _refuse_during_capture, registry)
+                   _current_stream, _device_current, _or_host_error_bits, _refuse_during_capture,
+                   registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
@@ -495,7 +496,7 @@ class IndexerCPDecode:
         # This instance's device current: its kernels go to that device's stream, and a capture
         # is seen there. The ranks agree while capturing (each batch size an engine captures, on
         # every rank), or every step when asked.
-        with torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext():
+        with _device_current(self.device) if self._cuda else contextlib.nullcontext():
             agree = self.check_agreement == "every step" or (
                 self.check_agreement == "captures" and self._cuda and
                 torch.cuda.is_current_stream_capturing())
@@ -844,7 +845,7 @@ class IndexerCPDecode:
 
     def _stream(self) -> int:
         """The current torch stream of this instance's device (0 on the CPU)."""
-        return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else 0
+        return _current_stream(self.device) if self._cuda else 0
 
     def _check_open(self) -> None:
         if self._closed:

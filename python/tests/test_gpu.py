@@ -512,6 +512,30 @@ def test_bad_device_is_named():
         cpidx.decode_topk(q, k, bt, sl.long(), 1, out, scale=1.0, topk=4, max_seq_len=512)
 
 
+def test_bad_query_is_named_whether_the_registry_has_its_decoder_or_not():
+    # The registry checks the query and cache it sizes a decoder from on a miss only (an
+    # existing decoder's call checks them itself): either way the message names the argument.
+    rng = np.random.default_rng(15)
+    b = random_decode(rng, 3, 1, [300], max_seq_len=640)
+    q, k, bt, sl = to_dev(b)
+    out = torch.zeros((3, 1, 4), dtype=torch.int32, device=DEV)
+    kw = dict(scale=1.0, topk=4, max_seq_len=640)
+    reg = cpidx.Registry()
+    for flat in (q.reshape(1, -1), q[0, 0]):  # 2 and 1 dims: no decoder made for them
+        with pytest.raises(ValueError, match="^index_query: expected 3 dims"):
+            cpidx.decode_topk(flat, k, bt, sl, 1, out, registry=reg, **kw)
+    assert len(reg) == 0
+    for made in (False, True):  # a miss (the registry's check), then a hit (the decoder's)
+        with pytest.raises(TypeError, match="^index_query: expected bfloat16"):
+            cpidx.decode_topk(q.float(), k, bt, sl, 1, out, registry=reg, **kw)
+        cpidx.decode_topk(q, k, bt, sl, 1, out, registry=reg, **kw)
+        assert len(reg) == 1
+    with pytest.raises(TypeError, match="^index_cache: "):
+        cpidx.decode_topk(q, k.view(torch.int16), bt, sl, 1, out, registry=reg, **kw)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(out.cpu().numpy(), host_ids(b, 4, 0, 1))
+
+
 def random_prefill(rng, heads, q_lens, context_lens, max_seq_len):
     """A packed prefill batch of small-integer values (exact dots, many ties) over a shuffled
     paged cache; returns host arrays and their CUDA copies."""
