@@ -14,8 +14,10 @@ CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) 
   python3 -m pip install -q --no-build-isolation --no-deps --no-cache-dir --target "$site" . \
   >/tmp/cpidx_pip_install.log 2>&1 || { tail -40 /tmp/cpidx_pip_install.log; exit 1; }
 # Run from outside the source tree so `import cpidx` is the installed package.
+# PYTHON_TESTS: files under python/tests to run instead of all of them (test_gpu.py, say).
+read -r -a tests <<<"${PYTHON_TESTS:-.}"
 cd /tmp && PYTHONPATH="$site:$OLDPWD/python/tests" python3 -m pytest -q -p no:cacheprovider \
-  -rs --durations=12 "$OLDPWD/python/tests" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  -rs --durations=12 "${tests[@]/#/$OLDPWD/python/tests/}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 rc=${PIPESTATUS[0]}
 cd "$OLDPWD" || exit 1
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')

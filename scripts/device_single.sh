@@ -11,7 +11,8 @@
 # Knobs: GTEST_FILTER, TEST_TIMEOUT (s, default 330), SKIP_TESTS=1, PREFILL_FLAGS, DECODE_BENCH,
 # NCU_RUNS, TRACE_FLAGS, SANITIZE_TOOLS (default all), SKIP_SANITIZE=1, SKIP_PYTHON=1,
 # SKIP_PREFILL=1 (no prefill bench: a call of decode tests alone), SKIP_INSTALL_TEST=1,
-# PYTHON_TIMEOUT (s, default 400: the pip install and the whole suite).
+# PYTHON_TIMEOUT (s, default 400: the pip install and the whole suite), PYTHON_TESTS (files of
+# python/tests to run instead of all: scripts/device_python.sh).
 set -uo pipefail
 export OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
