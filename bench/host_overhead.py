@@ -5,7 +5,8 @@ eager, prefill is eager) pay the host side of every call: on a small step (1 x 8
 time) a call whose host side takes longer makes the step host-bound. Routes timed, each on the
 same inputs and output:
 
-* ``functional``: ``cpidx.decode_topk`` (the documented entry; it calls the torch op);
+* ``functional``: ``cpidx.decode_topk`` (the documented entry; eager, it calls the implementation
+  directly);
 * ``torch_op``: ``torch.ops.cpidx.decode_topk`` called directly (what a compiled graph calls);
 * ``decoder``: ``Decoder.decode`` of an explicit ``cpidx.Decoder`` (the binding alone);
 * ``graph_replay``: ``torch.cuda.CUDAGraph.replay`` of one captured functional call;

@@ -128,7 +128,13 @@ def _check_gpu_inputs(index_query: Any, index_cache: Any) -> None:
 def _heads(index_query: Any) -> int:
     """The registry key's head count: -1 for a query that is not 3-dimensional, a key no object
     has, so that the miss's check (_check_gpu_inputs) names the query."""
-    return index_query.shape[1] if index_query.dim() == 3 else -1
+    return index_query.shape[1] if len(index_query.shape) == 3 else -1
+
+
+def _rows(index_query: Any) -> int:
+    """The query's rows for the registry key's default size (1 for a 0-dim query, which the
+    miss's check then names)."""
+    return index_query.shape[0] if len(index_query.shape) >= 1 else 1
 
 
 def _check_one_device(index_query: Any, **tensors: Any) -> None:
@@ -224,15 +230,30 @@ def _or_host_error_bits(error_flag: Any, bits: int) -> None:
 
 
 def _op_takes(error_flag: Any, index_query: Any) -> bool:
-    """Whether a functional call goes through its registered op: only where something traces it
-    (torch.compile, or a tensor subclass such as a fake tensor), since the op's dispatch costs
-    more host time than the rest of an eager call (bench/host_overhead.py). An eager call runs
-    the same implementation directly. The ops take a tensor flag or none; another one goes to
-    the eager path, which names it."""
+    """Whether a functional call goes through its registered op: wherever something may trace
+    or redirect it (torch.compile, torch.jit.trace, a dispatch mode such as make_fx's, a tensor
+    subclass, meta tensors), since the op's dispatch costs more host time than the rest of an
+    eager call (bench/host_overhead.py). A plain eager call on CUDA or CPU tensors runs the same
+    implementation directly (_bump_versions stands in for the op's own bookkeeping). The ops
+    take a tensor flag or none; another one goes to the eager path, which names it."""
     if error_flag is not None and not _is_torch(error_flag):
         return False
     torch = _torch_module()
-    return torch.compiler.is_compiling() or type(index_query) is not torch.Tensor
+    if torch.compiler.is_compiling():  # first: dynamo traces no call below
+        return True
+    if type(index_query) is not torch.Tensor or index_query.device.type not in ("cuda", "cpu"):
+        return True
+    dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)()
+    return torch.jit.is_tracing() or dispatch_modes > 0
+
+
+def _bump_versions(*tensors: Any) -> None:
+    """What the op's mutates_args does for the tensors a direct eager call wrote: their version
+    counters move, so that autograd refuses a tensor saved for backward and since overwritten."""
+    torch = _torch_module()
+    written = [t for t in tensors if _is_torch(t)]
+    if written:
+        torch.autograd.graph.increment_version(written)
 
 
 def _token_bucket(n: int) -> int:
@@ -470,6 +491,7 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                 sparse_context_lens_out=sparse_context_lens_out,
                 block_page_stride=block_page_stride, max_tokens=max_tokens, decoder=decoder,
                 registry=registry, error_flag=error_flag)
+    _bump_versions(out, sparse_block_table_out, sparse_context_lens_out, error_flag)
     return out
 
 
@@ -503,7 +525,7 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
         else:
             reg = registry if registry is not None else globals()["registry"]
             decoder = reg.decoder(device=index_query.device.index, heads=_heads(index_query),
-                                  max_tokens=max_tokens or _token_bucket(index_query.shape[0]),
+                                  max_tokens=max_tokens or _token_bucket(_rows(index_query)),
                                   max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
                                   local_blocks=local_blocks,
                                   cache_dtype=_cache_dtype_name(index_cache),
@@ -563,6 +585,7 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                  scale=scale, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                  max_seq_len=max_seq_len, max_tokens=max_tokens, registry=registry,
                  error_flag=error_flag)
+    _bump_versions(out, error_flag)
     return out
 
 
@@ -572,7 +595,7 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                  max_tokens: Optional[int] = None, registry: Optional[Registry] = None,
                  error_flag: Any = None) -> None:
     _check_error_flag(error_flag, index_query)
-    tokens = index_query.shape[0]
+    tokens = _rows(index_query)
     if tokens == 0:  # nothing to check or write, on either path
         return
     if not _is_cuda(index_query):

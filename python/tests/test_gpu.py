@@ -521,7 +521,7 @@ def test_bad_query_is_named_whether_the_registry_has_its_decoder_or_not():
     out = torch.zeros((3, 1, 4), dtype=torch.int32, device=DEV)
     kw = dict(scale=1.0, topk=4, max_seq_len=640)
     reg = cpidx.Registry()
-    for flat in (q.reshape(1, -1), q[0, 0]):  # 2 and 1 dims: no decoder made for them
+    for flat in (q.reshape(1, -1), q[0, 0], q[0, 0, 0]):  # 2, 1, 0 dims: no decoder made
         with pytest.raises(ValueError, match="^index_query: expected 3 dims"):
             cpidx.decode_topk(flat, k, bt, sl, 1, out, registry=reg, **kw)
     assert len(reg) == 0

@@ -63,37 +63,59 @@ def test_compile_calls_op_on_cpu():
     assert torch.equal(got, want)
 
 
-def test_functional_call_dispatches_the_op_only_when_traced():
-    # Eager, cpidx.decode_topk / prefill_topk run their implementation directly (the op's
-    # dispatch costs more host time than the rest of the call); compiled, the functional call
-    # becomes the op in the graph, with the eager call's ids.
+def test_functional_call_dispatches_the_op_only_when_traced(monkeypatch):
+    # A plain eager call of cpidx.decode_topk runs its implementation directly (the op's dispatch
+    # costs more host time than the rest of the call), bumping the version counters of what it
+    # wrote as the op would; wherever something may trace or redirect the call (a dispatch mode,
+    # make_fx, torch.compile, meta tensors) it is the op, with the eager call's ids.
+    from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     b = random_decode(np.random.default_rng(4), 2, 1, [700, 129], max_seq_len=768)
     q, k, bt, sl = as_torch(b)
+    kw = dict(scale=b.scale, topk=8, max_seq_len=768)
     want = torch.full((2, b.rows, 8), -5, dtype=torch.int32)
-    with Seen() as seen:
-        cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=8, max_seq_len=768)
-    assert not [op for op in seen.ops if "cpidx" in op], seen.ops
-    assert int(want.min()) >= -1
+    from cpidx import _ops
+
+    real, calls = _ops._decode_now, []
+
+    def spy(*args, **kwargs):  # what the op runs (the direct call runs _api's own reference)
+        calls.append(len(args))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_ops, "_decode_now", spy)
+    flag = torch.zeros(1, dtype=torch.int32)
+    versions = (want._version, flag._version)
+    cpidx.decode_topk(q, k, bt, sl, 1, want, error_flag=flag, **kw)
+    assert calls == [] and int(want.min()) >= -1
+    assert want._version > versions[0] and flag._version > versions[1]
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    got = torch.full_like(want, -5)
+    with Passing():
+        cpidx.decode_topk(q, k, bt, sl, 1, got, **kw)
+    assert len(calls) == 1 and torch.equal(got, want)
+    meta = [t.to("meta") for t in (q, k, bt, sl)]
+    cpidx.decode_topk(*meta, 1, torch.empty_like(want, device="meta"), **kw)  # the op's fake
+    monkeypatch.undo()
+
+    def f(q, k, bt, sl, out):
+        cpidx.decode_topk(q, k, bt, sl, 1, out, **kw)
+        return out + 0
+
+    traced = make_fx(f)(q, k, bt, sl, torch.zeros_like(want))
+    assert any("cpidx.decode_topk" in str(n.target) for n in traced.graph.nodes), traced.graph
+    other = torch.zeros_like(want)
+    cpidx.decode_topk(q, k, bt, sl.flip(0).contiguous(), 1, other, **kw)
+    assert torch.equal(traced(q, k, bt, sl.flip(0).contiguous(), torch.zeros_like(want)), other)
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
-
-    def f(q, k, bt, sl, out):
-        cpidx.decode_topk(q, k, bt, sl, 1, out, scale=b.scale, topk=8, max_seq_len=768)
-        return out + 0
 
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, backend=backend)(q, k, bt, sl, torch.zeros_like(want))

@@ -432,12 +432,16 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
     q_send = packed;
   }
   // A gather that failed (a capture invalidated under it, say) may leave the CUDA error it met
-  // pending: cleared as the launches' are (launch_status), its Status says what it was.
-  auto gathered = [](Status st) {
-    if (!st.is_ok()) cudaGetLastError();
+  // pending: cleared as the launches' are (launch_status), its Status says what it was. Only an
+  // error the gather left: one pending before it (the caller's) stays.
+  auto gathered = [](auto&& gather) {
+    const bool clean = cudaPeekAtLastError() == cudaSuccess;
+    const Status st = gather();
+    if (!st.is_ok() && clean) cudaGetLastError();
     return st;
   };
-  CPIDX_RETURN_IF_ERROR(gathered(comm.all_gather(q_send, q_recv, gather.queries, stream)));
+  CPIDX_RETURN_IF_ERROR(
+      gathered([&] { return comm.all_gather(q_send, q_recv, gather.queries, stream); }));
 
   // 2-3. Score all T heads on this rank's shard; keep ordered top-K keys. Global head h comes
   // from the lowest rank of its replica group: rank (h / L) * R, local head h % L.
@@ -457,7 +461,8 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
   if (channel != nullptr) p.channel = *channel;
   CPIDX_RETURN_IF_ERROR(im.launch_scoring(p, local.cache.dtype, stream));
   if (channel == nullptr) {
-    CPIDX_RETURN_IF_ERROR(gathered(comm.all_gather(keys_send, keys_recv, gather.keys, stream)));
+    CPIDX_RETURN_IF_ERROR(
+        gathered([&] { return comm.all_gather(keys_send, keys_recv, gather.keys, stream); }));
   }
   return im.launch_merge(channel == nullptr ? keys_recv : nullptr, channel, local, out, table,
                          stream);  // validated above

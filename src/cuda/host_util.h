@@ -35,13 +35,15 @@ inline Status cuda_status(cudaError_t e, const char* what) {
 }
 
 // A call's launch or stream-ordered copy on the caller's stream: its error as a Status, and the
-// thread's last-error slot cleared, so that the caller's next error check (torch's after its
-// next kernel, say) does not report this call's failure again, against another operation. The
-// Status already says it; an error that is sticky (the context lost) stays whatever is cleared.
-// Not for an object's creation, whose errors on_device reads and clears itself.
+// thread's last-error slot cleared when it holds that error, so that the caller's next error
+// check (torch's after its next kernel, say) does not report this call's failure again, against
+// another operation. The Status already says it. A refusal of the launch helpers' own (no
+// runtime call made) leaves an earlier error of the caller's where it was; an error that is
+// sticky (the context lost) stays whatever is cleared. Not for an object's creation, whose
+// errors on_device reads and clears itself.
 inline Status launch_status(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::ok();
-  cudaGetLastError();
+  if (cudaPeekAtLastError() == e) cudaGetLastError();
   return cuda_status(e, what);
 }
 

@@ -340,8 +340,15 @@ class ScriptedComm final : public cpidx::Communicator {
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   cpidx::MemorySpace memory_space() const override { return space_; }
-  cpidx::Status all_gather(const void*, void*, size_t, cudaStream_t) override {
+  cpidx::Status all_gather(const void*, void* recv, size_t bytes, cudaStream_t stream) override {
     ++gathers;
+    if (gather_writes) {  // a stream-ordered write, as a real gather's: its failure returned
+      const cudaError_t e = cudaMemsetAsync(recv, 0, bytes, stream);
+      if (e != cudaSuccess) {
+        return cpidx::Status(cpidx::StatusCode::kCommError,
+                             std::string("all_gather: ") + cudaGetErrorName(e));
+      }
+    }
     return cpidx::Status::ok();
   }
   cpidx::Status check_agree(long long value, const char* what) override {
@@ -377,6 +384,7 @@ class ScriptedComm final : public cpidx::Communicator {
   std::optional<std::vector<long long>> peer_settings;
   std::optional<cpidx::DeviceChannel> channel;
   size_t max_bytes = SIZE_MAX;
+  bool gather_writes = false;  // all_gather zeroes recv on the stream (see all_gather)
 
  private:
   int rank_, world_;
@@ -385,9 +393,10 @@ class ScriptedComm final : public cpidx::Communicator {
 };
 
 // Runs `call` (one entry point, on `stream`) while the stream's capture is invalidated, so that
-// the call's first launch or stream-ordered copy fails. The call must return kCudaError naming
-// the capture's error and leave no CUDA error pending: otherwise the caller's next error check
-// (torch's after its next kernel) reports it again, against that kernel. The premise is checked
+// the call's first launch or stream-ordered copy fails. The call must return kCudaError (or a
+// gather's kCommError) naming the capture's error and leave no CUDA error pending: otherwise
+// the caller's next error check (torch's after its next kernel) reports it again, against that
+// kernel. The premise is checked
 // first: a plain copy refused on that stream does leave its error pending.
 inline void expect_failed_launch_leaves_nothing_pending(
     cudaStream_t stream, const std::function<cpidx::Status()>& call) {
@@ -408,7 +417,9 @@ inline void expect_failed_launch_leaves_nothing_pending(
   cudaStreamEndCapture(stream, &graph);  // refused: the capture is invalid
   if (graph != nullptr) cudaGraphDestroy(graph);
   cudaGetLastError();
-  EXPECT_EQ(st.code(), cpidx::StatusCode::kCudaError) << st.to_string();
+  EXPECT_TRUE(st.code() == cpidx::StatusCode::kCudaError ||
+              st.code() == cpidx::StatusCode::kCommError)
+      << st.to_string();
   EXPECT_NE(st.message().find("cudaErrorStreamCapture"), std::string::npos) << st.to_string();
   EXPECT_EQ(left, cudaSuccess) << "left pending: " << cudaGetErrorName(left);
   CUDA_OK(cudaFree(scratch));

@@ -656,6 +656,20 @@ TEST(GpuValidation, FailedLaunchesLeaveNoErrorPending) {
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   ScriptedComm comm(0, 2);  // agrees with whatever this rank offers; gathers nothing
+  // cp_decode whose query needs no packing: its first stream-ordered work is the query gather
+  // (a communicator's, writing on the stream), whose failure is cleared too.
+  const int64_t n = f.d.rows();
+  std::vector<uint16_t> local_rows(static_cast<size_t>(n * 2 * 128));
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy_n(f.d.query.begin() + r * kT * 128, 2 * 128, local_rows.begin() + r * 2 * 128);
+  }
+  DeviceVec<uint16_t> local_q(local_rows);
+  ScriptedComm writing(0, 2);
+  writing.gather_writes = true;
+  DecodeInputs packed = f.b.inputs(0, 2);
+  packed.query = local_q.ptr;
+  packed.q_row_stride = 2 * 128;
+  packed.q_head_stride = 128;
   const std::vector<std::pair<std::string, std::function<Status()>>> calls = {
       {"clear_error_flag", [&] { return f.dec->clear_error_flag(stream); }},
       {"decode", [&] { return f.dec->decode(f.b.all_heads(), f.dense(), nullptr, stream); }},
@@ -664,12 +678,15 @@ TEST(GpuValidation, FailedLaunchesLeaveNoErrorPending) {
        [&] { return f.dec->merge(keys.ptr, f.b.inputs(0, 2), f.dense(), nullptr, stream); }},
       {"cp_decode",
        [&] { return f.dec->cp_decode(comm, f.b.inputs(0, 2), f.dense(), nullptr, stream); }},
+      {"cp_decode, its gather",
+       [&] { return f.dec->cp_decode(writing, packed, f.dense(), nullptr, stream); }},
   };
   for (const auto& [name, call] : calls) {
     SCOPED_TRACE(name);
     expect_failed_launch_leaves_nothing_pending(stream, call);
   }
   EXPECT_EQ(comm.gathers, 0);  // cp_decode's first launch (packing its queries) failed
+  EXPECT_EQ(writing.gathers, 1);  // the query gather, which failed
   // The stream and the Decoder work again.
   f.poison();
   const Status again = f.dec->decode(f.b.all_heads(), f.dense(), nullptr, stream);
