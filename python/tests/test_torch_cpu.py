@@ -124,6 +124,26 @@ def test_functional_call_dispatches_the_op_only_when_traced(monkeypatch):
     assert any("cpidx.decode_topk" in t for t in targets), targets
 
 
+def test_tensors_reach_the_binding_as_dlpack_capsules():
+    # torch's Python-level __dlpack__ (which nanobind calls on a tensor) is skipped: a plain
+    # tensor goes to the binding as a capsule; what DLPack cannot carry goes as it is, so the
+    # binding's own check reports it as before.
+    from cpidx._api import _dl
+
+    t = torch.arange(6, dtype=torch.int32).view(2, 3)[:, 1:]  # strided, with an offset
+    assert type(_dl(t)).__name__ == "PyCapsule"
+    assert torch.equal(torch.from_dlpack(_dl(t)), t)
+    arr = np.zeros(2)
+    for x in (None, 3, arr, torch.zeros(2, requires_grad=True)):
+        assert _dl(x) is x
+    # The binding still names a refused tensor argument.
+    b = random_decode(np.random.default_rng(5), 2, 1, [300], max_seq_len=512)
+    q, k, bt, sl = as_torch(b)
+    with pytest.raises(TypeError, match="^seq_lens: expected int32, got int64"):
+        cpidx.decode_topk(q, k, bt, sl.long(), 1, torch.zeros((2, 1, 4), dtype=torch.int32),
+                          scale=1.0, topk=4, max_seq_len=512)
+
+
 def test_error_flag_through_the_op_and_compile():
     rng = np.random.default_rng(3)
     b = random_decode(rng, 2, 2, [600, 40], max_seq_len=512)  # 600 > max_seq_len: clamped
