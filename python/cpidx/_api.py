@@ -114,12 +114,12 @@ def _as_bits(t: Any) -> Any:
 def _dl(x: Any) -> Any:
     """A torch tensor as a DLPack capsule for the binding, which imports it as is: given the
     tensor, nanobind calls torch's Python-level ``Tensor.__dlpack__`` (~3 us a tensor on the CI
-    machine's CPU, against ~0.4 us for ``torch.utils.dlpack.to_dlpack``), which for a CUDA tensor
-    also makes the legacy default stream wait for the current one (an event recorded and waited
-    on, per tensor, per call). Anything else (None, numbers, numpy arrays, a tensor that
-    requires grad or that DLPack cannot carry) goes as it is, to the binding's own checks."""
+    machine's CPU, against ~0.4 us for ``torch.utils.dlpack.to_dlpack``; torch versions whose
+    ``stream`` argument defaults to None also make the legacy default stream wait for the
+    current one there, per tensor). Anything else (None, numbers, numpy arrays, a tensor DLPack
+    cannot carry) goes as it is, so the binding's own checks see it as before."""
     torch = _torch_module()
-    if torch is None or type(x) is not torch.Tensor or x.requires_grad:
+    if torch is None or type(x) is not torch.Tensor:
         return x
     try:
         return torch.utils.dlpack.to_dlpack(x)
@@ -250,13 +250,14 @@ def _or_host_error_bits(error_flag: Any, bits: int) -> None:
         flat[0] = int(flat[0]) | int(bits)
 
 
-def _op_takes(error_flag: Any, index_query: Any) -> bool:
+def _op_takes(error_flag: Any, index_query: Any, *tensors: Any) -> bool:
     """Whether a functional call goes through its registered op: wherever something may trace
-    or redirect it (torch.compile, torch.jit.trace, a dispatch mode such as make_fx's, a tensor
-    subclass, meta tensors), since the op's dispatch costs more host time than the rest of an
-    eager call (bench/host_overhead.py). A plain eager call on CUDA or CPU tensors runs the same
-    implementation directly (_bump_versions stands in for the op's own bookkeeping). The ops
-    take a tensor flag or none; another one goes to the eager path, which names it."""
+    or redirect it (torch.compile, torch.jit.trace, a dispatch mode such as make_fx's, a
+    torch.func transform, a tensor subclass among the arguments, meta tensors), since the op's
+    dispatch costs more host time than the rest of an eager call (bench/host_overhead.py). A
+    plain eager call on CUDA or CPU tensors runs the same implementation directly
+    (_bump_versions stands in for the op's own bookkeeping). The ops take a tensor flag or
+    none; another one goes to the eager path, which names it."""
     if error_flag is not None and not _is_torch(error_flag):
         return False
     torch = _torch_module()
@@ -264,17 +265,21 @@ def _op_takes(error_flag: Any, index_query: Any) -> bool:
         return True
     if type(index_query) is not torch.Tensor or index_query.device.type not in ("cuda", "cpu"):
         return True
-    dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)()
-    return torch.jit.is_tracing() or dispatch_modes > 0
+    plain = torch.Tensor
+    if any(isinstance(t, plain) and type(t) is not plain for t in (error_flag,) + tensors):
+        return True
+    redirected = (getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)() > 0 or
+                  getattr(torch._C, "_are_functorch_transforms_active", lambda: False)())
+    return torch.jit.is_tracing() or redirected
 
 
 def _bump_versions(*tensors: Any) -> None:
     """What the op's mutates_args does for the tensors a direct eager call wrote: their version
     counters move, so that autograd refuses a tensor saved for backward and since overwritten."""
     torch = _torch_module()
-    written = [t for t in tensors if _is_torch(t)]
-    if written:
-        torch.autograd.graph.increment_version(written)
+    for t in tensors:  # one at a time: a list is taken only from torch 2.5
+        if _is_torch(t):
+            torch.autograd.graph.increment_version(t)
 
 
 def _token_bucket(n: int) -> int:
@@ -484,7 +489,9 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                           sparse_context_lens_out=sparse_context_lens_out)
         if _is_torch(error_flag):
             _check_error_flag(error_flag, index_query)
-        use_op = _op_takes(error_flag, index_query)
+        use_op = _op_takes(error_flag, index_query, index_cache, block_table, seq_lens, out,
+                           attention_block_table, sparse_block_table_out,
+                           sparse_context_lens_out)
         if attention_block_table is None and sparse_block_table_out is None and \
                 sparse_context_lens_out is None and block_page_stride is None and decoder is None \
                 and registry is None and use_op:
@@ -597,7 +604,9 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                           seq_lens=seq_lens, out=out)
         if _is_torch(error_flag):
             _check_error_flag(error_flag, index_query)
-    if _is_torch(index_query) and registry is None and _op_takes(error_flag, index_query):
+    if _is_torch(index_query) and registry is None and _op_takes(
+            error_flag, index_query, index_cache, block_table, cu_seqlens_q, context_lens,
+            seq_lens, out):
         _torch_module().ops.cpidx.prefill_topk(
             index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
             seq_lens, out, float(scale), topk, init_blocks, local_blocks, max_seq_len,

@@ -101,6 +101,12 @@ def test_functional_call_dispatches_the_op_only_when_traced(monkeypatch):
     meta = [t.to("meta") for t in (q, k, bt, sl)]
     cpidx.decode_topk(*meta, 1, torch.empty_like(want, device="meta"), **kw)  # the op's fake
     monkeypatch.undo()
+    # A tensor subclass in any argument (here the output) takes the op, whose dispatch writes
+    # both of TwoTensor's halves.
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    pair = two_tensor.TwoTensor(torch.full_like(want, -5), torch.full_like(want, -5))
+    cpidx.decode_topk(q, k, bt, sl, 1, pair, **kw)
+    assert torch.equal(pair.a, want) and torch.equal(pair.b, want)
 
     def f(q, k, bt, sl, out):
         cpidx.decode_topk(q, k, bt, sl, 1, out, **kw)
@@ -134,7 +140,7 @@ def test_tensors_reach_the_binding_as_dlpack_capsules():
     assert type(_dl(t)).__name__ == "PyCapsule"
     assert torch.equal(torch.from_dlpack(_dl(t)), t)
     arr = np.zeros(2)
-    for x in (None, 3, arr, torch.zeros(2, requires_grad=True)):
+    for x in (None, 3, arr, torch.nn.Parameter(torch.zeros(2))):  # a subclass: as it is
         assert _dl(x) is x
     # The binding still names a refused tensor argument.
     b = random_decode(np.random.default_rng(5), 2, 1, [300], max_seq_len=512)
