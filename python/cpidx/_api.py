@@ -127,9 +127,9 @@ def _dl(x: Any) -> Any:
         return x
 
 
-def _dl_kw(kwargs: dict) -> dict:
-    """_dl over a call's keyword arguments."""
-    return {name: _dl(x) for name, x in kwargs.items()}
+def _native(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn`` (a binding) called with its torch tensor arguments as DLPack capsules (_dl)."""
+    return fn(*[_dl(a) for a in args], **{name: _dl(a) for name, a in kwargs.items()})
 
 
 def _cache_dtype_name(cache: Any) -> str:
@@ -143,7 +143,7 @@ def _check_gpu_inputs(index_query: Any, index_cache: Any) -> None:
     synchronises (refused inside a capture), and a bad query would otherwise be reported as the
     decoder's total_heads, an argument the caller never passed. Run on a registry miss only: an
     existing object's call checks every argument itself."""
-    _C.check_query_and_cache(_dl(index_query), _dl(_as_bits(index_cache)))
+    _native(_C.check_query_and_cache, index_query, _as_bits(index_cache))
 
 
 def _heads(index_query: Any) -> int:
@@ -560,9 +560,8 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                                   _check=lambda: _check_gpu_inputs(index_query, index_cache))
         with _device_current(index_query.device):  # its stream's device is current
             stream = _current_stream(index_query.device)
-            decoder.decode(_dl(index_query), _dl(_as_bits(index_cache)), _dl(block_table),
-                           _dl(seq_lens), query_len, _dl(out), scale=scale,
-                           error_flag=_dl(error_flag), stream=stream, **_dl_kw(table))
+            _native(decoder.decode, index_query, _as_bits(index_cache), block_table, seq_lens,
+                    query_len, out, scale=scale, error_flag=error_flag, stream=stream, **table)
         return
     if decoder is not None:
         raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
@@ -571,10 +570,9 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     _check_host_arrays(("out", "sparse_block_table_out", "sparse_context_lens_out"), error_flag,
                        index_query=query, index_cache=cache, block_table=block_table,
                        seq_lens=seq_lens, out=out, **table)
-    bits = _C.ref_decode_topk(_dl(query), _dl(cache), _dl(block_table),
-                              _dl(seq_lens), query_len, _dl(out), scale=scale, topk=topk,
-                              init_blocks=init_blocks, local_blocks=local_blocks,
-                              max_seq_len=max_seq_len, **_dl_kw(table))
+    bits = _native(_C.ref_decode_topk, query, cache, block_table, seq_lens, query_len, out,
+                   scale=scale, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
+                   max_seq_len=max_seq_len, **table)
     _or_host_error_bits(error_flag, bits)
 
 
@@ -635,10 +633,10 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
         _check_host_arrays(("out",), error_flag, index_query=query, index_cache=cache,
                            block_table=block_table, cu_seqlens_q=cu_seqlens_q,
                            context_lens=context_lens, seq_lens=seq_lens, out=out)
-        bits = _C.ref_prefill_topk(_dl(query), _dl(cache), _dl(block_table), _dl(cu_seqlens_q),
-                                   _dl(context_lens), _dl(seq_lens), _dl(out), scale=scale,
-                                   topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
-                                   max_seq_len=max_seq_len)
+        bits = _native(_C.ref_prefill_topk, query, cache, block_table, cu_seqlens_q,
+                       context_lens, seq_lens, out, scale=scale, topk=topk,
+                       init_blocks=init_blocks, local_blocks=local_blocks,
+                       max_seq_len=max_seq_len)
         _or_host_error_bits(error_flag, bits)
         return
     reg = registry if registry is not None else globals()["registry"]
@@ -649,6 +647,5 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                         _check=lambda: _check_gpu_inputs(index_query, index_cache))
     with _device_current(index_query.device):  # its stream's device is current
         stream = _current_stream(index_query.device)
-        pre.prefill(_dl(index_query), _dl(_as_bits(index_cache)), _dl(block_table),
-                    _dl(cu_seqlens_q), _dl(context_lens), _dl(seq_lens), _dl(out), scale=scale,
-                    error_flag=_dl(error_flag), stream=stream)
+        _native(pre.prefill, index_query, _as_bits(index_cache), block_table, cu_seqlens_q,
+                context_lens, seq_lens, out, scale=scale, error_flag=error_flag, stream=stream)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from . import _C
 from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, HostGroupError, _as_bits,
                    _cache_dtype_name, _capture_refusal, _check_error_flag, _check_host_arrays,
-                   _current_stream, _device_current, _dl, _dl_kw, _or_host_error_bits,
+                   _current_stream, _device_current, _native, _or_host_error_bits,
                    _refuse_during_capture, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
@@ -530,42 +530,40 @@ class IndexerCPDecode:
 
         if self.world_size == 1:
             if self._cuda:
-                self._decoder.decode(_dl(local_q), _dl(kv_cache), _dl(block_table),
-                                     _dl(seq_lens), query_len, _dl(out), scale=scale,
-                                     error_flag=_dl(error_flag), stream=stream, **_dl_kw(table))
+                _native(self._decoder.decode, local_q, kv_cache, block_table, seq_lens,
+                        query_len, out, scale=scale, error_flag=error_flag, stream=stream,
+                        **table)
             else:
-                host_bits(_C.ref_decode_topk(
-                    _dl(local_q), _dl(kv_cache), _dl(block_table), _dl(seq_lens), query_len,
-                    _dl(out), scale=scale, max_seq_len=self.max_seq_len, **self._sel(),
-                    **_dl_kw(table)))
+                host_bits(_native(
+                    _C.ref_decode_topk, local_q, kv_cache, block_table, seq_lens, query_len,
+                    out, scale=scale, max_seq_len=self.max_seq_len, **self._sel(), **table))
             return out
         if self._comm is not None:
-            self._decoder.cp_decode(self._comm, _dl(local_q), _dl(kv_cache), _dl(block_table),
-                                    _dl(seq_lens), query_len, _dl(out), scale=scale,
-                                    error_flag=_dl(error_flag), stream=stream, **_dl_kw(table))
+            _native(self._decoder.cp_decode, self._comm, local_q, kv_cache, block_table,
+                    seq_lens, query_len, out, scale=scale, error_flag=error_flag, stream=stream,
+                    **table)
             return out
         full = self._full_queries(local_q)
         T, K, P = self.total_heads, self.topk, self.world_size
         keys = self._keys[: T * n * K].view(T, n, K)
         if self._cuda:
-            self._decoder.shard_keys(_dl(full), _dl(kv_cache), _dl(block_table), _dl(seq_lens),
-                                     query_len, _dl(keys), scale=scale,
-                                     error_flag=_dl(error_flag), stream=stream)
+            _native(self._decoder.shard_keys, full, kv_cache, block_table, seq_lens, query_len,
+                    keys, scale=scale, error_flag=error_flag, stream=stream)
         else:
-            bits = _C.ref_shard_topk_keys(
-                _dl(full), _dl(kv_cache), _dl(block_table), _dl(seq_lens), query_len, _dl(keys),
-                scale=scale,
-                max_seq_len=self.max_seq_len, world_size=P, rank=self.rank, **self._sel())
+            bits = _native(
+                _C.ref_shard_topk_keys, full, kv_cache, block_table, seq_lens, query_len, keys,
+                scale=scale, max_seq_len=self.max_seq_len, world_size=P, rank=self.rank,
+                **self._sel())
         gathered = self._keys_gathered[: P * T * n * K]
         dist.all_gather_into_tensor(gathered, keys.view(-1), group=self._pg)
         gathered = gathered.view(P, T, n, K)
         if self._cuda:
-            self._decoder.merge(_dl(gathered), _dl(seq_lens), query_len, _dl(out), stream=stream,
-                                **_dl_kw(table))
+            _native(self._decoder.merge, gathered, seq_lens, query_len, out, stream=stream,
+                    **table)
         else:
-            _C.ref_merge_topk_keys(_dl(gathered), _dl(seq_lens), query_len, _dl(out),
-                                   max_seq_len=self.max_seq_len, head_offset=self.head_offset,
-                                   **self._sel(), **_dl_kw(table))
+            _native(_C.ref_merge_topk_keys, gathered, seq_lens, query_len, out,
+                    max_seq_len=self.max_seq_len, head_offset=self.head_offset, **self._sel(),
+                    **table)
             host_bits(bits)
         return out
 
@@ -598,16 +596,14 @@ class IndexerCPDecode:
                                    block_table=block_table, seq_lens=seq_lens, out=out, **table)
             if not full:
                 return n, None
-            args = (_dl(local_q), _dl(_as_bits(kv_cache)), _dl(block_table), _dl(seq_lens),
-                    query_len, _dl(out))
+            args = (local_q, _as_bits(kv_cache), block_table, seq_lens, query_len, out)
             if self._cuda:
-                self._decoder.check_cp_decode(*args, scale=scale, error_flag=_dl(error_flag),
-                                              **_dl_kw(table))
+                _native(self._decoder.check_cp_decode, *args, scale=scale, error_flag=error_flag,
+                        **table)
             else:
-                _C.ref_check_cp_decode(*args, scale=scale, max_seq_len=self.max_seq_len,
-                                       local_heads=self.local_heads, max_tokens=self.max_tokens,
-                                       max_query_len=self.max_query_len, **self._sel(),
-                                       **_dl_kw(table))
+                _native(_C.ref_check_cp_decode, *args, scale=scale, max_seq_len=self.max_seq_len,
+                        local_heads=self.local_heads, max_tokens=self.max_tokens,
+                        max_query_len=self.max_query_len, **self._sel(), **table)
                 # The reference runs either cache dtype; the CUDA Decoder only its own, and a CPU
                 # run must refuse what the GPU run would.
                 got = _cache_dtype_name(kv_cache)

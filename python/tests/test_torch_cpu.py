@@ -134,7 +134,7 @@ def test_tensors_reach_the_binding_as_dlpack_capsules():
     # torch's Python-level __dlpack__ (which nanobind calls on a tensor) is skipped: a plain
     # tensor goes to the binding as a capsule; what DLPack cannot carry goes as it is, so the
     # binding's own check reports it as before.
-    from cpidx._api import _dl
+    from cpidx._api import _dl, _native
 
     t = torch.arange(6, dtype=torch.int32).view(2, 3)[:, 1:]  # strided, with an offset
     assert type(_dl(t)).__name__ == "PyCapsule"
@@ -142,6 +142,10 @@ def test_tensors_reach_the_binding_as_dlpack_capsules():
     arr = np.zeros(2)
     for x in (None, 3, arr, torch.nn.Parameter(torch.zeros(2))):  # a subclass: as it is
         assert _dl(x) is x
+    # Every binding call goes through _native, which converts positional and keyword tensors.
+    args, kwargs = _native(lambda *a, **k: (a, k), t, arr, out=t, scale=0.5)
+    assert [type(a).__name__ for a in args] == ["PyCapsule", "ndarray"]
+    assert type(kwargs["out"]).__name__ == "PyCapsule" and kwargs["scale"] == 0.5
     # The binding still names a refused tensor argument.
     b = random_decode(np.random.default_rng(5), 2, 1, [300], max_seq_len=512)
     q, k, bt, sl = as_torch(b)
