@@ -487,11 +487,11 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                           attention_block_table=attention_block_table,
                           sparse_block_table_out=sparse_block_table_out,
                           sparse_context_lens_out=sparse_context_lens_out)
-        if _is_torch(error_flag):
-            _check_error_flag(error_flag, index_query)
         use_op = _op_takes(error_flag, index_query, index_cache, block_table, seq_lens, out,
                            attention_block_table, sparse_block_table_out,
                            sparse_context_lens_out)
+        if use_op:  # before the op (a meta flag would run its fake); _decode_now checks its own
+            _check_error_flag(error_flag, index_query)
         if attention_block_table is None and sparse_block_table_out is None and \
                 sparse_context_lens_out is None and block_page_stride is None and decoder is None \
                 and registry is None and use_op:
@@ -600,11 +600,10 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
         _check_one_device(index_query, index_cache=index_cache, block_table=block_table,
                           cu_seqlens_q=cu_seqlens_q, context_lens=context_lens,
                           seq_lens=seq_lens, out=out)
-        if _is_torch(error_flag):
-            _check_error_flag(error_flag, index_query)
     if _is_torch(index_query) and registry is None and _op_takes(
             error_flag, index_query, index_cache, block_table, cu_seqlens_q, context_lens,
             seq_lens, out):
+        _check_error_flag(error_flag, index_query)  # before the op, as in decode_topk
         _torch_module().ops.cpidx.prefill_topk(
             index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
             seq_lens, out, float(scale), topk, init_blocks, local_blocks, max_seq_len,
