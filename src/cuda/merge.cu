@@ -21,6 +21,7 @@ __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t us
                            Key* best, int lane) {
   const int K = p.topk, total = p.world * K;
   ll::Waiter waiter(p.channel.error, p.channel.timeout_ns);  // used with a channel only
+  for (int i = lane; i < K; i += 32) best[i] = kPadKey;  // a slot no rank fills shows (below)
   // The real keys packed into cand by the warp's ballots (32 at a time, every lane in each
   // turn), where a shared-memory atomicAdd per key serialised the warp on one counter.
   int found = 0;
@@ -41,6 +42,16 @@ __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t us
   __syncwarp();
   warp_rank_topk(cand, found, K, best, lane);
   __syncwarp();
+  // Equal keys share a rank and leave the slots after it padded. No two ranks send one (a block
+  // is one rank's), so only a corrupted gather does: ranked again, ties by their place in the
+  // list, the duplicates kept as the reference's sort keeps them.
+  bool hole = false;
+  for (int i = lane; i < K && i < found; i += 32) hole |= best[i] == kPadKey;
+  if (__any_sync(0xffffffffu, hole)) {
+    __syncwarp();
+    warp_rank_topk<true>(cand, found, K, best, lane);
+    __syncwarp();
+  }
   int32_t* out = p.ids + j * p.ids_head_stride + row * p.ids_row_stride;
   for (int i = lane; i < K; i += 32) out[i] = best[i] == kPadKey ? -1 : key_block(best[i]);
   if (p.table.table) {  // L == 1

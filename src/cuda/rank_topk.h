@@ -28,8 +28,9 @@ CPIDX_HD ulonglong2 key_pair(const Key* cand, int j) {
 
 // One group of warp_rank_topk's keys: each lane ranks kKeys keys (i0 + lane, then
 // i0 + 32 + lane) against the whole list, read two keys a 16-byte broadcast load (pads add no
-// rank), and writes each real key of rank < k to out[rank].
-template <int kKeys>
+// rank), and writes each real key of rank < k to out[rank]. kTies: a key equal to one before
+// it in the list ranks below it, so equal keys take consecutive ranks.
+template <int kKeys, bool kTies>
 CPIDX_HD void warp_rank_group(const Key* cand, int count, int i0, int k, Key* out, int lane) {
   const int npairs = (count + 1) / 2;
   Key mine[kKeys];
@@ -43,7 +44,13 @@ CPIDX_HD void warp_rank_group(const Key* cand, int count, int i0, int k, Key* ou
   for (int j = 0; j < npairs; ++j) {
     const ulonglong2 two = key_pair(cand, j);
     CPIDX_RANK_UNROLL
-    for (int q = 0; q < kKeys; ++q) rank[q] += (two.x > mine[q]) + (two.y > mine[q]);
+    for (int q = 0; q < kKeys; ++q) {
+      rank[q] += (two.x > mine[q]) + (two.y > mine[q]);
+      if (kTies) {
+        const int i = i0 + 32 * q + lane;
+        rank[q] += (two.x == mine[q] && 2 * j < i) + (two.y == mine[q] && 2 * j + 1 < i);
+      }
+    }
   }
   CPIDX_RANK_UNROLL
   for (int q = 0; q < kKeys; ++q) {
@@ -51,24 +58,26 @@ CPIDX_HD void warp_rank_group(const Key* cand, int count, int i0, int k, Key* ou
   }
 }
 
-// Keys in `cand[0..count)` are unique real keys (> kPadKey); `cand` is 16-byte aligned and, when
-// count is odd, cand[count] holds kPadKey. One warp writes the K largest, in descending order,
-// to out[0..K), padding with kPadKey; `out` must not alias `cand`. Each lane ranks two keys
+// Keys in `cand[0..count)` are real keys (> kPadKey), unique unless kTies; `cand` is 16-byte
+// aligned and, when count is odd, cand[count] holds kPadKey. One warp writes the K largest, in
+// descending order, to out[0..K), padding with kPadKey; `out` must not alias `cand`. Equal keys
+// share a rank without kTies, leaving the slots after it unwritten (merge.cu looks for them). Each lane ranks two keys
 // (i and i + 32 of every 64; up to 32 keys left, one), count / 2 loads a lane for up to 64
 // keys. select_topk's block-wide form is for_each_rank / rank_short (select_topk.cu).
 // NOTE: one key a lane and 8-byte loads took 2 * count loads a lane at P = 4, K = 16 (64 keys);
 // ranking a pad as every lane's second key at P = 2 (32 keys) cost ~1 us at 64 x Q=4 (v52m).
 // The two group sizes as one template (v53r) ran 0.15-1.2 us faster than the same loop written
 // twice on the 64-request Q=4 steps and within the noise elsewhere (docs/perf/README.md).
+template <bool kTies = false>
 CPIDX_HD void warp_rank_topk(const Key* cand, int count, int k, Key* out, int lane) {
   for (int i = lane; i < k; i += 32) {
     if (i >= count) out[i] = kPadKey;
   }
   for (int i0 = 0; i0 < count; i0 += 64) {  // warp-uniform, as the group size
     if (count - i0 <= 32) {
-      warp_rank_group<1>(cand, count, i0, k, out, lane);
+      warp_rank_group<1, kTies>(cand, count, i0, k, out, lane);
     } else {
-      warp_rank_group<2>(cand, count, i0, k, out, lane);
+      warp_rank_group<2, kTies>(cand, count, i0, k, out, lane);
     }
   }
 }

@@ -22,14 +22,16 @@ __device__ __forceinline__ void write_sparse_row(const SparseTableArgs& t, const
     return keys[i] == kPadKey ? -1 : static_cast<int64_t>(key_block(keys[i]));
   };
   auto is_valid = [&](int64_t b) { return causal > 0 && b >= 0 && b <= self_blk; };
-  int n_full = 0, n_valid = 0;
+  int n_full = 0;
   bool has_tail = false;
   for (int i = 0; i < k; ++i) {
     int64_t b = block_of(i);
     if (!is_valid(b)) continue;
-    ++n_valid;
     if (b < self_blk) ++n_full; else has_tail = true;
   }
+  // The tail once, however often a (corrupted) merge selected it: every entry of it goes to
+  // slot n_full, and the zeros start after it.
+  const int n_valid = n_full + (has_tail ? 1 : 0);
   for (int x = lane; x < k * kPagesPerBlock; x += 32) {
     const int e = x / kPagesPerBlock, j = x % kPagesPerBlock;
     // The slot of entry e: full blocks keep selection order, the tail block goes last.

@@ -3,7 +3,8 @@
 // context-parallel), simulated context-parallel ranks == plain decode bitwise, tie-heavy inputs,
 // block scores rising through long requests (candidate buffers refilled), the fused sparse
 // table, CUDA-graph replay with changing lengths, objects torn down during a capture, bad
-// device values, and the selection's three grids (many items, few long lists).
+// device values, garbage keys in the merge, and the selection's three grids (many items, few
+// long lists).
 // Every test skips cleanly without a GPU.
 #include <gtest/gtest.h>
 
@@ -364,6 +365,77 @@ TEST(GpuDecode, FusedSparseTableMatchesReference) {
       EXPECT_EQ(dctx.download(), ctx);
     }
   }
+  }
+}
+
+// Keys handed to Decoder::merge (a custom transport's) may be any 64-bit patterns, equal keys
+// among them, which no rank sends (a block is one rank's): every rank's merge gives the
+// reference's ids and sparse-table rows for them, every output written. Equal keys share a rank
+// in the merge's first ranking, and the slots after it were left unwritten (shared memory);
+// a tail block selected twice left a table entry as it was.
+TEST(GpuDecode, MergeOfGarbageKeysEqualsReference) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(1901);
+  const int Q = 2, bound = 768;
+  for (int world : {2, 4}) {
+    for (int K : {4, 16}) {
+      const int T = world;  // one head a rank: the sparse table is written too
+      DecodeData d = random_decode(1902, T, Q, {700, 300, 768}, bound);
+      d.seq_lens = {700, -3, 1 << 30};  // clamped: 700, 0, 768
+      const Selection sel = sel_of(K);
+      const int64_t n = d.rows(), G = d.max_blocks();
+      std::vector<int32_t> attn(static_cast<size_t>(d.num_reqs() * G));
+      for (size_t i = 0; i < attn.size(); ++i) attn[i] = 11 + 5 * static_cast<int32_t>(i);
+      DeviceBatch b(d);
+      DeviceVec<int32_t> dattn(attn);
+      for (int trial = 0; trial < 6; ++trial) {
+        std::vector<cpidx::Key> keys(static_cast<size_t>(world * T * n * K));
+        for (auto& k : keys) {
+          switch (rng() % 4) {
+            case 0:
+              k = rng();
+              break;
+            case 1:
+              k = cpidx::kPadKey;
+              break;
+            case 2:
+              k = cpidx::make_key(std::nanf(""), static_cast<int64_t>(rng() % 9));
+              break;
+            default:  // blocks 0-6 of a few scores: equal keys, the rows' own blocks among them
+              k = cpidx::make_key(1.0f + static_cast<float>(rng() % 2),
+                                  static_cast<int64_t>(rng() % 7));
+              break;
+          }
+        }
+        DeviceVec<cpidx::Key> gathered(keys);
+        for (int r = 0; r < world; ++r) {
+          SCOPED_TRACE("P = " + std::to_string(world) + ", rank " + std::to_string(r) +
+                       ", K = " + std::to_string(K) + ", trial " + std::to_string(trial));
+          cpidx_test::IdsBuffer ids(1, n, K);
+          std::vector<int32_t> table(static_cast<size_t>(n * K * 8), cpidx_test::kPoison);
+          std::vector<int32_t> ctx(static_cast<size_t>(n), cpidx_test::kPoison);
+          const cpidx::SparseTableOutput t{attn.data(), G, table.data(), K * 8, ctx.data(), 8};
+          ASSERT_TRUE(cpidx::ref::merge_topk_keys(keys.data(), world, T, n, sel, r, 1,
+                                                  d.seq_lens.data(), d.num_reqs(), Q, bound,
+                                                  ids.out(), &t)
+                          .is_ok());
+          std::unique_ptr<cpidx::Decoder> dec;
+          ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel, world, r), 0, &dec).is_ok());
+          DeviceVec<int32_t> dids(ids.ids.size()), dtable(table.size()), dctx(ctx.size());
+          dids.poison();
+          dtable.poison();
+          dctx.poison();
+          const cpidx::SparseTableOutput dt{dattn.ptr, G, dtable.ptr, K * 8, dctx.ptr, 8};
+          ASSERT_TRUE(dec->merge(gathered.ptr, b.all_heads(),
+                                 cpidx::TopkOutput{dids.ptr, n * K, K}, &dt, nullptr)
+                          .is_ok());
+          CUDA_OK(cudaDeviceSynchronize());
+          EXPECT_EQ(dids.download(), ids.ids);
+          EXPECT_EQ(dtable.download(), table);
+          EXPECT_EQ(dctx.download(), ctx);
+        }
+      }
+    }
   }
 }
 

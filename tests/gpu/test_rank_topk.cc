@@ -24,11 +24,13 @@ constexpr int kMaxCand = 8 * 64;    // the merge's P x K at most
 constexpr Key kPoison = ~Key{0};    // above every key: ranks it touches would shift
 constexpr int kGuard = 8;           // output slots past K that must stay untouched
 
-// The warp's result: lanes 0-31 (or 31-0) in turn.
-std::vector<Key> run_warp(const std::vector<Key>& cand, int count, int k, bool reverse) {
-  std::vector<Key> out(static_cast<size_t>(k + kGuard), kPoison - 1);
+// The warp's result: lanes 0-31 (or 31-0) in turn, over `fill` in every output slot.
+template <bool kTies = false>
+std::vector<Key> run_warp(const std::vector<Key>& cand, int count, int k, bool reverse,
+                          Key fill = kPoison - 1) {
+  std::vector<Key> out(static_cast<size_t>(k + kGuard), fill);
   for (int l = 0; l < 32; ++l) {
-    cpidx::cuda::warp_rank_topk(cand.data(), count, k, out.data(), reverse ? 31 - l : l);
+    cpidx::cuda::warp_rank_topk<kTies>(cand.data(), count, k, out.data(), reverse ? 31 - l : l);
   }
   return out;
 }
@@ -42,6 +44,7 @@ std::vector<Key> candidates(const std::vector<Key>& keys) {
   return cand;
 }
 
+template <bool kTies = false>
 void expect_top_k(const std::vector<Key>& keys, int k, const std::string& what) {
   const int count = static_cast<int>(keys.size());
   std::vector<Key> want = keys;
@@ -49,7 +52,7 @@ void expect_top_k(const std::vector<Key>& keys, int k, const std::string& what) 
   want.resize(static_cast<size_t>(k), kPadKey);
   const std::vector<Key> cand = candidates(keys);
   for (bool reverse : {false, true}) {
-    const std::vector<Key> out = run_warp(cand, count, k, reverse);
+    const std::vector<Key> out = run_warp<kTies>(cand, count, k, reverse);
     for (int i = 0; i < k; ++i) {
       ASSERT_EQ(out[static_cast<size_t>(i)], want[static_cast<size_t>(i)])
           << what << ": slot " << i << " of K = " << k << ", count " << count
@@ -108,6 +111,33 @@ TEST(RankTopK, DescendingAndAscendingLists) {
     expect_top_k(keys, 16, "ascending");
     std::reverse(keys.begin(), keys.end());
     expect_top_k(keys, 64, "descending");
+  }
+}
+
+// Equal keys (which only a corrupted gather holds): the merge's first ranking gives them one rank
+// and leaves the slots after it as they were, where the merge looks for its pads, and the ranking
+// with ties (its second) writes them all, in order, as std::sort.
+TEST(RankTopK, EqualKeysLeaveSlotsThatTheRankingWithTiesFills) {
+  std::mt19937_64 rng(37);
+  for (int count : {2, 3, 17, 32, 33, 64, 65, 128, 512}) {
+    for (int k : {1, 2, 16, 64}) {
+      std::vector<Key> keys = unique_keys(rng, count, true);
+      keys[static_cast<size_t>(rng() % count)] = keys[0];  // at least one key twice
+      for (Key& key : keys) {
+        if (rng() % 4 == 0) key = keys[static_cast<size_t>(rng() % count)];
+      }
+      const std::string what = "count " + std::to_string(count) + ", K = " + std::to_string(k);
+      expect_top_k<true>(keys, k, "ties, " + what);
+      std::vector<Key> sorted = keys;
+      std::sort(sorted.begin(), sorted.end(), std::greater<Key>());
+      const int filled = std::min(count, k);
+      const bool repeats_in_top = std::adjacent_find(sorted.begin(), sorted.begin() + filled) !=
+                                  sorted.begin() + filled;
+      const std::vector<Key> untied = run_warp(candidates(keys), count, k, false, kPadKey);
+      const bool pad_left =
+          std::find(untied.begin(), untied.begin() + filled, kPadKey) != untied.begin() + filled;
+      EXPECT_EQ(pad_left, repeats_in_top) << what;
+    }
   }
 }
 
