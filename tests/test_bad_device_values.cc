@@ -3,7 +3,9 @@
 // outside the cache, cu_seqlens_q out of order, NaN / inf in queries and keys (bf16 and fp8),
 // garbage keys handed to the merge. Each run must stay in bounds (the asan preset runs this
 // file), give the documented result and raise exactly the documented error bits:
-//  - a seq_len / context_len below 0 or above max_seq_len acts as 0 / max_seq_len, bit 1;
+//  - a seq_len / context_len below 0 or above max_seq_len acts as 0 / max_seq_len, bit 1 (a
+//    prefill seq_len raises it on its own); a prefill position past the bound reads
+//    max_seq_len - 1;
 //  - a block-table entry below 0 / at or past num_pages reads page 0 / num_pages - 1, bit 2;
 //  - NaN dots never win a block's max (which starts at -inf), so a block whose visible dots
 //    are all NaN scores -inf; inf dots behave as numbers (+inf outranks the forced 1e30);
@@ -290,6 +292,33 @@ TEST(BadDeviceValues, PrefillLengthsAndCuSeqlensAreClampedAndFlagged) {
   EXPECT_EQ(err, cpidx::kErrPageOutOfRange);
 }
 
+// CONTRACT.md section 8: a prefill seq_len above max_seq_len is flagged (bit 1) even when every
+// context_len and cu_seqlens_q is in range.
+TEST(BadDeviceValues, PrefillSeqLenAboveTheBoundIsFlaggedOnItsOwn) {
+  const ExactDots m(1, {256}, 256);
+  const std::vector<int32_t> cu = {0, 1}, ctx = {10}, seq = {257};
+  IdsBuffer ids(1, 1, 2);
+  int32_t err = 0;
+  const cpidx::PrefillInputs in = prefill_over(m.d, 1, 1, cu.data(), ctx.data(), seq.data(), 1);
+  ASSERT_TRUE(cpidx::ref::prefill_topk(in, {2, 0, 1}, ids.out(), &err).is_ok());
+  EXPECT_EQ(err, cpidx::kErrSeqLenOutOfRange);
+}
+
+// CONTRACT.md section 8: a prefill position past max_seq_len is clamped to max_seq_len - 1, so
+// the token sees every key up to that last one (and the call is flagged).
+TEST(BadDeviceValues, PrefillPositionPastTheBoundSeesTheLastKey) {
+  ExactDots m(1, {512}, 512, -1.0f);
+  m.set_dot(0, 0.5f);
+  m.set_dot(511, 1.0f);  // visible only at position 511
+  const std::vector<int32_t> cu = {0, 1}, ctx = {9999}, seq = {512};
+  IdsBuffer ids(1, 1, 1);
+  int32_t err = 0;
+  const cpidx::PrefillInputs in = prefill_over(m.d, 1, 1, cu.data(), ctx.data(), seq.data(), 1);
+  ASSERT_TRUE(cpidx::ref::prefill_topk(in, {1, 0, 0}, ids.out(), &err).is_ok());
+  EXPECT_EQ(ids.ids[0], 3);
+  EXPECT_EQ(err, cpidx::kErrSeqLenOutOfRange);
+}
+
 // ---- NaN and inf -----------------------------------------------------------------------------
 
 // A batch of small integers (exact dots) with one request long enough for 6 blocks.
@@ -414,6 +443,20 @@ TEST(NonFinite, RandomNonFiniteSprinkleAllPathsAgree) {
     SCOPED_TRACE("trial " + std::to_string(trial));
     expect_all_paths(d, {8, static_cast<int>(trial % 2), 1 + trial % 2}, 0);
   }
+}
+
+// CONTRACT.md sections 3-4.2: in prefill too, a NaN dot never wins a block's max, even as the
+// block's last token (block 0: 1.0 then NaN at slot 127 must still beat block 1 at 0.5).
+TEST(NonFinite, PrefillNaNDotLastInABlockNeverWins) {
+  ExactDots m(1, {256}, 256, -1.0f);
+  m.set_dot(5, 1.0f);
+  m.set_dot(127, std::numeric_limits<float>::quiet_NaN());
+  m.set_block(1, 0.5f);
+  const std::vector<int32_t> cu = {0, 1}, ctx = {200}, seq = {201};
+  IdsBuffer ids(1, 1, 1);
+  const cpidx::PrefillInputs in = prefill_over(m.d, 1, 1, cu.data(), ctx.data(), seq.data(), 1);
+  ASSERT_TRUE(cpidx::ref::prefill_topk(in, {1, 0, 0}, ids.out(), nullptr).is_ok());
+  EXPECT_EQ(ids.ids[0], 0);
 }
 
 // ---- Merge of garbage keys -----------------------------------------------------------------

@@ -1,8 +1,13 @@
 // ref::compare_ids, the acceptance rule GPU tests, the demo and the benchmark use: identical ids
 // are exact, a swap of two equal-score blocks is a near tie, and a weak or repeated block fails.
+// The tolerance is 1e-3 relative to want's K-th score (inclusive, no absolute floor); ids and
+// -1 pads follow the row's position (V = pos / 128 + 1 visible blocks, forced ones included).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
 
 #include "cpidx/reference.h"
 #include "test_util.h"
@@ -10,6 +15,13 @@
 namespace {
 
 using namespace cpidx_test;
+
+// compare_ids of one head, one row: got against want.
+cpidx::ref::IdsComparison compare_row(const DecodeData& d, const cpidx::Selection& sel,
+                                      std::vector<int32_t> got, std::vector<int32_t> want) {
+  const int k = sel.topk;
+  return cpidx::ref::compare_ids(d.all_heads(), sel, {got.data(), k, k}, {want.data(), k, k});
+}
 
 TEST(CompareIds, ExactNearTieAndBad) {
   // Small-integer values: many equal block maxima, every score exact.
@@ -104,6 +116,60 @@ TEST(CompareIds, RefusedInputsMakeADifferingRowBad) {
   EXPECT_NE(r.first_bad.find("scale"), std::string::npos) << r.first_bad;
   // The same swap with valid inputs is judged on the scores (random values: not a tie).
   EXPECT_EQ(cpidx::ref::compare_ids(d.all_heads(), sel, got.out(), want.out()).bad_rows, 1);
+}
+
+// CONTRACT.md section 4: a swapped block must score within 1e-3 relative of want's K-th score.
+// The bound is inclusive, taken from want (not got), and has no absolute floor below |K-th| 1.
+TEST(CompareIds, ToleranceIsRelativeToTheKthScoreInclusive) {
+  const cpidx::Selection sel{2, 0, 0};
+  // Scale 1: K-th score ~1000. Scale 2^-19 (exact): K-th score ~0.0019, tolerance ~1.9e-6.
+  for (const float scale : {1.0f, std::ldexp(1.0f, -19)}) {
+    SCOPED_TRACE(scale);
+    auto swapped = [&](float dot0, float dot1) {  // want {0, 1}, got {1, 0}
+      ExactDots m(1, {512}, 512);
+      m.d.scale = scale;
+      m.set_block(0, dot0);
+      m.set_block(1, dot1);
+      return compare_row(m.d, sel, {1, 0}, {0, 1});
+    };
+    EXPECT_EQ(swapped(1001.0f, 1000.0f).near_tie_rows, 1);  // 1 apart, tolerance 1e-3 * 1000
+    EXPECT_EQ(swapped(1000.0f, 999.0f).bad_rows, 1);  // tolerance from want's K-th: 0.999
+    EXPECT_EQ(swapped(1005.0f, 1000.0f).bad_rows, 1);
+    // Scale 2^-19: 0.0024 and 0.0019 lie 4.8e-4 apart, inside an absolute 1e-3 floor.
+    EXPECT_EQ(swapped(1250.0f, 1000.0f).bad_rows, 1);
+  }
+}
+
+// CONTRACT.md section 4.3: the output ids are distinct; a repeated id is bad even when its
+// score equals the score of the id it replaces.
+TEST(CompareIds, RepeatedIdIsBadEvenWhenItsScoreTies) {
+  ExactDots m(1, {512}, 512);
+  m.set_block(0, 500.0f);
+  m.set_block(1, 500.0f);
+  EXPECT_EQ(compare_row(m.d, {2, 0, 0}, {1, 1}, {1, 0}).bad_rows, 1);
+}
+
+// CONTRACT.md sections 3-4: ids are blocks b < V of the row; an id at or past V is bad even
+// where the comparator keeps a score slot for it (seq_len 200: V = 2 of max_blocks 4).
+TEST(CompareIds, IdPastTheRowsVisibleBlocksIsBad) {
+  ExactDots m(1, {200}, 512);
+  EXPECT_EQ(compare_row(m.d, {2, 0, 1}, {2, 0}, {1, 0}).bad_rows, 1);
+}
+
+// CONTRACT.md section 4.3: after min(K, V) ids both outputs hold -1; a want that holds a block
+// there is bad too (V = 2, K = 3).
+TEST(CompareIds, PaddingPastTheVisibleBlocksIsMinusOneInBoth) {
+  ExactDots m(1, {200}, 512);
+  EXPECT_EQ(compare_row(m.d, {3, 0, 1}, {1, 0, -1}, {1, 0, 3}).bad_rows, 1);
+}
+
+// CONTRACT.md section 3: row t sits at pos = seq_len - Q + t, so seq_len 256 gives V = 2 and
+// block 1 is the forced local block: swapping it with a block of the same raw score is bad.
+TEST(CompareIds, ForcedBlocksFollowTheRowsPosition) {
+  ExactDots m(1, {256}, 384);
+  m.set_block(0, 500.0f);
+  m.set_block(1, 500.0f);
+  EXPECT_EQ(compare_row(m.d, {2, 0, 1}, {0, 1}, {1, 0}).bad_rows, 1);
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
 // ref::compare_ids for prefill ids: identical ids are exact rows, a bad -1 pad is a bad row named
-// in first_bad, and a swapped pair is judged by its scores (never counted exact).
+// in first_bad, and a swapped pair is judged by its scores (never counted exact): the scaled
+// fp32 scores prefill_topk ranks, at each token's position as prefill_topk clamps it (cu_seqlens_q
+// out of order, positions past max_seq_len), with the forced local block and own token there.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -13,6 +16,29 @@
 namespace {
 
 using namespace cpidx_test;
+
+// Prefill inputs of one head over a hand-built batch.
+cpidx::PrefillInputs one_head(const ExactDots& m, const std::vector<int32_t>& cu,
+                              const std::vector<int32_t>& ctx, const std::vector<int32_t>& seq,
+                              int64_t tokens) {
+  return prefill_over(m.d, 1, tokens, cu.data(), ctx.data(), seq.data(),
+                      static_cast<int>(ctx.size()));
+}
+
+// prefill_topk's ids of a one-token batch.
+std::vector<int32_t> want_of(const cpidx::PrefillInputs& in, const cpidx::Selection& sel) {
+  const int k = sel.topk;
+  std::vector<int32_t> want(static_cast<size_t>(k));
+  EXPECT_TRUE(cpidx::ref::prefill_topk(in, sel, {want.data(), k, k}, nullptr).is_ok());
+  return want;
+}
+
+// compare_ids of a one-token batch: got against want.
+cpidx::ref::IdsComparison compare_row(const cpidx::PrefillInputs& in, const cpidx::Selection& sel,
+                                      std::vector<int32_t> got, std::vector<int32_t> want) {
+  const int k = sel.topk;
+  return cpidx::ref::compare_ids(in, sel, {got.data(), k, k}, {want.data(), k, k});
+}
 
 TEST(ComparePrefill, ExactWrongAndTiedRows) {
   // One request, 3 tokens at positions 300..302 over a cache of small integers: many equal
@@ -90,6 +116,86 @@ TEST(ComparePrefill, ExactWrongAndTiedRows) {
   }
   EXPECT_GT(unequal, 0) << "every swap was between equal scores: the rule was not exercised";
   EXPECT_GE(ties, 3) << "blocks 0 and 1 should tie for every token";
+}
+
+// CONTRACT.md sections 3, 4.1 and 7: token i sits at context_len + i; its last visible block is
+// the forced local one, and its own token counts in that block's score.
+TEST(ComparePrefill, ForcedLocalBlockAndOwnTokenFollowThePosition) {
+  const std::vector<int32_t> cu = {0, 1}, ctx = {300}, seq = {301};
+  {  // pos 300: V = 3, block 2 forced; blocks 0 and 1 tie, so swapping them is a near tie.
+    ExactDots m(1, {384}, 384);
+    m.set_block(0, 500.0f);
+    m.set_block(1, 500.0f);
+    const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 1);
+    ASSERT_EQ(want_of(in, {3, 0, 1}), (std::vector<int32_t>{2, 1, 0}));
+    EXPECT_EQ(compare_row(in, {3, 0, 1}, {2, 0, 1}, {2, 1, 0}).near_tie_rows, 1);
+  }
+  {
+    // Block 2's max is the token's own key (600; the keys before it tie block 1 at 500):
+    // swapping it below block 1 is bad.
+    ExactDots m(1, {384}, 384);
+    m.set_block(1, 500.0f);
+    for (int t = 256; t < 300; ++t) m.set_dot(t, 500.0f);
+    m.set_dot(300, 600.0f);
+    const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 1);
+    ASSERT_EQ(want_of(in, {2, 0, 0}), (std::vector<int32_t>{2, 1}));
+    EXPECT_EQ(compare_row(in, {2, 0, 0}, {1, 2}, {2, 1}).bad_rows, 1);
+  }
+}
+
+// CONTRACT.md section 8: a position past max_seq_len is clamped to max_seq_len - 1, so the
+// comparator judges it there (block 2 forced local), not past the end of the block table.
+TEST(ComparePrefill, PositionPastMaxSeqLenIsJudgedAtTheLastPosition) {
+  ExactDots m(1, {384}, 384);
+  for (int b = 0; b < 3; ++b) m.set_block(b, 500.0f);
+  m.d.bt_row_stride = 100;  // room for a wrong, longer row
+  m.d.block_table.resize(100, 0);
+  const std::vector<int32_t> cu = {0, 1}, ctx = {9999}, seq = {384};
+  const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 1);
+  ASSERT_EQ(want_of(in, {2, 0, 1}), (std::vector<int32_t>{2, 1}));
+  EXPECT_EQ(compare_row(in, {2, 0, 1}, {1, 2}, {2, 1}).bad_rows, 1);
+}
+
+// CONTRACT.md section 8: cu_seqlens_q out of order is clamped as prefill_topk clamps it (each
+// start >= the previous start): {0, 2, 1, 3} gives tokens 0-1 to request 0, token 2 to request 2.
+TEST(ComparePrefill, ClampsCuSeqlensLikePrefill) {
+  ExactDots m(1, {384, 0, 384}, 384);
+  m.set_block(0, 500.0f);  // request 0's blocks 0 and 1 tie
+  m.set_block(1, 500.0f);
+  const std::vector<int32_t> cu = {0, 2, 1, 3}, ctx = {300, 0, 0}, seq = {302, 0, 1};
+  const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 3);
+  const cpidx::Selection sel{3, 0, 0};
+  std::vector<int32_t> want(9);
+  ASSERT_TRUE(cpidx::ref::prefill_topk(in, sel, {want.data(), 3, 3}, nullptr).is_ok());
+  ASSERT_EQ(std::vector<int32_t>(want.begin() + 3, want.begin() + 6),
+            (std::vector<int32_t>{1, 0, 2}));
+  std::vector<int32_t> got = want;
+  std::swap(got[3], got[4]);  // token 1 (request 0, position 301): a tie swap
+  const cpidx::ref::IdsComparison r =
+      cpidx::ref::compare_ids(in, sel, {got.data(), 3, 3}, {want.data(), 3, 3});
+  EXPECT_EQ(r.near_tie_rows, 1);
+  EXPECT_EQ(r.bad_rows, 0);
+}
+
+// CONTRACT.md sections 3-4: rows are judged on fp32(scale) * dot, the scores prefill_topk ranks,
+// with a tolerance relative to the K-th of them (no absolute floor).
+TEST(ComparePrefill, JudgesTheScaledScoresRelatively) {
+  const std::vector<int32_t> cu = {0, 1}, ctx = {200}, seq = {201};
+  const cpidx::Selection sel{2, 0, 0};
+  auto swapped = [&](float scale, float dot0, float dot1) {  // got = want reversed
+    ExactDots m(1, {256}, 256);
+    m.d.scale = scale;
+    m.set_block(0, dot0);
+    m.set_block(1, dot1);
+    const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 1);
+    const std::vector<int32_t> want = want_of(in, sel);
+    return compare_row(in, sel, {want[1], want[0]}, want);
+  };
+  // Scale 1e-3: scores 0.0025 and 0.002, 25% apart: bad (an absolute 1e-3 floor would pass it).
+  EXPECT_EQ(swapped(1e-3f, 2.5f, 2.0f).bad_rows, 1);
+  // The smallest scale: dots 0.375 and 0.25 both score 0 in fp32, an exact tie (unscaled they
+  // would lie 0.125 apart).
+  EXPECT_EQ(swapped(std::numeric_limits<float>::denorm_min(), 0.375f, 0.25f).near_tie_rows, 1);
 }
 
 }  // namespace

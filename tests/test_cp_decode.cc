@@ -1,7 +1,7 @@
 // Context-parallel decode == plain decode, bit for bit, on every rank (thread communicators):
 // world sizes 1..8 incl. replicated heads, Q in {1, 4}, padding and sub-block requests, ranks
-// owning no block, tie-heavy values, bf16 and fp8 caches. Also rank disagreement and bad
-// input on one rank: an error on every rank, never a hang.
+// owning no block, tie-heavy values, bf16 and fp8 caches, the lowest replica's query. Also rank
+// disagreement and bad input on one rank: an error on every rank, never a hang.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -254,6 +254,28 @@ TEST(CpDecode, GatherBytesAreTheStepsPayloads) {
       EXPECT_EQ(*std::max_element(got.begin(), got.end()), want.larger()) << "rank " << r;
     }
   }
+}
+
+// CONTRACT.md section 5.1: of each replica group the lowest rank's query is kept. T = 1, P = 2
+// (R = 2): rank 1 passes a negated copy, and both ranks still give rank 0's ids.
+TEST(CpDecode, ReplicasKeepTheLowestRanksQuery) {
+  const DecodeData d0 = random_decode(5, 1, 1, {1000}, 1024);
+  DecodeData d1 = d0;
+  for (auto& q : d1.query) q ^= 0x8000;  // the sign bit
+  const cpidx::Selection sel{2, 0, 0};
+  IdsBuffer want(1, 1, 2);
+  ASSERT_TRUE(cpidx::ref::decode_topk(d0.all_heads(), sel, want.out(), nullptr, nullptr).is_ok());
+  std::vector<IdsBuffer> got(2, IdsBuffer(1, 1, 2));
+  run_ranks(2, [&](int r, cpidx::Communicator& comm) {
+    cpidx::Geometry geo;
+    ASSERT_TRUE(cpidx::make_geometry(1, 2, r, &geo).is_ok());
+    const DecodeData& mine = r == 0 ? d0 : d1;
+    EXPECT_TRUE(cpidx::ref::cp_decode(comm, geo, mine.all_heads(), sel,
+                                      got[static_cast<size_t>(r)].out(), nullptr, nullptr)
+                    .is_ok());
+  });
+  EXPECT_EQ(got[0].ids, want.ids);
+  EXPECT_EQ(got[1].ids, want.ids);
 }
 
 }  // namespace

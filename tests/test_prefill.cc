@@ -1,6 +1,7 @@
 // Prefill selection (CONTRACT.md section 7) against a brute force inside the test: a dense
 // per-token score matrix, block maxima, forcing, then a sort on (score, block). Chunked
-// contexts (not multiples of 128), fresh prompts (context 0), head-major query strides.
+// contexts (not multiples of 128), fresh prompts (context 0), head-major query strides, and
+// scores scaled in fp32 (an overflow to +inf is a tie).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -145,6 +146,20 @@ TEST(Prefill, RowsOutsideEveryRequestAreMinusOne) {
   for (int64_t row = 10; row < p.tokens; ++row) {
     for (int s = 0; s < 4; ++s) EXPECT_EQ(ids.row(0, row)[s], -1);
   }
+}
+
+// CONTRACT.md sections 3 and 4.2: a score is fp32(scale) * dot, rounded in fp32. Scale 3e38
+// takes dots 3 and 2 to +inf alike: equal scores, so the higher block id comes first.
+TEST(Prefill, ScoresAreScaledInFp32) {
+  ExactDots m(1, {256}, 256);
+  m.set_block(0, 3.0f);
+  m.set_block(1, 2.0f);
+  m.d.scale = 3e38f;
+  const std::vector<int32_t> cu = {0, 1}, ctx = {255}, seq = {256};
+  const cpidx::PrefillInputs in = prefill_over(m.d, 1, 1, cu.data(), ctx.data(), seq.data(), 1);
+  IdsBuffer ids(1, 1, 1);
+  ASSERT_TRUE(cpidx::ref::prefill_topk(in, {1, 0, 0}, ids.out(), nullptr).is_ok());
+  EXPECT_EQ(ids.ids[0], 1);
 }
 
 }  // namespace

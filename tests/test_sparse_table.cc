@@ -1,6 +1,7 @@
 // Fused sparse-table rows (CONTRACT.md section 6, REFERENCE_NOTES.md 9.1): the worked example
-// of 12.6, own partial block last, padding rows, strides 8 and 16, invalid ids skipped, and a
-// second implementation of the row rules on random selections.
+// of 12.6, own partial block last, padding rows, strides 8 and 16, invalid ids skipped, the
+// context length capped at pos + 1, and a second implementation of the row rules on random
+// selections.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -90,6 +91,14 @@ TEST(SparseTable, OwnBlockLastAndContextLength) {
   EXPECT_EQ(std::vector<int32_t>(run.table.begin() + 16, run.table.end()),
             std::vector<int32_t>(4, kPoison));
   EXPECT_EQ(run.ctx[0], 5);
+}
+
+// CONTRACT.md section 6: without the own block the context length is min(valid * 128, pos + 1);
+// a repeated id counts twice in valid, so only the pos + 1 cap keeps it at 200.
+TEST(SparseTable, ContextLengthIsCappedByThePosition) {
+  const TableRun run = run_table({0, 0}, 2, {200}, 1, 256, {7, 8}, 2, 8);
+  ASSERT_TRUE(run.status.is_ok()) << run.status.to_string();
+  EXPECT_EQ(run.ctx[0], 200);
 }
 
 // 9.1 written out with explicit slot arrays, independent of the library's loop.

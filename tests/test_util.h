@@ -1,9 +1,11 @@
 // Test inputs shared by the CPU and GPU suites: the golden SplitMix64 stream, random decode /
-// prefill batches (bf16 or fp8 cache, shuffled block tables), output poisoning, and a helper
-// that runs one function per thread rank. Independent of GoogleTest.
+// prefill batches (bf16 or fp8 cache, shuffled block tables), hand-built batches with exact
+// dots, output poisoning, and a helper that runs one function per thread rank. Independent of
+// GoogleTest.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <numeric>
@@ -114,6 +116,45 @@ inline cpidx::PrefillInputs prefill_over(const DecodeData& d, int heads, int64_t
   in.scale = all.scale;
   return in;
 }
+
+// A hand-built bf16 decode batch (one head) whose dots are set token by token, for tests that
+// pin one rule: every query is e0 + e1, so its dot with a key is key[0] + key[1]. Request r's
+// block b is page r * max_blocks + b, so cache token t (page t / 128, slot t % 128) is token t
+// of request 0 for t < max_seq_len. Every token starts at dot `fill`; scale is 1.
+struct ExactDots {
+  DecodeData d;
+
+  ExactDots(int query_len, const std::vector<int32_t>& seq_lens, int32_t max_seq_len,
+            float fill = -8.0f) {
+    d.total_heads = 1;
+    d.query_len = query_len;
+    d.seq_lens = seq_lens;
+    d.max_seq_len = max_seq_len;
+    d.query.assign(static_cast<size_t>(d.rows()) * kD, bf16_of(0.0f));
+    for (int64_t r = 0; r < d.rows(); ++r) {
+      d.query[static_cast<size_t>(r * kD)] = bf16_of(1.0f);
+      d.query[static_cast<size_t>(r * kD + 1)] = bf16_of(1.0f);
+    }
+    d.bt_row_stride = d.max_blocks();
+    d.num_pages = d.num_reqs() * d.bt_row_stride;
+    d.cache_bf16.assign(static_cast<size_t>(d.num_pages) * kBS * kD, bf16_of(0.0f));
+    d.block_table.resize(static_cast<size_t>(d.num_pages));
+    std::iota(d.block_table.begin(), d.block_table.end(), 0);
+    for (int64_t t = 0; t < d.num_pages * kBS; ++t) set_dot(t, fill);
+  }
+
+  // The dot of every query with cache token t becomes `dot`: a bf16 value (NaN and inf too), or
+  // an integer below 2^16 in magnitude (split into two bf16 parts, e.g. 1001 = 1000 + 1).
+  void set_dot(int64_t t, float dot) {
+    const float hi = cpidx::ref::bf16_to_float(bf16_of(dot));
+    d.cache_bf16[static_cast<size_t>(t * kD)] = bf16_of(hi);
+    d.cache_bf16[static_cast<size_t>(t * kD + 1)] = bf16_of(std::isfinite(hi) ? dot - hi : 0.0f);
+  }
+  // Every token of cache block (page) b.
+  void set_block(int64_t b, float dot) {
+    for (int j = 0; j < kBS; ++j) set_dot(b * kBS + j, dot);
+  }
+};
 
 // Golden decode inputs: queries then cache from one stream, block_table[req][b] = b * B + req.
 inline DecodeData golden_decode(uint64_t seed, int total_heads, int query_len,

@@ -1,5 +1,6 @@
 // Host-visible bad input (CONTRACT.md section 8): each error is a Status that names the
-// argument and the expected value, and nothing is written to the outputs.
+// argument and the expected value, and nothing is written to the outputs. The edges of the
+// query checks too: query_len 8 and a free row stride with one row pass, heads 127 apart fail.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -216,6 +217,32 @@ TEST(Validate, PrefillErrors) {
   IdsBuffer ids(2, 5, 6);
   EXPECT_TRUE(cpidx::ref::prefill_topk(good, {6, 0, 1}, ids.out(), nullptr).is_ok());
   EXPECT_FALSE(ids.any_poison());
+}
+
+// CONTRACT.md sections 1-2 and 8: query_len 1..8 includes 8; the row stride is free with one
+// row; two heads closer than 128 elements overlap and are refused.
+TEST(Validate, QueryLimitsAtTheirEdges) {
+  const cpidx::Selection sel{2, 0, 1};
+  {
+    const DecodeData d = random_decode(910, 1, cpidx::kMaxQueryLen, {300}, 384);
+    IdsBuffer ids(1, d.rows(), 2);
+    EXPECT_TRUE(cpidx::ref::decode_topk(d.all_heads(), sel, ids.out(), nullptr, nullptr).is_ok());
+  }
+  {
+    const DecodeData d = random_decode(911, 1, 1, {300}, 384);
+    cpidx::DecodeInputs in = d.all_heads();
+    in.q_row_stride = 0;
+    IdsBuffer ids(1, 1, 2);
+    EXPECT_TRUE(cpidx::ref::decode_topk(in, sel, ids.out(), nullptr, nullptr).is_ok());
+  }
+  {
+    const DecodeData d = random_decode(912, 2, 1, {300}, 384);
+    cpidx::DecodeInputs in = d.all_heads();
+    in.q_head_stride = kD - 1;
+    IdsBuffer ids(2, 1, 2);
+    const cpidx::Status s = cpidx::ref::decode_topk(in, sel, ids.out(), nullptr, nullptr);
+    EXPECT_NE(s.message().find("q_head_stride must be >= 128"), std::string::npos) << s.message();
+  }
 }
 
 }  // namespace
