@@ -304,8 +304,9 @@ TEST(BadDeviceValues, PrefillSeqLenAboveTheBoundIsFlaggedOnItsOwn) {
   EXPECT_EQ(err, cpidx::kErrSeqLenOutOfRange);
 }
 
-// CONTRACT.md section 8: a prefill position past max_seq_len is clamped to max_seq_len - 1, so
-// the token sees every key up to that last one (and the call is flagged).
+// docs/reliability.md section 2 (CONTRACT.md section 8's clamps): a prefill position past
+// max_seq_len is clamped to max_seq_len - 1, so the token sees every key up to that last one (and
+// the call is flagged).
 TEST(BadDeviceValues, PrefillPositionPastTheBoundSeesTheLastKey) {
   ExactDots m(1, {512}, 512, -1.0f);
   m.set_dot(0, 0.5f);

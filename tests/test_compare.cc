@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -140,8 +141,8 @@ TEST(CompareIds, ToleranceIsRelativeToTheKthScoreInclusive) {
   }
 }
 
-// CONTRACT.md section 4.3: the output ids are distinct; a repeated id is bad even when its
-// score equals the score of the id it replaces.
+// CONTRACT.md section 4 (a strict order of distinct blocks): the output ids are distinct; a
+// repeated id is bad even when its score equals the score of the id it replaces.
 TEST(CompareIds, RepeatedIdIsBadEvenWhenItsScoreTies) {
   ExactDots m(1, {512}, 512);
   m.set_block(0, 500.0f);
@@ -170,6 +171,25 @@ TEST(CompareIds, ForcedBlocksFollowTheRowsPosition) {
   m.set_block(0, 500.0f);
   m.set_block(1, 500.0f);
   EXPECT_EQ(compare_row(m.d, {2, 0, 1}, {0, 1}, {1, 0}).bad_rows, 1);
+}
+
+// An infinite K-th score leaves no tolerance: a finite block in an infinite one's place is bad
+// (the difference, inf, passed an infinite tolerance), and so are equal infinities swapped
+// (CONTRACT.md section 4 orders equal scores; their difference is NaN).
+TEST(CompareIds, InfiniteKthScoreLeavesNoTolerance) {
+  ExactDots m(1, {512}, 512);
+  m.set_block(0, std::numeric_limits<float>::infinity());
+  m.set_block(1, std::numeric_limits<float>::infinity());
+  m.set_block(2, 5.0f);
+  const cpidx::Selection sel{2, 0, 0};
+  IdsBuffer want(1, 1, 2);
+  ASSERT_TRUE(cpidx::ref::decode_topk(m.d.all_heads(), sel, want.out(), nullptr, nullptr).is_ok());
+  const int32_t first = want.ids[0], second = want.ids[1];
+  ASSERT_EQ(std::min(first, second), 0);
+  ASSERT_EQ(std::max(first, second), 1);
+  EXPECT_EQ(compare_row(m.d, sel, {first, 2}, want.ids).bad_rows, 1);
+  EXPECT_EQ(compare_row(m.d, sel, {second, first}, want.ids).bad_rows, 1);
+  EXPECT_EQ(compare_row(m.d, sel, want.ids, want.ids).exact_rows, 1);
 }
 
 }  // namespace

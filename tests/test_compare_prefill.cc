@@ -143,8 +143,9 @@ TEST(ComparePrefill, ForcedLocalBlockAndOwnTokenFollowThePosition) {
   }
 }
 
-// CONTRACT.md section 8: a position past max_seq_len is clamped to max_seq_len - 1, so the
-// comparator judges it there (block 2 forced local), not past the end of the block table.
+// docs/reliability.md section 2 (CONTRACT.md section 8's clamps): a position past max_seq_len is
+// clamped to max_seq_len - 1, so the comparator judges it there (block 2 forced local), not past
+// the end of the block table.
 TEST(ComparePrefill, PositionPastMaxSeqLenIsJudgedAtTheLastPosition) {
   ExactDots m(1, {384}, 384);
   for (int b = 0; b < 3; ++b) m.set_block(b, 500.0f);
@@ -156,8 +157,9 @@ TEST(ComparePrefill, PositionPastMaxSeqLenIsJudgedAtTheLastPosition) {
   EXPECT_EQ(compare_row(in, {2, 0, 1}, {1, 2}, {2, 1}).bad_rows, 1);
 }
 
-// CONTRACT.md section 8: cu_seqlens_q out of order is clamped as prefill_topk clamps it (each
-// start >= the previous start): {0, 2, 1, 3} gives tokens 0-1 to request 0, token 2 to request 2.
+// docs/reliability.md section 2 (CONTRACT.md section 8's clamps): cu_seqlens_q out of order is
+// clamped as prefill_topk clamps it (each start >= the previous start): {0, 2, 1, 3} gives tokens
+// 0-1 to request 0, token 2 to request 2.
 TEST(ComparePrefill, ClampsCuSeqlensLikePrefill) {
   ExactDots m(1, {384, 0, 384}, 384);
   m.set_block(0, 500.0f);  // request 0's blocks 0 and 1 tie

@@ -539,8 +539,8 @@ int print_gpu_report(const SyntheticStep& step, const Selection& sel, const GpuP
   }
   if (failure.empty()) {
     std::printf("gpu selection: plain GPU == CPU reference (%lld rows x %d heads: %lld exact, "
-                "%lld near-ties within 1e-3); context-parallel == plain GPU on every rank, "
-                "bitwise\n",
+                "%lld near-ties within 1e-3 relative); context-parallel == plain GPU on every "
+                "rank, bitwise\n",
                 static_cast<long long>(n), T, static_cast<long long>(cpu.exact_rows),
                 static_cast<long long>(cpu.near_tie_rows));
   } else {

@@ -3,7 +3,7 @@
 // cache, 4 index heads, one query token each: the CPU reference picks each (head, request)'s 16
 // blocks; where the library was built with its kernels and a GPU is present, a cpidx::Decoder
 // does the same on the GPU and the two are compared (ref::compare_ids: exact ids, swaps only
-// between scores within 1e-3 of the 16th). Exits non-zero on any error or mismatch.
+// between scores within 1e-3 relative of the 16th). Exits non-zero on any error or mismatch.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

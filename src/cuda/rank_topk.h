@@ -63,7 +63,8 @@ CPIDX_HD void warp_rank_group(const Key* cand, int count, int i0, int k, Key* ou
 // descending order, to out[0..K), padding with kPadKey; `out` must not alias `cand`. Equal keys
 // share a rank without kTies, leaving the slots after it unwritten (merge.cu looks for them).
 // Each lane ranks two keys (i and i + 32 of every 64; up to 32 keys left, one), count / 2 loads
-// a lane for up to 64 keys. select_topk's block-wide form is for_each_rank / rank_short (select_topk.cu).
+// a lane for up to 64 keys. select_topk's block-wide form is for_each_rank / rank_short
+// (select_topk.cu).
 // NOTE: one key a lane and 8-byte loads took 2 * count loads a lane at P = 4, K = 16 (64 keys);
 // ranking a pad as every lane's second key at P = 2 (32 keys) cost ~1 us at 64 x Q=4 (v52m).
 // The two group sizes as one template (v53r) ran 0.15-1.2 us faster than the same loop written

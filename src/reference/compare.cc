@@ -30,9 +30,10 @@ bool ids_row_acceptable(const int32_t* got, const int32_t* want, int k, int64_t 
   }
   if (ok && count > 0) {
     // CONTRACT.md section 4: within 1e-3 relative of want's K-th score, inclusive, with no
-    // absolute floor (a K-th score near 0 leaves a tolerance near 0).
+    // absolute floor (a K-th score near 0 leaves a tolerance near 0). An infinite K-th score
+    // leaves none: infinities are exact, and inf - 5 <= inf would accept any block for one.
     const float kth = forced(want[count - 1]);
-    const float tol = 1e-3f * std::fabs(kth);
+    const float tol = std::isfinite(kth) ? 1e-3f * std::fabs(kth) : 0.0f;
     for (int i = 0; i < count && ok; ++i) {
       if (got[i] != want[i]) ok = std::fabs(forced(got[i]) - forced(want[i])) <= tol;
     }

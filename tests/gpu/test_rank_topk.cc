@@ -122,7 +122,7 @@ TEST(RankTopK, EqualKeysLeaveSlotsThatTheRankingWithTiesFills) {
   for (int count : {2, 3, 17, 32, 33, 64, 65, 128, 512}) {
     for (int k : {1, 2, 16, 64}) {
       std::vector<Key> keys = unique_keys(rng, count, true);
-      keys[static_cast<size_t>(rng() % count)] = keys[0];  // at least one key twice
+      keys[static_cast<size_t>(1 + rng() % (count - 1))] = keys[0];  // a key twice at least
       for (Key& key : keys) {
         if (rng() % 4 == 0) key = keys[static_cast<size_t>(rng() % count)];
       }
