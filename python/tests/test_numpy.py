@@ -240,7 +240,7 @@ BAD = {
     "table_narrow": (lambda k: _table(k, width_minus=1), ValueError, "sparse_block_table_out"),
     "table_ctx_len": (lambda k: _table(k, ctx_len=3), ValueError, "sparse_context_lens_out"),
     "table_two_heads": (lambda k: (_table(k), k.update(index_query=k["index_query"].repeat(2, 1),
-                                                      out=np.zeros((2, 4, 4), np.int32))),
+                                                       out=np.zeros((2, 4, 4), np.int32))),
                         ValueError, "one index head"),
     "out_on_seq_lens": (lambda k: _out_on(k, "seq_lens"), ValueError,
                         "ids output (out) and seq_lens share memory"),
@@ -252,19 +252,28 @@ BAD = {
                       "out: expected a writeable array, got a read-only one"),
     "table_read_only": (lambda k: _table(k)["sparse_context_lens_out"].setflags(write=False),
                         ValueError, "sparse_context_lens_out: expected a writeable array"),
+    "table_block_read_only": (
+        lambda k: _table(k)["sparse_block_table_out"].setflags(write=False), ValueError,
+        "sparse_block_table_out: expected a writeable array"),
     "seq_lens_big_endian": (lambda k: k.update(seq_lens=k["seq_lens"].astype(">i4")), TypeError,
                             "seq_lens: expected the machine's byte order, got dtype >i4"),
-    "table_attn_int64": (lambda k: (_table(k), k.update(
-        attention_block_table=k["attention_block_table"].astype(np.int64))), TypeError,
-                         "attention_block_table"),
+    "table_attn_int64": (
+        lambda k: (_table(k), k.update(
+            attention_block_table=k["attention_block_table"].astype(np.int64))),
+        TypeError, "attention_block_table"),
 }
 
 
 def test_valid_arguments_pass():
     kw = _valid()
-    cpidx.decode_topk(**kw)
+    want = cpidx.decode_topk(**kw).copy()
     kw = _table(_valid())
     cpidx.decode_topk(**kw)
+    # Only the outputs must be writeable: read-only inputs are accepted.
+    kw = _valid()
+    for name in ("index_query", "index_cache", "block_table", "seq_lens"):
+        kw[name].setflags(write=False)
+    np.testing.assert_array_equal(cpidx.decode_topk(**kw), want)
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
@@ -310,6 +319,13 @@ def test_bad_prefill_arguments_are_named():
                             as_strided(cu, (big + 1,), (4,)), as_strided(ctx, (big,), (4,)),
                             as_strided(sl, (big,), (4,)), out, scale=1.0, topk=case["K"],
                             init_blocks=0, local_blocks=1, max_seq_len=msl)
+    read_only = out.copy()
+    read_only.setflags(write=False)
+    with pytest.raises(ValueError, match="^out: expected a writeable array, got a read-only one"):
+        cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, read_only, **common)
+    # A 0-dim query is named, not taken for "no tokens".
+    with pytest.raises(ValueError, match="^index_query"):
+        cpidx.prefill_topk(np.zeros((), np.uint16), cache, bt, cu, ctx, sl, out, **common)
     # No tokens: nothing to check or write, as on the GPU path.
     empty = np.full((case["T"], 0, case["K"]), 9, np.int32)
     assert cpidx.prefill_topk(query[:0], cache, bt, cu, ctx, sl, empty, **common) is empty
@@ -384,8 +400,8 @@ def test_cp_gather_bytes_names_bad_arguments(kw, name):
 
 def test_communicator_close_is_idempotent_and_use_after_close_is_named():
     a, b = _C._thread_communicators(2)
-    assert (a.rank, a.world_size, a.kind, a.device_memory, a.closed) == (0, 2, "threads", False,
-                                                                       False)
+    assert (a.rank, a.world_size, a.kind, a.device_memory, a.closed) == \
+        (0, 2, "threads", False, False)
     assert a.read_error_flag() is None  # only peer communicators have an error word
     a.clear_error_flag()  # nothing to clear
     assert cpidx.PEER_ERROR_TIMEOUT == 1
@@ -477,6 +493,13 @@ def test_registry_refuses_creation_and_collective_clear_during_a_capture(monkeyp
     with pytest.raises(RuntimeError, match=r"creating a Prefiller \(max_tokens=64"):
         reg.prefiller(**shape)
     assert len(reg) == 0
+
+    def bad_query():  # a miss checks the call's arguments first: those are named even here
+        raise ValueError("index_query: expected 3 dims")
+
+    with pytest.raises(ValueError, match="^index_query: expected 3 dims"):
+        reg.decoder(**shape, _check=bad_query)
+    assert len(reg) == 0
     shared = _CollectiveInstance()
     reg._cp[("key",)] = shared
     with pytest.raises(RuntimeError, match=r"Registry\.clear\(\) \(it closes the shared"):
@@ -490,11 +513,20 @@ def test_registry_refuses_creation_and_collective_clear_during_a_capture(monkeyp
 class _StuckInstance(_CollectiveInstance):
     """A shared instance whose first close raises (a live graph holds its NCCL kernels, say)."""
 
+    message = "a CUDA graph still holds 1 gather"
+
     def close(self) -> None:
         if self.closes == 0:
             self.closes += 1
-            raise RuntimeError("a CUDA graph still holds 1 gather")
+            raise RuntimeError(self.message)
         super().close()
+
+
+class _LocalInstance(_CollectiveInstance):
+    """A shared instance whose close() is not collective (one rank, say)."""
+
+    def _closes_collectively(self):
+        return False
 
 
 def test_registry_clear_keeps_an_instance_that_could_not_close():
@@ -514,6 +546,42 @@ def test_registry_clear_keeps_an_instance_that_could_not_close():
     assert stuck.closed and len(reg) == 0
 
 
+def test_registry_clear_raises_the_first_error_and_drops_nothing_else_after_a_failed_close():
+    # Every collective close is tried, the first error raised; the decoders and the instances
+    # whose close is not collective stay (no rank drops more than a rank that could not close).
+    from cpidx._api import Registry
+
+    reg = Registry()
+    first, second, local = _StuckInstance(), _StuckInstance(), _LocalInstance()
+    second.message = "the second error"
+    reg._cp[("first",)], reg._cp[("second",)], reg._cp[("local",)] = first, second, local
+    reg._decoders[("decoder",)] = object()
+    with pytest.raises(RuntimeError, match="^a CUDA graph still holds 1 gather$"):
+        reg.clear()
+    assert first.closes == second.closes == 1 and local.closes == 0
+    assert len(reg._decoders) == 1 and len(reg) == 4
+
+
+def test_registry_keys_decoders_and_prefillers_on_every_setting(monkeypatch):
+    # One GPU object per shape and selection: another cache dtype or init / local block count
+    # makes another (faked constructors: no GPU here).
+    import types
+
+    import cpidx._api as api
+
+    monkeypatch.setattr(api._C, "Decoder", lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setattr(api._C, "Prefiller", lambda **kw: types.SimpleNamespace(**kw))
+    reg = api.Registry()
+    shape = dict(device=0, heads=2, max_tokens=64, max_seq_len=1024, topk=8, init_blocks=0,
+                 local_blocks=1)
+    for make in (reg.decoder, reg.prefiller):
+        made = make(**shape)
+        assert make(**shape) is made
+        for other in (dict(cache_dtype="fp8_e4m3"), dict(init_blocks=1), dict(local_blocks=2)):
+            assert make(**dict(shape, **other)) is not made, (make, other)
+    assert len(reg) == 8
+
+
 def test_an_explicit_decoder_must_match_the_call():
     # decode_topk(..., decoder=D) runs D's selection and bound: a call asking for others raises,
     # naming the argument, instead of returning ids for D's.
@@ -529,6 +597,32 @@ def test_an_explicit_decoder_must_match_the_call():
         with pytest.raises(ValueError, match=rf"^{name}: {value} differs from the decoder's "
                                              rf"\({name}="):
             _check_decoder_matches(dec, **dict(same, **{name: value}))
+    # A Decoder runs on the GPU: host arrays are refused, naming it.
+    with pytest.raises(ValueError, match="^decoder: a GPU Decoder needs CUDA tensors, got host"):
+        cpidx.decode_topk(**_valid(), decoder=object())
+
+
+def test_host_error_flag_overlap_is_judged_by_each_arguments_byte_span():
+    # The memory an argument covers, from its lowest to its highest byte: a flag right after out
+    # is accepted, one at the lowest address of a reversed (negative-stride) query is named, and
+    # an empty argument covers nothing (the binding names it, not an overlap with the flag).
+    kw = _valid()
+    want = cpidx.decode_topk(**kw).copy()
+    buf = np.zeros(kw["out"].size + 1, np.int32)
+    kw["out"], flag = buf[:-1].reshape(kw["out"].shape), buf[-1:]
+    cpidx.decode_topk(**kw, error_flag=flag)
+    np.testing.assert_array_equal(kw["out"], want)
+    assert flag[0] == 0
+    kw = _valid()
+    query = kw["index_query"].copy()
+    kw["index_query"] = query[::-1]
+    with pytest.raises(ValueError, match="^error_flag and index_query share memory"):
+        cpidx.decode_topk(**kw, error_flag=query.reshape(-1).view(np.int32)[:1])
+    kw = _valid()
+    buf = np.zeros((2, 8), np.int32)
+    kw["block_table"] = buf[:, :0]
+    with pytest.raises(ValueError, match="^block_table: expected at least 2 rows"):
+        cpidx.decode_topk(**kw, error_flag=buf[0, 1:2])
 
 
 def test_host_error_flag_on_an_argument_is_refused_and_float_inputs_take_any_byte_order():

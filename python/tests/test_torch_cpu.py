@@ -21,6 +21,18 @@ def as_torch(b):
             torch.from_numpy(b.block_table), torch.from_numpy(b.seq_lens))
 
 
+def _passing_mode():
+    """A TorchDispatchMode that runs every op as it is: a call under it may be traced, so it
+    takes the registered op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    return Passing()
+
+
 def test_ops_registered():
     for name in ("decode_topk", "decode_topk_sparse_table", "prefill_topk", "cp_decode"):
         assert hasattr(torch.ops.cpidx, name)
@@ -47,6 +59,26 @@ def test_opcheck_decode_topk():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("op", ["prefill_topk", "decode_topk_sparse_table"])
+def test_opcheck_prefill_and_sparse_table_ops(op):
+    # The schemas declare every tensor the ops write (out, the sparse tables, error_flag).
+    b = random_decode(np.random.default_rng(1), 1, 1, [300, 500], max_seq_len=1024)
+    q, k, bt, sl = as_torch(b)
+    out = torch.zeros((1, 2, 4), dtype=torch.int32)
+    sel = (0.5, 4, 0, 1, 1024, 0)  # scale, topk, init, local, max_seq_len, max_tokens
+    if op == "prefill_topk":
+        cu, ctx = torch.tensor([0, 1, 2], dtype=torch.int32), sl - 1
+        calls = [(q, k, bt, cu, ctx, sl, out, *sel, f)
+                 for f in (None, torch.zeros(1, dtype=torch.int32))]
+    else:
+        tables = (torch.arange(16, dtype=torch.int32).reshape(2, 8),
+                  torch.zeros((2, 32), dtype=torch.int32), torch.zeros(2, dtype=torch.int32))
+        calls = [(q, k, bt, sl, out, 1, *sel, *tables, 8, None)]
+    for args in calls:
+        torch.library.opcheck(getattr(torch.ops.cpidx, op).default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
 def test_compile_calls_op_on_cpu():
     rng = np.random.default_rng(2)
     b = random_decode(rng, 2, 1, [700, 129], max_seq_len=768)
@@ -63,13 +95,13 @@ def test_compile_calls_op_on_cpu():
     assert torch.equal(got, want)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")
 def test_functional_call_dispatches_the_op_only_when_traced(monkeypatch):
     # A plain eager call of cpidx.decode_topk runs its implementation directly (the op's dispatch
     # costs more host time than the rest of the call), bumping the version counters of what it
     # wrote as the op would; wherever something may trace or redirect the call (a dispatch mode,
     # make_fx, torch.compile, meta tensors) it is the op, with the eager call's ids.
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     b = random_decode(np.random.default_rng(4), 2, 1, [700, 129], max_seq_len=768)
     q, k, bt, sl = as_torch(b)
@@ -90,12 +122,8 @@ def test_functional_call_dispatches_the_op_only_when_traced(monkeypatch):
     assert calls == [] and int(want.min()) >= -1
     assert want._version > versions[0] and flag._version > versions[1]
 
-    class Passing(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
     got = torch.full_like(want, -5)
-    with Passing():
+    with _passing_mode():
         cpidx.decode_topk(q, k, bt, sl, 1, got, **kw)
     assert len(calls) == 1 and torch.equal(got, want)
     meta = [t.to("meta") for t in (q, k, bt, sl)]
@@ -117,6 +145,8 @@ def test_functional_call_dispatches_the_op_only_when_traced(monkeypatch):
     other = torch.zeros_like(want)
     cpidx.decode_topk(q, k, bt, sl.flip(0).contiguous(), 1, other, **kw)
     assert torch.equal(traced(q, k, bt, sl.flip(0).contiguous(), torch.zeros_like(want)), other)
+    jit = torch.jit.trace(f, (q, k, bt, sl, torch.zeros_like(want)), check_trace=False)
+    assert "cpidx::decode_topk" in str(jit.graph), jit.graph  # the op, not a constant
     graphs = []
 
     def backend(gm, example_inputs):
@@ -128,6 +158,73 @@ def test_functional_call_dispatches_the_op_only_when_traced(monkeypatch):
     assert torch.equal(got, want)
     targets = [str(n.target) for g in graphs for n in g.graph.nodes]
     assert any("cpidx.decode_topk" in t for t in targets), targets
+
+
+@pytest.mark.skipif(not hasattr(getattr(torch, "func", None), "functionalize"),
+                    reason="needs torch.func.functionalize")
+def test_a_functorch_transform_takes_the_op():
+    # Under a functorch transform the call is the op, and torch names it (the direct path
+    # handed the transform's wrapper tensors to the binding, which read "block_table is null").
+    b = random_decode(np.random.default_rng(11), 2, 1, [300, 5], max_seq_len=512)
+    q, k, bt, sl = as_torch(b)
+
+    def f(q, k, bt, sl, out):
+        cpidx.decode_topk(q, k, bt, sl, 1, out, scale=0.5, topk=4, max_seq_len=512)
+        return out + 0
+
+    with pytest.raises(RuntimeError, match="cpidx::decode_topk"):
+        torch.func.functionalize(f)(q, k, bt, sl, torch.zeros((2, 2, 4), dtype=torch.int32))
+
+
+def test_under_a_dispatch_mode_what_the_op_cannot_take_runs_eagerly_or_is_named():
+    # The op takes tensors only: a numpy error_flag or numpy output tables take the eager path
+    # (which works); a GPU decoder with CPU tensors, or an incomplete table set, is named.
+    b = random_decode(np.random.default_rng(11), 2, 1, [300, 5], max_seq_len=512)
+    q, k, bt, sl = as_torch(b)
+    kw = dict(scale=0.5, topk=4, max_seq_len=512)
+    bad = sl.clone()
+    bad[0] = 900  # past max_seq_len: clamped and flagged
+    flag, want = np.zeros(1, np.int32), np.zeros(1, np.int32)
+    cpidx.decode_topk(q, k, bt, bad, 1, torch.zeros((2, 2, 4), dtype=torch.int32),
+                      error_flag=want, **kw)
+    with _passing_mode():
+        cpidx.decode_topk(q, k, bt, bad, 1, torch.zeros((2, 2, 4), dtype=torch.int32),
+                          error_flag=flag, **kw)
+    assert int(flag[0]) == int(want[0]) != 0
+    with _passing_mode(), pytest.raises(ValueError, match="^decoder: a GPU Decoder needs CUDA"):
+        cpidx.decode_topk(q, k, bt, sl, 1, torch.zeros((2, 2, 4), dtype=torch.int32),
+                          decoder=object(), **kw)
+    b = random_decode(np.random.default_rng(1), 1, 1, [300, 500], max_seq_len=1024)
+    q, k, bt, sl = as_torch(b)
+    kw = dict(scale=0.5, topk=4, max_seq_len=1024)
+    attn = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    table, lens = np.full((2, 32), -5, np.int32), np.full(2, -5, np.int32)
+    with _passing_mode():
+        cpidx.decode_topk(q, k, bt, sl, 1, torch.zeros((1, 2, 4), dtype=torch.int32),
+                          attention_block_table=attn, sparse_block_table_out=table,
+                          sparse_context_lens_out=lens, block_page_stride=8, **kw)
+    assert lens.tolist() == [300, 500]
+    with _passing_mode(), pytest.raises(ValueError, match="missing sparse_block_table_out"):
+        cpidx.decode_topk(q, k, bt, sl, 1, torch.zeros((1, 2, 4), dtype=torch.int32),
+                          attention_block_table=attn, **kw)
+
+
+def test_eager_calls_bump_the_versions_of_what_they_write():
+    # As the op would (autograd sees the overwrite): the sparse tables, and prefill's out.
+    b = random_decode(np.random.default_rng(1), 1, 1, [300, 500], max_seq_len=1024)
+    q, k, bt, sl = as_torch(b)
+    out = torch.zeros((1, 2, 4), dtype=torch.int32)
+    table, lens = torch.zeros((2, 32), dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    before = (table._version, lens._version)
+    cpidx.decode_topk(q, k, bt, sl, 1, out, scale=0.5, topk=4, max_seq_len=1024,
+                      attention_block_table=torch.arange(16, dtype=torch.int32).reshape(2, 8),
+                      sparse_block_table_out=table, sparse_context_lens_out=lens,
+                      block_page_stride=8)
+    assert table._version > before[0] and lens._version > before[1]
+    before = out._version
+    cpidx.prefill_topk(q, k, bt, torch.tensor([0, 1, 2], dtype=torch.int32), sl - 1, sl, out,
+                       scale=0.5, topk=4, max_seq_len=1024)
+    assert out._version > before
 
 
 def test_tensors_reach_the_binding_as_dlpack_capsules():
@@ -235,9 +332,22 @@ def test_a_tensor_on_another_device_is_named_before_the_op_runs_its_fake():
     with pytest.raises(ValueError, match="^cpidx::prefill_topk: context_lens is on meta"):
         ops.prefill_topk(q[:2], k, bt, cu, ctx.to("meta"), sl, out[:, :2], *op_args, None)
     assert (out == -7).all()
-    # All meta (shape propagation): the fakes run, nothing to check.
+    with pytest.raises(ValueError, match="^cpidx::prefill_topk: error_flag is on meta"):
+        ops.prefill_topk(q[:2], k, bt, cu, ctx, sl, out[:, :2], *op_args, meta_flag)
+    b1 = random_decode(np.random.default_rng(1), 1, 1, [300, 500], max_seq_len=1024)
+    tables = (torch.arange(16, dtype=torch.int32).reshape(2, 8),
+              torch.zeros((2, 32), dtype=torch.int32, device="meta"),
+              torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="^cpidx::decode_topk_sparse_table: "
+                                         "sparse_block_table_out is on meta"):
+        ops.decode_topk_sparse_table(*as_torch(b1), out[:1], 1, *op_args, *tables, 8, None)
+    assert (out == -7).all()
+    # All meta (shape propagation): the fakes run, nothing to check but the flag's dtype.
     meta = [t.to("meta") for t in (q, k, bt, sl, out)]
     ops.decode_topk(*meta[:4], meta[4], 1, *op_args, None)
+    with pytest.raises(TypeError, match="^error_flag: .*torch.int64"):
+        cpidx.decode_topk(*meta, 1, error_flag=torch.zeros(1, dtype=torch.int64, device="meta"),
+                          **kw)
     cpidx.decode_topk(q, k, bt, sl, 1, out, **kw)  # all on the CPU: runs
     assert (out != -7).any()
 
@@ -293,6 +403,62 @@ def test_gpu_calls_check_the_query_before_making_a_decoder(monkeypatch):
         with pytest.raises(KeyError, match="made"):
             call()
     assert made == ["Decoder", "Prefiller"]
+
+
+def test_gpu_calls_share_a_decoder_per_power_of_two_rows_and_still_check_the_query(monkeypatch):
+    # The registry's Decoder is sized for the next power of two >= the rows (at least 64), and a
+    # 2-dim query whose dim 1 matches an existing Decoder's heads is still named. Simulated on the
+    # CPU: the tensors taken for CUDA ones, the constructors recording what they make.
+    import contextlib
+    import types
+
+    import cpidx._api as api
+
+    made, calls = [], []
+
+    def make(**kw):
+        made.append(kw)
+        return types.SimpleNamespace(decode=lambda *a, **k: calls.append("decode"))
+
+    monkeypatch.setattr(api, "_is_cuda", lambda x: True)
+    monkeypatch.setattr(api, "_device_current", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(api, "_current_stream", lambda d: 0)
+    monkeypatch.setattr(api._C, "Decoder", make)
+    k = torch.zeros((4, 128, 128), dtype=torch.bfloat16)
+    kw = dict(scale=1.0, topk=8, max_seq_len=1024, registry=cpidx.Registry())
+    for rows, size in ((1, 64), (64, 64), (65, 128), (128, 128)):
+        cpidx.decode_topk(torch.zeros((rows, 2, 128), dtype=torch.bfloat16), k,
+                          torch.zeros((rows, 8), dtype=torch.int32),
+                          torch.full((rows,), 300, dtype=torch.int32), 1,
+                          torch.zeros((2, rows, 8), dtype=torch.int32), **kw)
+        assert made[-1]["max_tokens"] == size, (rows, made[-1])
+    assert len(made) == 2 and len(calls) == 4
+    with pytest.raises(ValueError, match=r"^index_query: expected 3 dims"):
+        cpidx.decode_topk(torch.zeros((4, 2), dtype=torch.bfloat16), k,
+                          torch.zeros((4, 8), dtype=torch.int32),
+                          torch.full((4,), 300, dtype=torch.int32), 1,
+                          torch.zeros((2, 4, 8), dtype=torch.int32), **kw)
+    assert len(made) == 2 and len(calls) == 4
+
+
+def test_device_helpers_switch_only_to_another_device_and_take_any_devices_stream(monkeypatch):
+    # _device_current is a no-op context only for the current device; _current_stream takes
+    # torch's raw accessor for an indexed device and the public API for a bare "cuda".
+    import contextlib
+    import types
+
+    from cpidx._api import _current_stream, _device_current
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert isinstance(_device_current(torch.device("cuda", 0)), contextlib.nullcontext)
+    other = _device_current(torch.device("cuda", 1))
+    assert isinstance(other, torch.cuda.device) and other.idx == 1
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1000 + i,
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda d=None: types.SimpleNamespace(cuda_stream=7))
+    assert _current_stream(torch.device("cuda", 1)) == 1001
+    assert _current_stream(torch.device("cuda")) == 7
 
 
 def _cp_op(cp, local_q, k, bt, sl, query_len, out, scale, error_flag=None):
@@ -605,6 +771,8 @@ def _gloo_settings_rank(rank, world, port, results):
         # 4 rows each: 2 requests of 2 queries on rank 0, 4 requests of 1 on rank 1.
         seen["query_len"] = step(cp, 2, 2) if rank == 0 else step(cp, 1, 4)
         seen["scale"] = step(cp, 2, 2, scale=1.0 if rank == 0 else 0.5)
+        # No rows on any rank: nothing runs, so the step's settings need not agree.
+        seen["no rows"] = step(cp, 1 + rank, 0, scale=0.5 + rank)
         other = cpidx.IndexerCPDecode(topk=K if rank == 0 else 4, **kw)
         seen["topk"] = step(other, 2, 2, topk=other.topk)
         other.close()
@@ -632,7 +800,7 @@ def test_indexer_cp_decode_ranks_disagreeing_on_settings_fail_together():
             kind, msg, gathers, untouched = seen[name]
             assert (kind, msg) == ("ValueError", f"{name}: " + rest.format(value)), seen[name]
             assert gathers == 0 and untouched, seen[name]  # no collective ran, nothing written
-        assert seen["same settings"], seen
+        assert seen["same settings"] and seen["no rows"] == (None, "", 0, True), seen
 
 
 def _made_host_group_rank(rank, world, port, results):
@@ -1039,11 +1207,24 @@ def test_indexer_cp_decode_checks_its_bounds_by_name():
                 init_blocks=0, local_blocks=1, group=None, device="cpu")
     for name, bad in (("topk", 0), ("topk", 10**6), ("max_tokens", 0), ("max_query_len", 9),
                       ("max_seq_len", 2**31), ("total_heads", 16), ("init_blocks", -1),
-                      ("local_blocks", -1)):
+                      ("local_blocks", -1), ("rank", 1)):
         with pytest.raises(ValueError, match=f"^{name}: "):
             cpidx.IndexerCPDecode(**dict(base, **{name: bad}))
+    with pytest.raises(ValueError, match="^total_heads and world_size must be >= 1, got 0"):
+        cpidx.IndexerCPDecode(**dict(base, total_heads=0))
     cp = cpidx.IndexerCPDecode(**base)
     assert cp.check_agreement is None  # one rank: nothing to agree on
+    # Each bound itself is accepted: the most heads, topk and (a step's) rows.
+    edge = cpidx.IndexerCPDecode(**dict(base, total_heads=cpidx.MAX_HEADS, topk=cpidx.MAX_TOPK))
+    assert edge.local_heads == cpidx.MAX_HEADS and edge.topk == cpidx.MAX_TOPK
+    b = random_decode(np.random.default_rng(3), 4, 1, [300, 900], max_seq_len=1024)
+    q, k, bt, sl = as_torch(b)
+    cp = cpidx.IndexerCPDecode(**dict(base, max_tokens=b.rows))
+    out, want = torch.full((4, b.rows, 16), 77, dtype=torch.int32), torch.zeros((4, b.rows, 16),
+                                                                                dtype=torch.int32)
+    cp(q, k, bt, sl, 1, out, scale=b.scale)
+    cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=16, max_seq_len=1024)
+    assert torch.equal(out, want)
 
 
 def test_registry_shares_one_instance_however_its_arguments_are_spelled():
@@ -1061,6 +1242,9 @@ def test_registry_shares_one_instance_however_its_arguments_are_spelled():
     assert other is not cp and len(reg) == 2
     # A bool is not its int: check_agreement=0 is not False (the constructor reads 0 as None).
     assert reg.cp_decode(**dict(base, check_agreement=0)) is not \
+        reg.cp_decode(**dict(base, check_agreement=False))
+    # Nor is it its string: "False" is truthy (agree on every step).
+    assert reg.cp_decode(**dict(base, check_agreement="False")) is not \
         reg.cp_decode(**dict(base, check_agreement=False))
     with pytest.raises(TypeError, match="device"):
         reg.cp_decode(**{k: v for k, v in base.items() if k != "device"})
@@ -1088,6 +1272,25 @@ def test_indexer_cp_decode_names_its_own_arguments():
     cpidx.decode_topk(q, k, bt, sl, 1, want, scale=b.scale, topk=16, init_blocks=0,
                       local_blocks=1, max_seq_len=1024)
     assert torch.equal(out, want)
+    # A step without rows returns at once: the other arguments (2 requests here) go unchecked.
+    empty = torch.full((4, 0, 16), 77, dtype=torch.int32)
+    assert cp(q[:0], k, bt, sl, 1, empty, scale=b.scale) is empty
+
+
+def test_a_host_group_of_another_size_is_named():
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=10))
+    try:
+        with pytest.raises(ValueError, match=r"^host_group: rank 0 of 1, expected rank 0 of 2"):
+            cpidx.IndexerCPDecode(total_heads=4, rank=0, world_size=2, max_tokens=8,
+                                  max_seq_len=1024, topk=16, init_blocks=0, local_blocks=1,
+                                  group=None, device="cpu", host_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_cpu_instance_refuses_a_cache_of_another_dtype_than_its_own():
@@ -1118,8 +1321,8 @@ def test_a_step_names_local_q_on_another_device_before_its_error_flag(monkeypatc
     # stands for a CUDA one, taken for it as the reviewer did: no GPU here.)
     import cpidx._api as api
 
-    monkeypatch.setattr(api, "_is_cuda", lambda x: isinstance(x, torch.Tensor) and
-                        x.device.type in ("cuda", "meta"))
+    monkeypatch.setattr(api, "_is_cuda", lambda x: isinstance(x, torch.Tensor) and (
+        x.device.type in ("cuda", "meta")))
     cp = _world_one(total_heads=2)
     local_q = torch.empty((1, 2, 128), dtype=torch.bfloat16, device="meta")
     k = torch.zeros((4, 128, 128), dtype=torch.bfloat16)
@@ -1297,8 +1500,10 @@ def test_context_manager_closes_on_both_exits():
             pass
     with pytest.raises(KeyError):
         with _world_one() as cp:
+            comm = _FakeCommunicator()
+            cp._owned = [comm]  # as if it had made one: an exception's exit closes no collective
             raise KeyError("leave without a collective")
-    assert cp.closed
+    assert cp.closed and comm.closes == 0
 
 
 class _FakeCommunicator:
