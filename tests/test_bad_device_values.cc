@@ -474,23 +474,8 @@ TEST(BadDeviceValues, MergeOfGarbageKeysStaysInBounds) {
   const int64_t G = cpidx::cdiv(bound, kBS);
   std::vector<int32_t> attn(static_cast<size_t>(reqs * G), 11);
   for (int trial = 0; trial < 20; ++trial) {
-    std::vector<cpidx::Key> keys(static_cast<size_t>(world * T * n * K));
-    for (auto& k : keys) {
-      switch (rng() % 4) {
-        case 0:
-          k = rng();
-          break;
-        case 1:
-          k = cpidx::kPadKey;
-          break;
-        case 2:
-          k = cpidx::make_key(std::nanf(""), static_cast<int64_t>(rng() % 9));
-          break;
-        default:
-          k = cpidx::make_key(1.0f, static_cast<int64_t>(rng() % 7));
-          break;
-      }
-    }
+    const std::vector<cpidx::Key> keys =
+        garbage_keys(rng, static_cast<size_t>(world * T * n * K), 1);
     IdsBuffer ids(1, n, K);
     std::vector<int32_t> table(static_cast<size_t>(n * K * 8), kPoison), ctx(n, kPoison);
     const cpidx::SparseTableOutput t{attn.data(), G, table.data(), K * 8, ctx.data(), 8};

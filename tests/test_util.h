@@ -156,6 +156,31 @@ struct ExactDots {
   }
 };
 
+// `count` keys as a corrupted or custom gather may hand the merge: a quarter each random 64-bit
+// patterns, pads, NaN-score keys of blocks 0-8, and keys of blocks 0-6 at `scores` scores (1, 2,
+// ...): many equal keys, the rows' own blocks among them.
+inline std::vector<cpidx::Key> garbage_keys(std::mt19937_64& rng, size_t count, int scores) {
+  std::vector<cpidx::Key> keys(count);
+  for (auto& k : keys) {
+    switch (rng() % 4) {
+      case 0:
+        k = rng();
+        break;
+      case 1:
+        k = cpidx::kPadKey;
+        break;
+      case 2:
+        k = cpidx::make_key(std::nanf(""), static_cast<int64_t>(rng() % 9));
+        break;
+      default:
+        k = cpidx::make_key(1.0f + static_cast<float>(rng() % scores),
+                            static_cast<int64_t>(rng() % 7));
+        break;
+    }
+  }
+  return keys;
+}
+
 // Golden decode inputs: queries then cache from one stream, block_table[req][b] = b * B + req.
 inline DecodeData golden_decode(uint64_t seed, int total_heads, int query_len,
                                 const std::vector<int32_t>& seq_lens, float scale) {

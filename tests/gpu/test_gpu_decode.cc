@@ -389,24 +389,8 @@ TEST(GpuDecode, MergeOfGarbageKeysEqualsReference) {
       DeviceBatch b(d);
       DeviceVec<int32_t> dattn(attn);
       for (int trial = 0; trial < 6; ++trial) {
-        std::vector<cpidx::Key> keys(static_cast<size_t>(world * T * n * K));
-        for (auto& k : keys) {
-          switch (rng() % 4) {
-            case 0:
-              k = rng();
-              break;
-            case 1:
-              k = cpidx::kPadKey;
-              break;
-            case 2:
-              k = cpidx::make_key(std::nanf(""), static_cast<int64_t>(rng() % 9));
-              break;
-            default:  // blocks 0-6 of a few scores: equal keys, the rows' own blocks among them
-              k = cpidx::make_key(1.0f + static_cast<float>(rng() % 2),
-                                  static_cast<int64_t>(rng() % 7));
-              break;
-          }
-        }
+        const std::vector<cpidx::Key> keys =
+            cpidx_test::garbage_keys(rng, static_cast<size_t>(world * T * n * K), 2);
         DeviceVec<cpidx::Key> gathered(keys);
         for (int r = 0; r < world; ++r) {
           SCOPED_TRACE("P = " + std::to_string(world) + ", rank " + std::to_string(r) +
