@@ -299,7 +299,7 @@ TEST(BadDeviceValues, PrefillSeqLenAboveTheBoundIsFlaggedOnItsOwn) {
   const std::vector<int32_t> cu = {0, 1}, ctx = {10}, seq = {257};
   IdsBuffer ids(1, 1, 2);
   int32_t err = 0;
-  const cpidx::PrefillInputs in = prefill_over(m.d, 1, 1, cu.data(), ctx.data(), seq.data(), 1);
+  const cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 1);
   ASSERT_TRUE(cpidx::ref::prefill_topk(in, {2, 0, 1}, ids.out(), &err).is_ok());
   EXPECT_EQ(err, cpidx::kErrSeqLenOutOfRange);
 }
@@ -314,7 +314,7 @@ TEST(BadDeviceValues, PrefillPositionPastTheBoundSeesTheLastKey) {
   const std::vector<int32_t> cu = {0, 1}, ctx = {9999}, seq = {512};
   IdsBuffer ids(1, 1, 1);
   int32_t err = 0;
-  const cpidx::PrefillInputs in = prefill_over(m.d, 1, 1, cu.data(), ctx.data(), seq.data(), 1);
+  const cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 1);
   ASSERT_TRUE(cpidx::ref::prefill_topk(in, {1, 0, 0}, ids.out(), &err).is_ok());
   EXPECT_EQ(ids.ids[0], 3);
   EXPECT_EQ(err, cpidx::kErrSeqLenOutOfRange);
@@ -455,7 +455,7 @@ TEST(NonFinite, PrefillNaNDotLastInABlockNeverWins) {
   m.set_block(1, 0.5f);
   const std::vector<int32_t> cu = {0, 1}, ctx = {200}, seq = {201};
   IdsBuffer ids(1, 1, 1);
-  const cpidx::PrefillInputs in = prefill_over(m.d, 1, 1, cu.data(), ctx.data(), seq.data(), 1);
+  const cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 1);
   ASSERT_TRUE(cpidx::ref::prefill_topk(in, {1, 0, 0}, ids.out(), nullptr).is_ok());
   EXPECT_EQ(ids.ids[0], 0);
 }

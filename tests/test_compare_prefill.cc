@@ -17,14 +17,6 @@ namespace {
 
 using namespace cpidx_test;
 
-// Prefill inputs of one head over a hand-built batch.
-cpidx::PrefillInputs one_head(const ExactDots& m, const std::vector<int32_t>& cu,
-                              const std::vector<int32_t>& ctx, const std::vector<int32_t>& seq,
-                              int64_t tokens) {
-  return prefill_over(m.d, 1, tokens, cu.data(), ctx.data(), seq.data(),
-                      static_cast<int>(ctx.size()));
-}
-
 // prefill_topk's ids of a one-token batch.
 std::vector<int32_t> want_of(const cpidx::PrefillInputs& in, const cpidx::Selection& sel) {
   const int k = sel.topk;
@@ -126,7 +118,7 @@ TEST(ComparePrefill, ForcedLocalBlockAndOwnTokenFollowThePosition) {
     ExactDots m(1, {384}, 384);
     m.set_block(0, 500.0f);
     m.set_block(1, 500.0f);
-    const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 1);
+    const cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 1);
     ASSERT_EQ(want_of(in, {3, 0, 1}), (std::vector<int32_t>{2, 1, 0}));
     EXPECT_EQ(compare_row(in, {3, 0, 1}, {2, 0, 1}, {2, 1, 0}).near_tie_rows, 1);
   }
@@ -137,7 +129,7 @@ TEST(ComparePrefill, ForcedLocalBlockAndOwnTokenFollowThePosition) {
     m.set_block(1, 500.0f);
     for (int t = 256; t < 300; ++t) m.set_dot(t, 500.0f);
     m.set_dot(300, 600.0f);
-    const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 1);
+    const cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 1);
     ASSERT_EQ(want_of(in, {2, 0, 0}), (std::vector<int32_t>{2, 1}));
     EXPECT_EQ(compare_row(in, {2, 0, 0}, {1, 2}, {2, 1}).bad_rows, 1);
   }
@@ -152,7 +144,7 @@ TEST(ComparePrefill, PositionPastMaxSeqLenIsJudgedAtTheLastPosition) {
   m.d.bt_row_stride = 100;  // room for a wrong, longer row
   m.d.block_table.resize(100, 0);
   const std::vector<int32_t> cu = {0, 1}, ctx = {9999}, seq = {384};
-  const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 1);
+  const cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 1);
   ASSERT_EQ(want_of(in, {2, 0, 1}), (std::vector<int32_t>{2, 1}));
   EXPECT_EQ(compare_row(in, {2, 0, 1}, {1, 2}, {2, 1}).bad_rows, 1);
 }
@@ -165,7 +157,7 @@ TEST(ComparePrefill, ClampsCuSeqlensLikePrefill) {
   m.set_block(0, 500.0f);  // request 0's blocks 0 and 1 tie
   m.set_block(1, 500.0f);
   const std::vector<int32_t> cu = {0, 2, 1, 3}, ctx = {300, 0, 0}, seq = {302, 0, 1};
-  const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 3);
+  const cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 3);
   const cpidx::Selection sel{3, 0, 0};
   std::vector<int32_t> want(9);
   ASSERT_TRUE(cpidx::ref::prefill_topk(in, sel, {want.data(), 3, 3}, nullptr).is_ok());
@@ -189,7 +181,7 @@ TEST(ComparePrefill, JudgesTheScaledScoresRelatively) {
     m.d.scale = scale;
     m.set_block(0, dot0);
     m.set_block(1, dot1);
-    const cpidx::PrefillInputs in = one_head(m, cu, ctx, seq, 1);
+    const cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 1);
     const std::vector<int32_t> want = want_of(in, sel);
     return compare_row(in, sel, {want[1], want[0]}, want);
   };

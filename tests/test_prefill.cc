@@ -156,7 +156,7 @@ TEST(Prefill, ScoresAreScaledInFp32) {
   m.set_block(1, 2.0f);
   m.d.scale = 3e38f;
   const std::vector<int32_t> cu = {0, 1}, ctx = {255}, seq = {256};
-  const cpidx::PrefillInputs in = prefill_over(m.d, 1, 1, cu.data(), ctx.data(), seq.data(), 1);
+  const cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 1);
   IdsBuffer ids(1, 1, 1);
   ASSERT_TRUE(cpidx::ref::prefill_topk(in, {1, 0, 0}, ids.out(), nullptr).is_ok());
   EXPECT_EQ(ids.ids[0], 1);

@@ -154,6 +154,13 @@ struct ExactDots {
   void set_block(int64_t b, float dot) {
     for (int j = 0; j < kBS; ++j) set_dot(b * kBS + j, dot);
   }
+  // Prefill inputs over this batch: `tokens` query rows placed by cu_seqlens_q / context_lens /
+  // seq_lens (one entry a request), which must outlive the inputs.
+  cpidx::PrefillInputs prefill(const std::vector<int32_t>& cu, const std::vector<int32_t>& ctx,
+                               const std::vector<int32_t>& seq, int64_t tokens) const {
+    return prefill_over(d, 1, tokens, cu.data(), ctx.data(), seq.data(),
+                        static_cast<int>(ctx.size()));
+  }
 };
 
 // `count` keys as a corrupted or custom gather may hand the merge: a quarter each random 64-bit
