@@ -8,7 +8,8 @@ same inputs and output:
 * ``functional``: ``cpidx.decode_topk`` (the documented entry; eager, it calls the implementation
   directly);
 * ``torch_op``: ``torch.ops.cpidx.decode_topk`` called directly (what a compiled graph calls);
-* ``decoder``: ``Decoder.decode`` of an explicit ``cpidx.Decoder`` (the binding alone);
+* ``decoder``: ``Decoder.decode`` of an explicit ``cpidx.Decoder`` (the binding's method, its
+  tensors handed over as DLPack capsules);
 * ``graph_replay``: ``torch.cuda.CUDAGraph.replay`` of one captured functional call;
 * ``torch_zero_``: ``out.zero_()``, one torch kernel launch, for scale;
 * ``piece: ...``: parts of the functional route's host side (and cheaper candidates), alone.

@@ -38,6 +38,7 @@ except ImportError:  # pragma: no cover - torch is optional
 from . import _C
 from ._api import (
     BLOCK_SIZE,
+    Decoder,
     ERR_PAGE_OUT_OF_RANGE,
     ERR_SEQ_LEN_OUT_OF_RANGE,
     HEAD_DIM,
@@ -45,6 +46,7 @@ from ._api import (
     MAX_QUERY_LEN,
     MAX_TOPK,
     HostGroupError,
+    Prefiller,
     Registry,
     bf16_bits,
     bf16_to_float32,
@@ -83,8 +85,6 @@ __all__ = [
     "PEER_ERROR_TIMEOUT",
 ]
 
-Decoder = _C.Decoder
-Prefiller = _C.Prefiller
 Communicator = _C.Communicator
 cp_gather_bytes = _C.cp_gather_bytes
 gpu_available = _C.gpu_available

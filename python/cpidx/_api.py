@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import sys
 import threading
 from typing import Any, Optional
@@ -130,6 +131,33 @@ def _dl(x: Any) -> Any:
 def _native(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn`` (a binding) called with its torch tensor arguments as DLPack capsules (_dl)."""
     return fn(*[_dl(a) for a in args], **{name: _dl(a) for name, a in kwargs.items()})
+
+
+def _with_capsules(method: Any) -> Any:
+    """A binding method whose torch tensor arguments go as DLPack capsules (as ``_native``):
+    the public classes' methods, so that a caller of ``Decoder.decode`` pays no more host time
+    a tensor than the functional API does (bench/host_overhead.py)."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *[_dl(a) for a in args],
+                      **{name: _dl(a) for name, a in kwargs.items()})
+    return call
+
+
+class Decoder(_C.Decoder):
+    __doc__ = _C.Decoder.__doc__
+    __module__ = "cpidx"
+    decode = _with_capsules(_C.Decoder.decode)
+    shard_keys = _with_capsules(_C.Decoder.shard_keys)
+    merge = _with_capsules(_C.Decoder.merge)
+    cp_decode = _with_capsules(_C.Decoder.cp_decode)
+    check_cp_decode = _with_capsules(_C.Decoder.check_cp_decode)
+
+
+class Prefiller(_C.Prefiller):
+    __doc__ = _C.Prefiller.__doc__
+    __module__ = "cpidx"
+    prefill = _with_capsules(_C.Prefiller.prefill)
 
 
 def _cache_dtype_name(cache: Any) -> str:
@@ -340,9 +368,9 @@ class Registry:
 
     def decoder(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
                 init_blocks: int, local_blocks: int, cache_dtype: str = "bf16",
-                _check: Any = None) -> "_C.Decoder":
+                _check: Any = None) -> Decoder:
         key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
-        return self._cached(self._decoders, key, lambda: _C.Decoder(
+        return self._cached(self._decoders, key, lambda: Decoder(
             total_heads=heads, world_size=1, rank=0, max_tokens=max_tokens,
             max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
             local_blocks=local_blocks, device=device, cache_dtype=cache_dtype),
@@ -351,9 +379,9 @@ class Registry:
 
     def prefiller(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
                   init_blocks: int, local_blocks: int, cache_dtype: str = "bf16",
-                  _check: Any = None) -> Any:
+                  _check: Any = None) -> Prefiller:
         key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
-        return self._cached(self._prefillers, key, lambda: _C.Prefiller(
+        return self._cached(self._prefillers, key, lambda: Prefiller(
             num_heads=heads, max_tokens=max_tokens, max_seq_len=max_seq_len, topk=topk,
             init_blocks=init_blocks, local_blocks=local_blocks, device=device,
             cache_dtype=cache_dtype),
@@ -560,8 +588,8 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                                   _check=lambda: _check_gpu_inputs(index_query, index_cache))
         with _device_current(index_query.device):  # its stream's device is current
             stream = _current_stream(index_query.device)
-            _native(decoder.decode, index_query, _as_bits(index_cache), block_table, seq_lens,
-                    query_len, out, scale=scale, error_flag=error_flag, stream=stream, **table)
+            decoder.decode(index_query, _as_bits(index_cache), block_table, seq_lens, query_len,
+                           out, scale=scale, error_flag=error_flag, stream=stream, **table)
         return
     if decoder is not None:
         raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
@@ -646,5 +674,5 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
                         _check=lambda: _check_gpu_inputs(index_query, index_cache))
     with _device_current(index_query.device):  # its stream's device is current
         stream = _current_stream(index_query.device)
-        _native(pre.prefill, index_query, _as_bits(index_cache), block_table, cu_seqlens_q,
-                context_lens, seq_lens, out, scale=scale, error_flag=error_flag, stream=stream)
+        pre.prefill(index_query, _as_bits(index_cache), block_table, cu_seqlens_q, context_lens,
+                    seq_lens, out, scale=scale, error_flag=error_flag, stream=stream)

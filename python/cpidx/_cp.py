@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, HostGroupError, _as_bits,
-                   _cache_dtype_name, _capture_refusal, _check_error_flag, _check_host_arrays,
-                   _current_stream, _device_current, _native, _or_host_error_bits,
-                   _refuse_during_capture, registry)
+from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, Decoder, HostGroupError,
+                   _as_bits, _cache_dtype_name, _capture_refusal, _check_error_flag,
+                   _check_host_arrays, _current_stream, _device_current, _native,
+                   _or_host_error_bits, _refuse_during_capture, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
@@ -317,7 +317,7 @@ class IndexerCPDecode:
         self._host_errors = None if self._cuda else torch.zeros(1, dtype=torch.int32)
         if self._cuda:
             _refuse_during_capture("creating an IndexerCPDecode")
-            self._decoder = _C.Decoder(
+            self._decoder = Decoder(
                 total_heads=total_heads, world_size=world_size, rank=rank, max_tokens=max_tokens,
                 max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
                 local_blocks=local_blocks, device=self.device.index, max_query_len=max_query_len,
@@ -530,25 +530,24 @@ class IndexerCPDecode:
 
         if self.world_size == 1:
             if self._cuda:
-                _native(self._decoder.decode, local_q, kv_cache, block_table, seq_lens,
-                        query_len, out, scale=scale, error_flag=error_flag, stream=stream,
-                        **table)
+                self._decoder.decode(local_q, kv_cache, block_table, seq_lens, query_len, out,
+                                     scale=scale, error_flag=error_flag, stream=stream, **table)
             else:
                 host_bits(_native(
                     _C.ref_decode_topk, local_q, kv_cache, block_table, seq_lens, query_len,
                     out, scale=scale, max_seq_len=self.max_seq_len, **self._sel(), **table))
             return out
         if self._comm is not None:
-            _native(self._decoder.cp_decode, self._comm, local_q, kv_cache, block_table,
-                    seq_lens, query_len, out, scale=scale, error_flag=error_flag, stream=stream,
-                    **table)
+            self._decoder.cp_decode(self._comm, local_q, kv_cache, block_table, seq_lens,
+                                    query_len, out, scale=scale, error_flag=error_flag,
+                                    stream=stream, **table)
             return out
         full = self._full_queries(local_q)
         T, K, P = self.total_heads, self.topk, self.world_size
         keys = self._keys[: T * n * K].view(T, n, K)
         if self._cuda:
-            _native(self._decoder.shard_keys, full, kv_cache, block_table, seq_lens, query_len,
-                    keys, scale=scale, error_flag=error_flag, stream=stream)
+            self._decoder.shard_keys(full, kv_cache, block_table, seq_lens, query_len, keys,
+                                     scale=scale, error_flag=error_flag, stream=stream)
         else:
             bits = _native(
                 _C.ref_shard_topk_keys, full, kv_cache, block_table, seq_lens, query_len, keys,
@@ -558,8 +557,7 @@ class IndexerCPDecode:
         dist.all_gather_into_tensor(gathered, keys.view(-1), group=self._pg)
         gathered = gathered.view(P, T, n, K)
         if self._cuda:
-            _native(self._decoder.merge, gathered, seq_lens, query_len, out, stream=stream,
-                    **table)
+            self._decoder.merge(gathered, seq_lens, query_len, out, stream=stream, **table)
         else:
             _native(_C.ref_merge_topk_keys, gathered, seq_lens, query_len, out,
                     max_seq_len=self.max_seq_len, head_offset=self.head_offset, **self._sel(),
@@ -598,8 +596,7 @@ class IndexerCPDecode:
                 return n, None
             args = (local_q, _as_bits(kv_cache), block_table, seq_lens, query_len, out)
             if self._cuda:
-                _native(self._decoder.check_cp_decode, *args, scale=scale, error_flag=error_flag,
-                        **table)
+                self._decoder.check_cp_decode(*args, scale=scale, error_flag=error_flag, **table)
             else:
                 _native(_C.ref_check_cp_decode, *args, scale=scale, max_seq_len=self.max_seq_len,
                         local_heads=self.local_heads, max_tokens=self.max_tokens,

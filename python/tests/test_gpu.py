@@ -536,6 +536,33 @@ def test_bad_query_is_named_whether_the_registry_has_its_decoder_or_not():
     np.testing.assert_array_equal(out.cpu().numpy(), host_ids(b, 4, 0, 1))
 
 
+def test_the_registry_and_indexer_cp_decode_make_the_public_classes():
+    # What they make is a cpidx.Decoder / Prefiller, whose methods hand tensors over as
+    # capsules; and such a decoder, given to decode_topk, gives the registry's ids.
+    reg = cpidx.Registry()
+    kw = dict(device=0, heads=2, max_tokens=8, max_seq_len=1024, topk=4, init_blocks=0,
+              local_blocks=1)
+    dec = reg.decoder(**kw)
+    assert type(dec) is cpidx.Decoder and type(reg.prefiller(**kw)) is cpidx.Prefiller
+    cp = cpidx.IndexerCPDecode(total_heads=2, rank=0, world_size=1, max_tokens=8,
+                               max_seq_len=1024, topk=4, init_blocks=0, local_blocks=1,
+                               group=None, device=DEV)
+    assert type(cp._decoder) is cpidx.Decoder
+    b = random_decode(np.random.default_rng(16), 2, 1, [700, 1], max_seq_len=1024)
+    q, k, bt, sl = to_dev(b)
+    outs = [torch.full((2, b.rows, 4), -5, dtype=torch.int32, device=DEV) for _ in range(3)]
+    cpidx.decode_topk(q, k, bt, sl, 1, outs[0], scale=b.scale, topk=4, max_seq_len=1024,
+                      decoder=dec)
+    dec.decode(q, k, bt, sl, 1, outs[1], scale=b.scale,
+               stream=torch.cuda.current_stream().cuda_stream)
+    cp(q, k, bt, sl, 1, outs[2], scale=b.scale)
+    torch.cuda.synchronize()
+    for out in outs:
+        np.testing.assert_array_equal(out.cpu().numpy(), host_ids(b, 4, 0, 1))
+    cp.close()
+    reg.clear()
+
+
 def random_prefill(rng, heads, q_lens, context_lens, max_seq_len):
     """A packed prefill batch of small-integer values (exact dots, many ties) over a shuffled
     paged cache; returns host arrays and their CUDA copies."""

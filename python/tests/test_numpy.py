@@ -569,8 +569,8 @@ def test_registry_keys_decoders_and_prefillers_on_every_setting(monkeypatch):
 
     import cpidx._api as api
 
-    monkeypatch.setattr(api._C, "Decoder", lambda **kw: types.SimpleNamespace(**kw))
-    monkeypatch.setattr(api._C, "Prefiller", lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setattr(api, "Decoder", lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setattr(api, "Prefiller", lambda **kw: types.SimpleNamespace(**kw))
     reg = api.Registry()
     shape = dict(device=0, heads=2, max_tokens=64, max_seq_len=1024, topk=8, init_blocks=0,
                  local_blocks=1)

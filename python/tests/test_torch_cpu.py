@@ -251,6 +251,32 @@ def test_tensors_reach_the_binding_as_dlpack_capsules():
                           scale=1.0, topk=4, max_seq_len=512)
 
 
+def test_the_public_classes_hand_their_tensors_over_as_capsules():
+    # cpidx.Decoder and cpidx.Prefiller are the binding's classes with every method that takes
+    # tensors (its signature names an ndarray) wrapped as _native wraps a binding function, so a
+    # caller of Decoder.decode skips torch's __dlpack__ too. A method added to the binding
+    # without its wrapper fails here.
+    from cpidx import _C
+    from cpidx._api import _with_capsules
+
+    for cls, base, methods in ((cpidx.Decoder, _C.Decoder, 5),
+                               (cpidx.Prefiller, _C.Prefiller, 1)):
+        assert issubclass(cls, base) and cls.__doc__ == base.__doc__ and cls.__module__ == "cpidx"
+        names = [n for n in dir(base) if not n.startswith("_")
+                 and "ndarray" in (getattr(base, n).__doc__ or "").split("\n")[0]]
+        assert len(names) == methods, names
+        for n in names:
+            assert getattr(cls, n).__wrapped__ is getattr(base, n), n
+            assert getattr(cls, n).__doc__ == getattr(base, n).__doc__, n
+    t = torch.arange(4, dtype=torch.int32)
+    me = object()
+    got_self, args, kwargs = _with_capsules(lambda self, *a, **k: (self, a, k))(
+        me, t, 2, out=t, stream=0)
+    assert got_self is me and [type(a).__name__ for a in args] == ["PyCapsule", "int"]
+    assert type(kwargs["out"]).__name__ == "PyCapsule" and kwargs["stream"] == 0
+    assert torch.equal(torch.from_dlpack(args[0]), t)
+
+
 def test_error_flag_through_the_op_and_compile():
     rng = np.random.default_rng(3)
     b = random_decode(rng, 2, 2, [600, 40], max_seq_len=512)  # 600 > max_seq_len: clamped
@@ -368,8 +394,8 @@ def test_gpu_calls_check_the_query_before_making_a_decoder(monkeypatch):
         return make
 
     monkeypatch.setattr(api, "_is_cuda", lambda x: True)
-    monkeypatch.setattr(api._C, "Decoder", recorder("Decoder"))
-    monkeypatch.setattr(api._C, "Prefiller", recorder("Prefiller"))
+    monkeypatch.setattr(api, "Decoder", recorder("Decoder"))
+    monkeypatch.setattr(api, "Prefiller", recorder("Prefiller"))
     k = torch.zeros((4, 128, 128), dtype=torch.bfloat16)
     bt = torch.zeros((1, 8), dtype=torch.int32)
     sl = torch.tensor([300], dtype=torch.int32)
@@ -423,7 +449,7 @@ def test_gpu_calls_share_a_decoder_per_power_of_two_rows_and_still_check_the_que
     monkeypatch.setattr(api, "_is_cuda", lambda x: True)
     monkeypatch.setattr(api, "_device_current", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(api, "_current_stream", lambda d: 0)
-    monkeypatch.setattr(api._C, "Decoder", make)
+    monkeypatch.setattr(api, "Decoder", make)
     k = torch.zeros((4, 128, 128), dtype=torch.bfloat16)
     kw = dict(scale=1.0, topk=8, max_seq_len=1024, registry=cpidx.Registry())
     for rows, size in ((1, 64), (64, 64), (65, 128), (128, 128)):
