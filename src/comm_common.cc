@@ -43,7 +43,12 @@ Status Communicator::check_agree(long long value, const char* what) {
 
 Status Communicator::check_agree_all(const long long* values, const char* const* names,
                                      int count) {
-  if (count <= 0) return Status::ok();
+  // No collective for either: `count` is the same on every rank (a count of its own on one rank
+  // is a call sequence of its own, which no communicator can check).
+  if (count < 0) {
+    return invalid_argument("check_agree_all: count must be >= 0, got " + std::to_string(count));
+  }
+  if (count == 0) return Status::ok();
   if (memory_space() != MemorySpace::kHost) {
     // Each check_agree is collective and gives every rank the same verdict, so every rank stops
     // at the same value.

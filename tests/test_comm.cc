@@ -1,11 +1,13 @@
 // The thread communicator: all_gather in and out of place over many generations, mismatched
-// sizes and null buffers as errors on every rank (no hang), check_agree and check_agree_all, and
-// the defaults of a device-memory communicator.
+// sizes and null buffers on any rank as errors on every rank (no hang, no recv written), the
+// barrier, check_agree and check_agree_all, and the defaults of a device-memory communicator.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,12 @@
 namespace {
 
 using cpidx_test::run_ranks;
+
+// A fresh seed for each run, traced on failure so a failing draw can be replayed.
+uint64_t fresh_seed() {
+  std::random_device device;
+  return (uint64_t{device()} << 32) ^ device();
+}
 
 TEST(ThreadComm, AllGatherInAndOutOfPlace) {
   for (int world : {1, 2, 3, 8}) {
@@ -107,6 +115,168 @@ TEST(ThreadComm, CheckAgreeAll) {
   }
 }
 
+// Zero bytes per rank is a no-op that needs no buffers: null pointers are fine on any rank.
+TEST(ThreadComm, ZeroBytesNeedNoBuffers) {
+  const int world = 3;
+  std::vector<cpidx::Status> nulls(world), mixed(world);
+  run_ranks(world, [&](int r, cpidx::Communicator& comm) {
+    char byte = 0;
+    nulls[static_cast<size_t>(r)] = comm.all_gather(nullptr, nullptr, 0, nullptr);
+    mixed[static_cast<size_t>(r)] =
+        comm.all_gather(r == 1 ? nullptr : &byte, r == 2 ? nullptr : &byte, 0, nullptr);
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(nulls[static_cast<size_t>(r)].is_ok()) << nulls[static_cast<size_t>(r)].to_string();
+    EXPECT_TRUE(mixed[static_cast<size_t>(r)].is_ok()) << mixed[static_cast<size_t>(r)].to_string();
+  }
+}
+
+// One rank's mistake, whichever rank makes it (rank 0 and the last too): a null send, a null
+// recv or another size fails every rank with kCommError, the null ones naming that rank, and no
+// rank's recv is written. The next gather on the same communicators works.
+TEST(ThreadComm, AnyOneRanksMistakeFailsEveryRankAndWritesNoRecv) {
+  enum class Mistake { kNullSend, kNullRecv, kOtherSize };
+  const char* const kMistakes[3] = {"a null send", "a null recv", "another size"};
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int world : {2, 3, 5}) {
+    for (int bad = 0; bad < world; ++bad) {
+      for (Mistake mistake : {Mistake::kNullSend, Mistake::kNullRecv, Mistake::kOtherSize}) {
+        const size_t bytes = 1 + rng() % 64;
+        size_t other = rng() % (2 * bytes);  // 0 .. 2 * bytes, never bytes
+        if (other >= bytes) ++other;
+        const size_t most = std::max(bytes, other) * static_cast<size_t>(world);
+        const auto poison = static_cast<unsigned char>(rng());
+        std::vector<std::vector<unsigned char>> send(world), recv(world);
+        for (auto& s : send) {
+          s.resize(std::max(bytes, other));
+          for (auto& b : s) b = static_cast<unsigned char>(rng());
+        }
+        for (auto& v : recv) v.assign(most, poison);
+        std::vector<cpidx::Status> got(world), after(world);
+        std::vector<std::vector<unsigned char>> again(world);
+        run_ranks(world, [&](int r, cpidx::Communicator& comm) {
+          const auto ru = static_cast<size_t>(r);
+          const bool mine = r == bad;
+          const void* src = mine && mistake == Mistake::kNullSend ? nullptr : send[ru].data();
+          void* dst = mine && mistake == Mistake::kNullRecv ? nullptr : recv[ru].data();
+          const size_t n = mine && mistake == Mistake::kOtherSize ? other : bytes;
+          got[ru] = comm.all_gather(src, dst, n, nullptr);
+          again[ru].assign(bytes * static_cast<size_t>(world), 0);
+          after[ru] = comm.all_gather(send[ru].data(), again[ru].data(), bytes, nullptr);
+        });
+        for (int r = 0; r < world; ++r) {
+          const auto ru = static_cast<size_t>(r);
+          SCOPED_TRACE("world " + std::to_string(world) + ", rank " + std::to_string(bad) +
+                       " passes " + kMistakes[static_cast<int>(mistake)] + ", rank " +
+                       std::to_string(r));
+          EXPECT_EQ(got[ru].code(), cpidx::StatusCode::kCommError) << got[ru].to_string();
+          const std::string want = mistake == Mistake::kOtherSize
+                                       ? "bytes_per_rank"
+                                       : "rank " + std::to_string(bad) + " passed a null buffer";
+          EXPECT_NE(got[ru].message().find(want), std::string::npos) << got[ru].message();
+          EXPECT_TRUE(std::all_of(recv[ru].begin(), recv[ru].end(),
+                                  [&](unsigned char b) { return b == poison; }))
+              << "a failed all_gather wrote recv";
+          EXPECT_TRUE(after[ru].is_ok()) << after[ru].to_string();
+          for (int w = 0; w < world; ++w) {
+            const auto wu = static_cast<size_t>(w);
+            EXPECT_TRUE(std::equal(send[wu].begin(), send[wu].begin() + bytes,
+                                   again[ru].begin() + wu * bytes))
+                << "rank " << w << "'s bytes after the failed gather";
+          }
+        }
+      }
+    }
+  }
+}
+
+// Where several ranks pass a null buffer, every rank names the same one: the lowest.
+TEST(ThreadComm, SeveralNullBuffersNameTheLowestRankOnEveryRank) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int world = 5;
+  for (int trial = 0; trial < 8; ++trial) {
+    std::vector<bool> null_send(world);
+    while (std::count(null_send.begin(), null_send.end(), true) < 2) {
+      null_send[rng() % world] = true;
+    }
+    const auto lowest = std::find(null_send.begin(), null_send.end(), true) - null_send.begin();
+    std::vector<cpidx::Status> got(world);
+    run_ranks(world, [&](int r, cpidx::Communicator& comm) {
+      std::vector<char> send(4), recv(4 * world);
+      got[static_cast<size_t>(r)] = comm.all_gather(
+          null_send[static_cast<size_t>(r)] ? nullptr : send.data(), recv.data(), 4, nullptr);
+    });
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(got[static_cast<size_t>(r)].message(),
+                "all_gather: rank " + std::to_string(lowest) + " passed a null buffer")
+          << "rank " << r;
+    }
+  }
+}
+
+// No rank leaves barrier() before every rank has entered it: a count each rank raises before
+// each barrier is complete after it, round after round.
+TEST(ThreadComm, BarrierWaitsForEveryRank) {
+  for (int world : {2, 3, 8}) {
+    std::atomic<int> entered{0}, early{0};
+    run_ranks(world, [&](int, cpidx::Communicator& comm) {
+      for (int round = 1; round <= 100; ++round) {
+        entered.fetch_add(1);
+        EXPECT_TRUE(comm.barrier().is_ok());
+        if (entered.load() < world * round) early.fetch_add(1);
+      }
+    });
+    EXPECT_EQ(early.load(), 0) << "world " << world << ": ranks left a barrier early";
+  }
+}
+
+// The values and which rank differs are drawn afresh: a difference in the last value is found
+// like any other, a value without a name is called "value", a count of zero agrees without a
+// gather and a negative one is refused, by name, on every rank.
+TEST(ThreadComm, CheckAgreeAllFindsTheLastValueAndNamesUnnamedOnes) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int world : {2, 3, 5}) {
+    const int count = 1 + static_cast<int>(rng() % 6);
+    const int odd = static_cast<int>(rng() % static_cast<uint64_t>(world));  // it differs
+    std::vector<long long> base(static_cast<size_t>(count));
+    for (auto& v : base) v = static_cast<long long>(rng());
+    const long long odd_value = base.back() ^ static_cast<long long>(1 + rng() % 1000);
+    std::vector<const char*> names(static_cast<size_t>(count), "some setting");
+    names.back() = nullptr;
+    std::string by_rank;
+    for (int r = 0; r < world; ++r) {
+      by_rank += (r ? ", " : "") + std::to_string(r == odd ? odd_value : base.back());
+    }
+    std::vector<cpidx::Status> all(world), one(world), empty(world), negative(world);
+    run_ranks(world, [&](int r, cpidx::Communicator& comm) {
+      std::vector<long long> mine = base;
+      if (r == odd) mine.back() = odd_value;
+      const auto ru = static_cast<size_t>(r);
+      all[ru] = comm.check_agree_all(mine.data(), names.data(), count);
+      one[ru] = comm.check_agree(mine.back(), nullptr);
+      empty[ru] = comm.check_agree_all(nullptr, nullptr, 0);
+      negative[ru] = comm.check_agree_all(nullptr, nullptr, -1);
+    });
+    for (int r = 0; r < world; ++r) {
+      const auto ru = static_cast<size_t>(r);
+      const std::string want = "ranks disagree on value: values by rank [" + by_rank + "]";
+      EXPECT_EQ(all[ru].code(), cpidx::StatusCode::kCommError) << all[ru].to_string();
+      EXPECT_EQ(all[ru].message(), want);
+      EXPECT_EQ(one[ru].code(), cpidx::StatusCode::kCommError) << one[ru].to_string();
+      EXPECT_EQ(one[ru].message(), want);
+      EXPECT_TRUE(empty[ru].is_ok()) << empty[ru].to_string();
+      EXPECT_EQ(negative[ru].code(), cpidx::StatusCode::kInvalidArgument);
+      EXPECT_EQ(negative[ru].message(), "check_agree_all: count must be >= 0, got -1");
+    }
+  }
+}
+
 class FakeDeviceComm final : public cpidx::Communicator {
  public:
   int rank() const override { return 0; }
@@ -124,6 +294,11 @@ TEST(ThreadComm, DefaultCheckAgreeOnDeviceMemoryIsUnsupported) {
   FakeDeviceComm comm;
   const cpidx::Status s = comm.check_agree(5, "n");
   EXPECT_EQ(s.code(), cpidx::StatusCode::kUnsupported);
+  EXPECT_NE(s.message().find("check_agree on n needs"), std::string::npos) << s.message();
+  const cpidx::Status unnamed = comm.check_agree(5, nullptr);
+  EXPECT_EQ(unnamed.code(), cpidx::StatusCode::kUnsupported);
+  EXPECT_NE(unnamed.message().find("check_agree on value needs"), std::string::npos)
+      << unnamed.message();
   EXPECT_EQ(comm.gathers, 0);
 }
 

@@ -45,7 +45,8 @@ class Communicator {
   // default gathers them in one all_gather on a host-memory communicator, and asks check_agree
   // for each in turn on a device-memory one (`count` host rounds: the library's NCCL and peer
   // communicators forward it to their host channel, one round; a subclass of your own should
-  // too).
+  // too). `count` is the same on every rank: 0 agrees at once, a negative one is kInvalidArgument
+  // (neither makes a collective).
   virtual Status check_agree_all(const long long* values, const char* const* names, int count);
   virtual Status barrier() = 0;
   // The most bytes a rank may send in one all_gather (the peer communicator's bound, fixed at

@@ -8,11 +8,13 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -64,6 +66,14 @@ long long input_hash(const DecodeData& d) {
   h = fnv1a(d.block_table.data(), d.block_table.size() * 4, h);
   h = fnv1a(d.seq_lens.data(), d.seq_lens.size() * 4, h);
   return static_cast<long long>(h >> 1);
+}
+
+// A fresh seed for each run, the same on every rank (rank 0 draws it).
+uint64_t shared_fresh_seed() {
+  std::random_device device;
+  uint64_t seed = (uint64_t{device()} << 32) ^ device();
+  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  return seed;
 }
 
 // ---- The communicator --------------------------------------------------------------------
@@ -138,6 +148,95 @@ TEST(MpiComm, RejectsNullHandle) {
   auto comm = cpidx::make_mpi_communicator(nullptr, &status);
   EXPECT_EQ(comm, nullptr);
   EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.to_string();
+}
+
+// Null buffers with bytes to send are refused before the collective, with kInvalidArgument (every
+// rank makes the mistake here: MPI refuses it on that rank alone, leaving the others waiting).
+TEST(MpiComm, AllGatherRefusesNullBuffers) {
+  auto comm = world_comm();
+  std::vector<char> send(8), recv(8 * comm->world_size());
+  const Status null_send = comm->all_gather(nullptr, recv.data(), send.size(), nullptr);
+  const Status null_recv = comm->all_gather(send.data(), nullptr, send.size(), nullptr);
+  EXPECT_EQ(null_send.code(), StatusCode::kInvalidArgument) << null_send.to_string();
+  EXPECT_EQ(null_recv.code(), StatusCode::kInvalidArgument) << null_recv.to_string();
+  EXPECT_TRUE(comm->barrier().is_ok());
+}
+
+// The disagreement lists every rank's value once, in rank order (fresh values), under the name
+// given or "a value" without one.
+TEST(MpiComm, CheckAgreeMessageListsEachRanksValue) {
+  auto comm = world_comm();
+  const int p = comm->world_size();
+  if (p < 2) GTEST_SKIP() << "needs two ranks";
+  const uint64_t seed = shared_fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<long long> values(static_cast<size_t>(p));
+  for (auto& v : values) v = static_cast<long long>(rng());
+  values[1] = values[0] ^ 1;  // at least two differ
+  std::string by_rank;
+  for (int r = 0; r < p; ++r) {
+    by_rank += std::string(r ? ", " : " ") + "rank " + std::to_string(r) + " has " +
+               std::to_string(values[static_cast<size_t>(r)]);
+  }
+  const long long mine = values[static_cast<size_t>(comm->rank())];
+  const Status named = comm->check_agree(mine, "batch rows");
+  const Status unnamed = comm->check_agree(mine, nullptr);
+  EXPECT_EQ(named.code(), StatusCode::kCommError) << named.to_string();
+  EXPECT_EQ(named.message(), "ranks disagree on batch rows:" + by_rank);
+  EXPECT_EQ(unnamed.code(), StatusCode::kCommError) << unnamed.to_string();
+  EXPECT_EQ(unnamed.message(), "ranks disagree on a value:" + by_rank);
+}
+
+// No rank leaves barrier() before every rank has entered it: each rank raises its own counter in
+// a shared-memory window before each barrier and finds every counter raised after it. The ranks
+// sharing this host's memory form the communicator under test.
+TEST(MpiComm, BarrierWaitsForEveryRank) {
+  MPI_Comm node = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank(), MPI_INFO_NULL,
+                                &node),
+            MPI_SUCCESS);
+  Status status;
+  std::unique_ptr<Communicator> comm = cpidx::make_mpi_communicator(&node, &status);
+  EXPECT_TRUE(status.is_ok()) << status.to_string();
+  const int p = comm->world_size();
+  int64_t* mine = nullptr;
+  MPI_Win win = MPI_WIN_NULL;
+  MPI_Win_allocate_shared(sizeof(int64_t), sizeof(int64_t), MPI_INFO_NULL, node, &mine, &win);
+  std::vector<int64_t*> counters(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    MPI_Aint size = 0;
+    int unit = 0;
+    MPI_Win_shared_query(win, r, &size, &unit, &counters[static_cast<size_t>(r)]);
+  }
+  MPI_Win_lock_all(MPI_MODE_NOCHECK, win);
+  std::atomic_ref<int64_t>(*mine).store(0);
+  MPI_Win_sync(win);
+  MPI_Barrier(node);
+  int early = 0;
+  for (int round = 1; round <= 200; ++round) {
+    std::atomic_ref<int64_t>(*mine).store(round);
+    MPI_Win_sync(win);
+    const Status s = comm->barrier();
+    EXPECT_TRUE(s.is_ok()) << s.to_string();
+    MPI_Win_sync(win);
+    for (int64_t* counter : counters) early += std::atomic_ref<int64_t>(*counter).load() < round;
+  }
+  MPI_Win_unlock_all(win);
+  MPI_Win_free(&win);
+  comm.reset();
+  MPI_Comm_free(&node);
+  EXPECT_EQ(early, 0) << "rank " << world_rank() << " left a barrier before every rank entered it";
+}
+
+// MPI_COMM_NULL is refused by name, before MPI is asked to duplicate it.
+TEST(MpiComm, RejectsMpiCommNull) {
+  MPI_Comm null_comm = MPI_COMM_NULL;
+  Status status;
+  auto comm = cpidx::make_mpi_communicator(&null_comm, &status);
+  EXPECT_EQ(comm, nullptr);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.to_string();
+  EXPECT_NE(status.message().find("MPI_COMM_NULL"), std::string::npos) << status.message();
 }
 
 // ---- Context-parallel decode over MPI ---------------------------------------------------------
