@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -189,6 +190,31 @@ TEST(ThreadComm, AnyOneRanksMistakeFailsEveryRankAndWritesNoRecv) {
         }
       }
     }
+  }
+}
+
+// A size no allocation holds on one rank (its copy cannot be staged) fails every rank, naming
+// it, instead of throwing on that rank and leaving the others in the barrier; nothing is written
+// and the next gather works.
+TEST(ThreadComm, AnUnallocatableSizeOnOneRankFailsEveryRank) {
+  const int world = 3;
+  std::vector<cpidx::Status> got(world), after(world);
+  std::vector<std::vector<int>> recv(world, std::vector<int>(world, -7));
+  run_ranks(world, [&](int r, cpidx::Communicator& comm) {
+    const auto ru = static_cast<size_t>(r);
+    const int mine = 10 + r;
+    const size_t bytes = r == 1 ? std::numeric_limits<size_t>::max() - 2 : sizeof(int);
+    got[ru] = comm.all_gather(&mine, recv[ru].data(), bytes, nullptr);
+    std::vector<int> all(world, -1);
+    after[ru] = comm.all_gather(&mine, all.data(), sizeof(int), nullptr);
+    EXPECT_EQ(all, (std::vector<int>{10, 11, 12})) << "rank " << r;
+  });
+  for (int r = 0; r < world; ++r) {
+    const auto ru = static_cast<size_t>(r);
+    EXPECT_EQ(got[ru].code(), cpidx::StatusCode::kCommError) << got[ru].to_string();
+    EXPECT_EQ(got[ru].message(), "all_gather: rank 1 could not allocate a copy of its bytes");
+    EXPECT_EQ(recv[ru], std::vector<int>(world, -7)) << "rank " << r;
+    EXPECT_TRUE(after[ru].is_ok()) << after[ru].to_string();
   }
 }
 

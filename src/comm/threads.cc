@@ -3,6 +3,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -16,6 +17,7 @@ namespace cpidx {
 namespace {
 
 constexpr size_t kBadBuffer = std::numeric_limits<size_t>::max();
+constexpr size_t kNoStaging = kBadBuffer - 1;  // posted by a rank that could not stage its bytes
 
 struct SharedState {
   explicit SharedState(int world) : world_size(world), staging(world), sizes(world, 0) {}
@@ -25,7 +27,7 @@ struct SharedState {
   int arrived = 0;
   uint64_t generation = 0;
   std::vector<std::vector<unsigned char>> staging;  // [world][bytes]: each rank's send copy
-  std::vector<size_t> sizes;                        // [world]: bytes posted, kBadBuffer = error
+  std::vector<size_t> sizes;  // [world]: bytes posted, or kBadBuffer / kNoStaging (an error)
 
   void wait_all() {
     std::unique_lock<std::mutex> lock(mutex);
@@ -57,19 +59,35 @@ class ThreadCommunicator final : public Communicator {
     const bool usable = bytes_per_rank == 0 || (send != nullptr && recv != nullptr);
     // Staging is written by this rank only, read by others only between the two barriers.
     auto& mine = s.staging[static_cast<size_t>(rank_)];
+    size_t posted = usable ? bytes_per_rank : kBadBuffer;
     if (usable) {
-      const auto* src = static_cast<const unsigned char*>(send);
-      mine.assign(src, src + bytes_per_rank);
+      // A size no allocation holds fails every rank, as a null buffer does: thrown out of this
+      // rank alone, it would leave the others in the barrier.
+      try {
+        mine.resize(bytes_per_rank);
+        if (bytes_per_rank > 0) std::memcpy(mine.data(), send, bytes_per_rank);
+      } catch (const std::exception&) {  // std::bad_alloc, std::length_error
+        posted = kNoStaging;
+      }
     }
-    s.sizes[static_cast<size_t>(rank_)] = usable ? bytes_per_rank : kBadBuffer;
+    s.sizes[static_cast<size_t>(rank_)] = posted;
     s.wait_all();
     Status status = Status::ok();
+    // The lowest rank that could not post its bytes first (the same message on every rank),
+    // then the sizes.
     for (int i = 0; i < s.world_size && status.is_ok(); ++i) {
       const size_t other = s.sizes[static_cast<size_t>(i)];
       if (other == kBadBuffer) {
         status = Status(StatusCode::kCommError,
                         "all_gather: rank " + std::to_string(i) + " passed a null buffer");
-      } else if (other != bytes_per_rank) {
+      } else if (other == kNoStaging) {
+        status = Status(StatusCode::kCommError, "all_gather: rank " + std::to_string(i) +
+                                                    " could not allocate a copy of its bytes");
+      }
+    }
+    for (int i = 0; i < s.world_size && status.is_ok(); ++i) {
+      const size_t other = s.sizes[static_cast<size_t>(i)];
+      if (other != bytes_per_rank) {
         status = Status(StatusCode::kCommError,
                         "all_gather: ranks disagree on bytes_per_rank: rank " +
                             std::to_string(rank_) + " has " + std::to_string(bytes_per_rank) +
