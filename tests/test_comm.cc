@@ -17,13 +17,8 @@
 
 namespace {
 
+using cpidx_test::fresh_seed;
 using cpidx_test::run_ranks;
-
-// A fresh seed for each run, traced on failure so a failing draw can be replayed.
-uint64_t fresh_seed() {
-  std::random_device device;
-  return (uint64_t{device()} << 32) ^ device();
-}
 
 TEST(ThreadComm, AllGatherInAndOutOfPlace) {
   for (int world : {1, 2, 3, 8}) {

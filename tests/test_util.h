@@ -22,6 +22,12 @@ namespace cpidx_test {
 
 using cpidx::DType;
 
+// A fresh seed for each run (tests trace it, so a failing draw can be replayed).
+inline uint64_t fresh_seed() {
+  std::random_device device;
+  return (uint64_t{device()} << 32) ^ device();
+}
+
 // Golden inputs (spec/golden/README.md): draw i of seed s gives int(z >> 60) - 8 in [-8, 7].
 class GoldenStream {
  public:

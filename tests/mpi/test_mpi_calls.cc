@@ -21,6 +21,8 @@
 #include <vector>
 
 #include "cpidx/comm_mpi.h"
+#include "mpi_util.h"
+#include "test_util.h"
 
 namespace {
 
@@ -132,18 +134,9 @@ using cpidx::Communicator;
 using cpidx::Status;
 using cpidx::StatusCode;
 
-int world_rank() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
-std::unique_ptr<Communicator> world_comm() {
-  Status status;
-  std::unique_ptr<Communicator> comm = cpidx::make_mpi_communicator(&status);
-  EXPECT_TRUE(status.is_ok()) << status.to_string();
-  return comm;
-}
+using cpidx_mpi_test::shared_fresh_seed;
+using cpidx_mpi_test::world_comm;
+using cpidx_mpi_test::world_rank;
 
 // Rank `rank`'s bytes for a gather: a stream of its own from the shared seed, so every rank can
 // tell what each other rank sent.
@@ -163,9 +156,7 @@ std::vector<unsigned char> rank_bytes(uint64_t seed, int rank, size_t bytes) {
 TEST(MpiCalls, OneAllgatherUnderAGiBInPlaceOrNot) {
   auto comm = world_comm();
   const int p = comm->world_size(), r = comm->rank();
-  std::random_device device;
-  uint64_t seed = (uint64_t{device()} << 32) ^ device();
-  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  const uint64_t seed = shared_fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   for (bool in_place : {false, true}) {
@@ -227,8 +218,7 @@ TEST(MpiCalls, OverAGiBGoesInChunksEachAtItsOffset) {
   Status status;
   std::unique_ptr<Communicator> comm = cpidx::make_mpi_communicator(&self, &status);
   ASSERT_TRUE(status.is_ok()) << status.to_string();  // one rank: no one waits
-  std::random_device device;
-  const uint64_t seed = (uint64_t{device()} << 32) ^ device();
+  const uint64_t seed = cpidx_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   constexpr size_t kGiB = size_t{1} << 30;

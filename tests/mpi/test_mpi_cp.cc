@@ -21,6 +21,7 @@
 #include "cpidx/comm_mpi.h"
 #include "cpidx/contract.h"
 #include "cpidx/reference.h"
+#include "mpi_util.h"
 #include "test_util.h"
 
 namespace {
@@ -35,23 +36,10 @@ using cpidx_test::DecodeData;
 using cpidx_test::IdsBuffer;
 using cpidx_test::Values;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int p = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &p);
-  return p;
-}
-
-std::unique_ptr<Communicator> world_comm() {
-  Status status;
-  std::unique_ptr<Communicator> comm = cpidx::make_mpi_communicator(&status);
-  EXPECT_TRUE(status.is_ok()) << status.to_string();
-  return comm;
-}
+using cpidx_mpi_test::shared_fresh_seed;
+using cpidx_mpi_test::world_comm;
+using cpidx_mpi_test::world_rank;
+using cpidx_mpi_test::world_size;
 
 // FNV-1a of the bytes: ranks compare it to prove they generated identical inputs.
 uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = 0xCBF29CE484222325ull) {
@@ -66,14 +54,6 @@ long long input_hash(const DecodeData& d) {
   h = fnv1a(d.block_table.data(), d.block_table.size() * 4, h);
   h = fnv1a(d.seq_lens.data(), d.seq_lens.size() * 4, h);
   return static_cast<long long>(h >> 1);
-}
-
-// A fresh seed for each run, the same on every rank (rank 0 draws it).
-uint64_t shared_fresh_seed() {
-  std::random_device device;
-  uint64_t seed = (uint64_t{device()} << 32) ^ device();
-  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  return seed;
 }
 
 // ---- The communicator --------------------------------------------------------------------
