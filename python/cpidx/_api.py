@@ -139,8 +139,7 @@ def _with_capsules(method: Any) -> Any:
     a tensor than the functional API does (bench/host_overhead.py)."""
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return method(self, *[_dl(a) for a in args],
-                      **{name: _dl(a) for name, a in kwargs.items()})
+        return _native(method, self, *args, **kwargs)  # self is no tensor: it goes as it is
     return call
 
 
