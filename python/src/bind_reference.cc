@@ -64,7 +64,10 @@ int32_t ref_shard_topk_keys(const InArray& index_query, const InArray& index_cac
                             int init_blocks, int local_blocks, int64_t max_seq_len, int world_size,
                             int rank) {
   const Selection sel = selection(topk, init_blocks, local_blocks);
-  if (world_size < 1 || rank < 0 || rank >= world_size) {
+  if (world_size < 1) {
+    throw nb::value_error(("world_size: expected >= 1, got " + std::to_string(world_size)).c_str());
+  }
+  if (rank < 0 || rank >= world_size) {
     throw nb::value_error(("rank: expected 0 <= rank < world_size = " + std::to_string(world_size) +
                            ", got " + std::to_string(rank)).c_str());
   }

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cpidx/contract.h"
+#include "reference/internal.h"
 
 namespace cpidx::py {
 namespace {
@@ -60,6 +61,15 @@ std::string shape_str(const A& a) {
   ::cpidx::detail::Message os;
   os << '[';
   for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
+  os << ']';
+  return os.str();
+}
+
+template <typename A>
+std::string strides_str(const A& a) {
+  ::cpidx::detail::Message os;
+  os << '[';
+  for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.stride(i);
   os << ']';
   return os.str();
 }
@@ -133,7 +143,8 @@ void check_vector(const A& a, const char* name, int64_t len, const Place& place)
   check_unit_stride(a, name, 0);
 }
 
-// An int32 table [>= rows, >= cols] with column stride 1; returns the row stride.
+// An int32 table [>= rows, >= cols] with column stride 1 whose first `rows` rows do not
+// overlap in their first `cols` columns; returns the row stride.
 template <typename A>
 int64_t check_table(const A& a, const char* name, int64_t rows, int64_t cols, const char* what,
                     const Place& place) {
@@ -145,7 +156,12 @@ int64_t check_table(const A& a, const char* name, int64_t rows, int64_t cols, co
                    "), got shape ", shape_str(a)));
   }
   check_unit_stride(a, name, 1);
-  return stride_of(a, name, 0, static_cast<int64_t>(a.shape(1)));
+  const int64_t row_stride = stride_of(a, name, 0, static_cast<int64_t>(a.shape(1)));
+  if (rows > 1 && row_stride < cols) {
+    value_fail(cat(name, ": rows must not overlap: expected a row stride >= ", cols, ", got ",
+                   row_stride));
+  }
+  return row_stride;
 }
 
 void check_query(const InArray& q, const char* name, const Place& place) {
@@ -232,7 +248,9 @@ void raise_status(const Status& status) {
 }
 
 Selection selection(int topk, int init_blocks, int local_blocks) {
-  if (topk < 1 || topk > kMaxTopK) value_fail(cat("topk: expected 1 to ", kMaxTopK, ", got ", topk));
+  if (topk < 1 || topk > kMaxTopK) {
+    value_fail(cat("topk: expected 1 to ", kMaxTopK, ", got ", topk));
+  }
   if (init_blocks < 0) value_fail(cat("init_blocks: expected >= 0, got ", init_blocks));
   if (local_blocks < 0) value_fail(cat("local_blocks: expected >= 0, got ", local_blocks));
   Selection sel;
@@ -247,7 +265,7 @@ DecodeBatch merge_batch(const InArray& seq_lens, int query_len, int64_t max_seq_
   check_scalars(query_len, 1.0, max_seq_len);
   check_vector(seq_lens, "seq_lens", -1, place);
   if (seq_lens.shape(0) < 1 || seq_lens.shape(0) > static_cast<size_t>(INT_MAX)) {
-    value_fail(cat("seq_lens: expected at least one request, got shape ", shape_str(seq_lens)));
+    value_fail(cat("seq_lens: expected 1 to INT_MAX requests, got shape ", shape_str(seq_lens)));
   }
   DecodeBatch b;
   b.in.seq_lens = static_cast<const int32_t*>(seq_lens.data());
@@ -299,6 +317,11 @@ TopkOutput topk_output(const OutArray& out, int64_t heads, int64_t rows, int top
   o.ids = static_cast<int32_t*>(out.data());
   o.row_stride = stride_of(out, name, 1, topk);
   o.head_stride = stride_of(out, name, 0, rows * topk);
+  if (!::cpidx::ref::detail::ids_strides_nest(heads, rows, topk, o.row_stride, o.head_stride)) {
+    value_fail(cat(name, ": heads and tokens must not overlap: expected a row stride >= topk and "
+                         "a head stride >= tokens * row stride (or a head stride >= topk and a "
+                         "row stride >= heads * head stride), got strides ", strides_str(out)));
+  }
   return o;
 }
 
@@ -308,20 +331,23 @@ Key* key_buffer(const nb::ndarray<>& keys, const char* name, std::initializer_li
   if (!is(keys.dtype(), dl::dtype_code::Int, 64) && !is(keys.dtype(), dl::dtype_code::UInt, 64)) {
     type_fail(cat(name, ": expected int64 (ordered keys), got ", dtype_name(keys.dtype())));
   }
-  bool ok = keys.ndim() == dims.size();
+  bool shape_ok = keys.ndim() == dims.size(), strides_ok = true;
   int64_t expect_stride = 1;
-  for (size_t i = dims.size(); ok && i-- > 0;) {
+  for (size_t i = dims.size(); shape_ok && i-- > 0;) {
     const int64_t d = *(dims.begin() + i);
-    ok = static_cast<int64_t>(keys.shape(i)) == d && (d <= 1 || keys.stride(i) == expect_stride);
+    shape_ok = static_cast<int64_t>(keys.shape(i)) == d;
+    strides_ok = strides_ok && (d <= 1 || keys.stride(i) == expect_stride);
     expect_stride *= d;
   }
-  if (!ok) {
+  if (!shape_ok || !strides_ok) {
     ::cpidx::detail::Message want;
     want << '[';
     for (size_t i = 0; i < dims.size(); ++i) want << (i ? ", " : "") << *(dims.begin() + i);
     want << ']';
-    value_fail(cat(name, ": expected a contiguous int64 array of shape ", want.str(), ", got shape ",
-                   shape_str(keys)));
+    // A shape that matches is named with its strides: they are what is wrong.
+    value_fail(cat(name, ": expected a contiguous int64 array of shape ", want.str(),
+                   ", got shape ", shape_str(keys),
+                   shape_ok ? cat(" with strides ", strides_str(keys)) : ""));
   }
   return static_cast<Key*>(keys.data());
 }

@@ -285,6 +285,190 @@ def test_bad_argument_is_named(name):
         cpidx.decode_topk(**kw)
 
 
+def _strided(a, strides):
+    """A view of ``a`` (same shape) with the given strides in elements."""
+    return as_strided(a, a.shape, [s * a.itemsize for s in strides])
+
+
+# Each message in full, its argument named first: a check that lets a bad argument through to a
+# later check (or to the library's own, which names its fields instead) changes it.
+NAMED = {
+    "seq_lens_2d": (lambda k: k.update(seq_lens=k["seq_lens"][None]), ValueError,
+                    r"^seq_lens: expected 1 dims \[num_reqs\], got shape \[1, 2\]$"),
+    "seq_lens_empty": (
+        lambda k: k.update(seq_lens=k["seq_lens"][:0], index_query=k["index_query"][:0],
+                           out=k["out"][:, :0]), ValueError,
+        r"^seq_lens: expected 1 to INT_MAX requests, got shape \[0\]$"),
+    "seq_lens_past_int_max": (  # 2^31 requests claimed over the real two: named, never read
+        lambda k: k.update(seq_lens=as_strided(k["seq_lens"], (2**31,), (4,))), ValueError,
+        r"^seq_lens: expected 1 to INT_MAX requests, got shape \[2147483648\]$"),
+    "out_4d": (lambda k: k.update(out=k["out"][..., None]), ValueError,
+               r"^out: expected 3 dims \[heads, tokens, topk\], got shape \[2, 4, 4, 1\]$"),
+    "out_wider_than_topk": (lambda k: k.update(out=np.zeros((2, 4, 5), np.int32)), ValueError,
+                            r"^out: expected shape \[2, 4, 4\], got \[2, 4, 5\]$"),
+    "seq_lens_uint32": (lambda k: k.update(seq_lens=k["seq_lens"].astype(np.uint32)), TypeError,
+                        "^seq_lens: expected int32, got uint32$"),
+    "out_float32": (lambda k: k.update(out=k["out"].astype(np.float32)), TypeError,
+                    "^out: expected int32, got float32$"),
+    "index_query_int16": (
+        lambda k: k.update(index_query=k["index_query"].view(np.int16)), TypeError,
+        r"^index_query: expected bfloat16 \(or uint16 holding bf16 bits\), got int16$"),
+    "index_query_head_dim_256": (
+        lambda k: k.update(index_query=np.repeat(k["index_query"], 2, axis=2)), ValueError,
+        r"^index_query: expected head dim 128 \(shape \[tokens, heads, 128\]\), got shape "
+        r"\[4, 2, 256\]$"),
+    "index_query_heads_overlap": (
+        lambda k: k.update(index_query=_strided(k["index_query"], (256, 64, 1))), ValueError,
+        "^index_query: rows and heads must not overlap: expected strides >= 128, got row "
+        "stride 256 and head stride 64$"),
+    "index_query_rows_overlap": (
+        lambda k: k.update(index_query=_strided(k["index_query"], (64, 256, 1))), ValueError,
+        "^index_query: rows and heads must not overlap: expected strides >= 128, got row "
+        "stride 64 and head stride 256$"),
+    "out_rows_stride_0": (lambda k: k.update(out=_strided(k["out"], (16, 0, 1))), ValueError,
+                          "^out: expected a positive stride in dim 1, got 0$"),
+    "out_rows_reversed": (lambda k: k.update(out=k["out"][:, ::-1]), ValueError,
+                          "^out: expected a positive stride in dim 1, got -4$"),
+    "block_table_rows_overlap": (  # 4 columns are read (512 tokens); rows 3 apart
+        lambda k: k.update(block_table=_strided(k["block_table"], (3, 1))), ValueError,
+        "^block_table: rows must not overlap: expected a row stride >= 4, got 3$"),
+    "out_heads_over_rows": (  # [2, 4, 4] with heads 8 apart: head 1 starts at row 2 of head 0
+        lambda k: k.update(out=_strided(k["out"], (8, 4, 1))), ValueError,
+        r"^out: heads and tokens must not overlap: expected a row stride >= topk and a head "
+        r"stride >= tokens \* row stride \(or a head stride >= topk and a row stride >= heads "
+        r"\* head stride\), got strides \[8, 4, 1\]$"),
+    "out_rows_over_lists": (
+        lambda k: k.update(out=_strided(k["out"], (16, 3, 1))), ValueError,
+        r"^out: heads and tokens must not overlap: .*, got strides \[16, 3, 1\]$"),
+    "block_table_rows_reversed": (
+        lambda k: k.update(block_table=k["block_table"][::-1]), ValueError,
+        "^block_table: expected a positive stride in dim 0, got -6$"),
+    "index_cache_no_pages": (
+        lambda k: k.update(index_cache=k["index_cache"][:0]), ValueError,
+        r"^index_cache: expected shape \[pages >= 1, 128, 128\], got \[0, 128, 128\]$"),
+    "index_cache_head_dim_64": (
+        lambda k: k.update(index_cache=k["index_cache"][:, :, :64]), ValueError,
+        r"^index_cache: expected shape \[pages >= 1, 128, 128\], got \[11, 128, 64\]$"),
+    "index_cache_strided_last": (  # 5 pages' view: stays within the 11 pages' buffer
+        lambda k: k.update(index_cache=_strided(k["index_cache"][:5], (16384, 128, 2))),
+        ValueError, r"^index_cache: expected a contiguous cache, got strides \[16384, 128, 2\]$"),
+    "index_cache_two_pages_apart": (
+        lambda k: k.update(index_cache=_strided(k["index_cache"][:2], (32768, 128, 1))),
+        ValueError, r"^index_cache: expected a contiguous cache, got strides \[32768, 128, 1\]$"),
+    "index_cache_rows_overlap": (
+        lambda k: k.update(index_cache=_strided(k["index_cache"][:5], (16384, 64, 1))),
+        ValueError, r"^index_cache: expected a contiguous cache, got strides \[16384, 64, 1\]$"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_bad_argument_message_is_exact(name):
+    mutate, exc, pattern = NAMED[name]
+    kw = _valid()
+    mutate(kw)
+    kw["out"].fill(-5)  # poison: a call that ran would overwrite it
+    with pytest.raises(exc, match=pattern):
+        cpidx.decode_topk(**kw)
+    assert (kw["out"] == -5).all()
+
+
+@pytest.mark.parametrize("name, value, text", [
+    ("query_len", 0, "1 to 8, got 0"), ("query_len", 9, "1 to 8, got 9"),
+    ("scale", 0.0, "a finite value > 0, got 0"), ("scale", -1.5, "a finite value > 0, got -1.5"),
+    ("scale", float("inf"), "a finite value > 0, got inf"),
+    ("scale", float("nan"), "a finite value > 0, got nan"),
+    ("max_seq_len", 0, "1 to 2147483647, got 0"),
+    ("max_seq_len", 2**31, "1 to 2147483647, got 2147483648"),
+    ("topk", 0, "1 to 64, got 0"), ("topk", 65, "1 to 64, got 65"),
+    ("init_blocks", -1, ">= 0, got -1"), ("local_blocks", -1, ">= 0, got -1"),
+])
+def test_bad_scalar_message_is_exact(name, value, text):
+    # The binding's words, not the library's (which would name the same field otherwise).
+    kw = _valid()
+    kw[name] = value
+    with pytest.raises(ValueError, match=f"^{name}: expected {text}$"):
+        cpidx.decode_topk(**kw)
+
+
+def test_bad_sparse_table_argument_messages_are_exact():
+    # One head, 4 rows of 2 requests, topk 4, max_seq_len 512 (4 blocks).
+    attn = r"expected at least 2 rows and 4 columns \(num_reqs x cdiv\(max_seq_len, 128\)\), got"
+    for change, pattern in (
+            (dict(attention_block_table=None),
+             "^the sparse table arguments go together: missing attention_block_table$"),
+            (dict(attention_block_table=np.zeros((2, 3), np.int32)),
+             rf"^attention_block_table: {attn} shape \[2, 3\]$"),
+            (dict(attention_block_table=np.zeros((1, 4), np.int32)),
+             rf"^attention_block_table: {attn} shape \[1, 4\]$"),
+            (dict(sparse_block_table_out=np.zeros((4, 16), np.int32)),
+             r"^sparse_block_table_out: expected at least 4 rows and 32 columns \(tokens x "
+             r"topk \* 8\), got shape \[4, 16\]$"),
+            (dict(sparse_block_table_out=np.zeros((5, 32), np.int32)),
+             r"^sparse_block_table_out: expected 4 rows, got shape \[5, 32\]$"),
+            (dict(attention_block_table=_strided(np.zeros((2, 4), np.int32), (3, 1))),
+             "^attention_block_table: rows must not overlap: expected a row stride >= 4, got 3$"),
+            (dict(sparse_block_table_out=_strided(np.zeros((4, 32), np.int32), (31, 1))),
+             "^sparse_block_table_out: rows must not overlap: expected a row stride >= 32, "
+             "got 31$"),
+            (dict(sparse_context_lens_out=np.zeros(5, np.int32)),
+             r"^sparse_context_lens_out: expected shape \[4\], got \[5\]$")):
+        kw = _table(_valid())
+        kw.update(change)
+        kw["out"].fill(-5)
+        with pytest.raises(ValueError, match=pattern):
+            cpidx.decode_topk(**kw)
+        assert (kw["out"] == -5).all()
+
+
+def test_a_dim_of_one_element_takes_any_stride():
+    # Its stride is never used: a one-head query or output made by adding an axis (stride 0)
+    # gives the ids of a contiguous one.
+    kw = _valid()
+    want = cpidx.decode_topk(**dict(kw, index_query=kw["index_query"][:, :1].copy(),
+                                    out=kw["out"][:1].copy()))
+    query, out = kw["index_query"][:, 0][:, None], np.full((4, 4), -5, np.int32)[None]
+    assert query.strides[1] == 0 and out.strides[0] == 0
+    np.testing.assert_array_equal(cpidx.decode_topk(**dict(kw, index_query=query, out=out)),
+                                  want)
+
+
+def _on_device(a, device_type, device_id=0):
+    """``a``'s DLPack capsule with its device rewritten (the memory stays ``a``'s host memory):
+    how an array of another device reaches the binding, here without that device."""
+    import ctypes
+
+    capsule = a.__dlpack__()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    address = get(capsule, b"dltensor") + ctypes.sizeof(ctypes.c_void_p)  # DLTensor.device
+    device = (ctypes.c_int32 * 2).from_address(address)
+    device[0], device[1] = device_type, device_id
+    return capsule
+
+
+def test_host_calls_name_an_array_on_another_device():
+    # DLPack device types: 2 CUDA, 13 CUDA managed memory, 7 Vulkan are refused by name; 3 (CUDA
+    # pinned host memory) is host memory, which the reference reads.
+    kw = _valid()
+    want = cpidx.decode_topk(**kw).copy()
+    names = ("index_query", "index_cache", "block_table", "seq_lens", "query_len", "out")
+    sel = {n: kw[n] for n in ("scale", "topk", "init_blocks", "local_blocks", "max_seq_len")}
+    for name, device_type, where in (("index_cache", 2, "cuda:1"), ("out", 2, "cuda:1"),
+                                     ("seq_lens", 13, "cuda managed memory"),
+                                     ("block_table", 7, "device type 7")):
+        out = np.full_like(kw["out"], -5)
+        call = dict(kw, out=out)
+        call[name] = _on_device(call[name], device_type, 1)
+        with pytest.raises(ValueError, match=rf"^{name}: expected a host array \(numpy or a CPU "
+                                             rf"tensor\), got {where}$"):
+            _C.ref_decode_topk(*(call[n] for n in names), **sel)
+        assert (out == -5).all()
+    out = np.full_like(kw["out"], -5)
+    call = dict(kw, index_query=_on_device(kw["index_query"], 3), out=_on_device(out, 3))
+    _C.ref_decode_topk(*(call[n] for n in names), **sel)
+    np.testing.assert_array_equal(out, want)
+
+
 def _golden_prefill_inputs():
     """The first golden prefill case's inputs: case, query, cache, block_table, cu_seqlens_q,
     context_lens, seq_lens, max_seq_len."""
@@ -331,6 +515,32 @@ def test_bad_prefill_arguments_are_named():
     assert cpidx.prefill_topk(query[:0], cache, bt, cu, ctx, sl, empty, **common) is empty
 
 
+def test_bad_prefill_argument_messages_are_exact():
+    # Three requests, 434 tokens, max_seq_len 1152 (9 blocks).
+    case, query, cache, bt, cu, ctx, sl, msl = _golden_prefill_inputs()
+    out = np.full((case["T"], sum(case["q_lens"]), case["K"]), -5, np.int32)
+    args = dict(index_query=query, index_cache=cache, block_table=bt, cu_seqlens_q=cu,
+                context_lens=ctx, seq_lens=sl, out=out, scale=1.0, topk=case["K"],
+                max_seq_len=msl)
+    too_small = r"expected at least 3 rows and 9 columns \(num_reqs x cdiv\(max_seq_len, 128\)\)"
+    for change, pattern in (
+            (dict(context_lens=np.append(ctx, 0).astype(np.int32)),
+             r"^context_lens: expected shape \[3\], got \[4\]$"),
+            (dict(context_lens=ctx[:-1]), r"^context_lens: expected shape \[3\], got \[2\]$"),
+            (dict(cu_seqlens_q=cu[:-1]), r"^cu_seqlens_q: expected shape \[4\], got \[3\]$"),
+            (dict(block_table=bt[:-1]), rf"^block_table: {too_small}, got shape \[2, 9\]$"),
+            (dict(block_table=bt[:, :-1]), rf"^block_table: {too_small}, got shape \[3, 8\]$"),
+            (dict(seq_lens=sl[:0], context_lens=ctx[:0], cu_seqlens_q=cu[:1]),
+             r"^seq_lens: expected 1 to INT_MAX requests, got shape \[0\]$")):
+        with pytest.raises(ValueError, match=pattern):
+            cpidx.prefill_topk(**dict(args, **change))
+    assert (out == -5).all()
+    # No tokens: prefill_topk returns at once, the binding names it.
+    with pytest.raises(ValueError, match="^index_query: expected at least one token, got none$"):
+        _C.ref_prefill_topk(query[:0], cache, bt, cu, ctx, sl, out[:, :0], scale=1.0,
+                            topk=case["K"], init_blocks=0, local_blocks=1, max_seq_len=msl)
+
+
 def test_shard_and_merge_bad_arguments_are_named():
     kw = _valid()
     sel = dict(topk=4, init_blocks=0, local_blocks=1, max_seq_len=512)
@@ -345,6 +555,44 @@ def test_shard_and_merge_bad_arguments_are_named():
         _C.ref_shard_topk_keys(*args, keys, scale=1.0, world_size=2, rank=2, **sel)
     with pytest.raises(ValueError, match="gathered"):
         _C.ref_merge_topk_keys(keys, kw["seq_lens"], 2, np.zeros((1, 4, 4), np.int32),
+                               head_offset=0, **sel)
+
+
+def test_shard_and_merge_key_buffers_are_checked_exactly():
+    kw = _valid()
+    sel = dict(topk=4, init_blocks=0, local_blocks=1, max_seq_len=512)
+    args = (kw["index_query"], kw["index_cache"], kw["block_table"], kw["seq_lens"], 2)
+    want = cpidx.decode_topk(**kw).copy()
+    shape = r"expected a contiguous int64 array of shape \[2, 4, 4\], got shape"
+    for keys, exc, pattern in (
+            (np.zeros((2, 4, 4), np.float64), TypeError,
+             r"^keys_out: expected int64 \(ordered keys\), got float64$"),
+            (np.zeros((2, 4, 4, 1), np.int64), ValueError, rf"^keys_out: {shape} \[2, 4, 4, 1\]$"),
+            (np.zeros((2, 4, 8), np.int64)[:, :, :4], ValueError,  # padded rows
+             rf"^keys_out: {shape} \[2, 4, 4\] with strides \[32, 8, 1\]$")):
+        with pytest.raises(exc, match=pattern):
+            _C.ref_shard_topk_keys(*args, keys, scale=0.5, world_size=1, rank=0, **sel)
+    with pytest.raises(ValueError, match="^world_size: expected >= 1, got 0$"):
+        _C.ref_shard_topk_keys(*args, np.zeros((2, 4, 4), np.int64), scale=0.5, world_size=0,
+                               rank=0, **sel)
+    for world_size, rank in ((2, 2), (2, -1)):
+        with pytest.raises(ValueError, match=f"^rank: expected 0 <= rank < world_size = "
+                                             f"{world_size}, got {rank}$"):
+            _C.ref_shard_topk_keys(*args, np.zeros((2, 4, 4), np.int64), scale=0.5,
+                                   world_size=world_size, rank=rank, **sel)
+    keys = np.zeros((2, 4, 4), np.int64)
+    _C.ref_shard_topk_keys(*args, keys, scale=0.5, world_size=1, rank=0, **sel)
+    # One rank's keys as [1, heads, n, topk] (an added axis: stride 0) merge to the plain ids.
+    out = np.full((2, 4, 4), -5, np.int32)
+    _C.ref_merge_topk_keys(keys[None], kw["seq_lens"], 2, out, head_offset=0, **sel)
+    np.testing.assert_array_equal(out, want)
+    # 0-dim arrays are named before any dim is read.
+    with pytest.raises(ValueError, match=r"^gathered: expected 4 dims \[world_size, total_heads, "
+                                         r"tokens, topk\]$"):
+        _C.ref_merge_topk_keys(np.zeros((), np.int64), kw["seq_lens"], 2, out, head_offset=0,
+                               **sel)
+    with pytest.raises(ValueError, match=r"^out: expected 3 dims \[heads, tokens, topk\]"):
+        _C.ref_merge_topk_keys(keys[None], kw["seq_lens"], 2, np.zeros((), np.int32),
                                head_offset=0, **sel)
 
 
@@ -365,6 +613,30 @@ def test_gpu_prefiller_without_gpu_raises_cleanly():
     with pytest.raises(ValueError, match="max_seq_len"):
         cpidx.Prefiller(num_heads=4, max_tokens=8, max_seq_len=0, topk=16, init_blocks=0,
                         local_blocks=1, device=0)
+
+
+def test_gpu_constructors_name_bad_settings_before_the_device():
+    # Checked on the host before any device is asked for (a GPU or not): each in full.
+    decoder = dict(total_heads=4, world_size=1, rank=0, max_tokens=8, max_seq_len=1024,
+                   topk=16, init_blocks=0, local_blocks=1, device=0)
+    prefiller = dict(num_heads=4, max_tokens=8, max_seq_len=1024, topk=16, init_blocks=0,
+                     local_blocks=1, device=0)
+    for cls, base in ((cpidx.Decoder, decoder), (cpidx.Prefiller, prefiller)):
+        for change, pattern in (
+                (dict(max_seq_len=0), r"^max_seq_len: expected 1 to 2\^31-1, got 0$"),
+                (dict(max_seq_len=2**31), r"^max_seq_len: expected 1 to 2\^31-1, got 2147483648$"),
+                (dict(init_blocks=-1), "^init_blocks: expected >= 0, got -1$"),
+                (dict(local_blocks=-1), "^local_blocks: expected >= 0, got -1$"),
+                (dict(topk=65), "^topk: expected 1 to 64, got 65$"),
+                (dict(cache_dtype="fp16"),
+                 "^cache_dtype: expected 'bf16' or 'fp8_e4m3', got 'fp16'$")):
+            with pytest.raises(ValueError, match=pattern):
+                cls(**dict(base, **change))
+        for spelled in ("bf16", "bfloat16", "fp8_e4m3", "float8_e4m3fn"):  # all reach the device
+            try:
+                cls(**dict(base, cache_dtype=spelled))
+            except (NotImplementedError, RuntimeError):
+                assert not cpidx.gpu_available()
 
 
 def test_peer_binding_follows_has_peer():
@@ -663,6 +935,34 @@ def test_a_context_parallel_step_check_refuses_an_output_on_an_input():
     kw = _out_on(_valid(), "seq_lens")
     with pytest.raises(ValueError, match=r"^ids output \(out\) and seq_lens share memory"):
         check(kw)
+
+
+def test_a_context_parallel_step_check_names_its_own_arguments():
+    # The binding's checks of a CPU rank's step (IndexerCPDecode checks the heads itself first),
+    # in the step's names: local_q, kv_cache, this rank's local_heads and max_query_len.
+    kw = _valid()
+    q = kw["index_query"]
+    names = ("index_query", "index_cache", "block_table", "seq_lens", "query_len", "out")
+    args = dict(scale=0.5, topk=4, init_blocks=0, local_blocks=1, max_seq_len=512,
+                local_heads=2, max_tokens=16, max_query_len=2)
+    for change, exc, pattern in (
+            (dict(index_query=_strided(q, (256, 64, 1))), ValueError,
+             "^local_q: rows and heads must not overlap: expected strides >= 128, got row "
+             "stride 256 and head stride 64$"),
+            (dict(index_query=q.view(np.int16)), TypeError, "^local_q: expected bfloat16"),
+            (dict(index_cache=kw["index_cache"][:0]), ValueError, r"^kv_cache: expected shape "),
+            (dict(index_query=q[:, :1], out=kw["out"][:1]), ValueError,
+             r"^local_q: expected this rank's 2 heads \(local_heads\), got 1$"),
+            (dict(query_len=3), ValueError, "^query_len: expected 1 to max_query_len 2, got 3$")):
+        with pytest.raises(exc, match=pattern):
+            _C.ref_check_cp_decode(*(dict(kw, **change)[n] for n in names), **args)
+    # The sparse table needs one index head: this rank's two are refused before any collective.
+    one = _table(_valid())
+    table = {n: one.pop(n) for n in ("attention_block_table", "sparse_block_table_out",
+                                     "sparse_context_lens_out", "block_page_stride")}
+    _C.ref_check_cp_decode(*(one[n] for n in names), **dict(args, local_heads=1), **table)
+    with pytest.raises(ValueError, match="^the sparse table needs exactly one index head"):
+        _C.ref_check_cp_decode(*(kw[n] for n in names), **args, **table)
 
 
 def test_error_flag_reports_clamped_values_and_ids_follow_the_clamp():

@@ -251,6 +251,34 @@ def test_tensors_reach_the_binding_as_dlpack_capsules():
                           scale=1.0, topk=4, max_seq_len=512)
 
 
+def test_a_float8_cache_of_another_format_or_a_float16_query_is_named():
+    # float8_e4m3fn is read as its bits, also when the binding gets the float8 tensor itself;
+    # another float8 format (other values for the same bits) and a float16 query are refused.
+    from cpidx import _C
+    from cpidx._api import _native
+
+    b = random_decode(np.random.default_rng(7), 2, 1, [300, 500], max_seq_len=512)
+    q, k, bt, sl = as_torch(b)
+    bits = torch.from_numpy(np.random.default_rng(8).integers(0, 0x70, size=k.shape,
+                                                              dtype=np.uint8))
+    kw = dict(scale=0.5, topk=4, max_seq_len=512)
+    want = torch.zeros((2, 2, 4), dtype=torch.int32)
+    cpidx.decode_topk(q, bits, bt, sl, 1, want, **kw)
+    out = torch.full_like(want, -5)
+    _native(_C.ref_decode_topk, q, bits.view(torch.float8_e4m3fn), bt, sl, 1, out,
+            init_blocks=0, local_blocks=1, **kw)
+    assert torch.equal(out, want)
+    out.fill_(-5)
+    refused = r"^index_cache: expected bfloat16 or float8_e4m3fn \(or uint16 / uint8 holding"
+    for name in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+        with pytest.raises(TypeError, match=rf"{refused} their bits\), got {name}$"):
+            cpidx.decode_topk(q, bits.view(getattr(torch, name)), bt, sl, 1, out, **kw)
+    with pytest.raises(TypeError, match=r"^index_query: expected bfloat16 \(or uint16 holding "
+                                        r"bf16 bits\), got float16$"):
+        cpidx.decode_topk(q.half(), k, bt, sl, 1, out, **kw)
+    assert (out == -5).all()
+
+
 def test_the_public_classes_hand_their_tensors_over_as_capsules():
     # cpidx.Decoder and cpidx.Prefiller are the binding's classes with every method that takes
     # tensors (its signature names an ndarray) wrapped as _native wraps a binding function, so a

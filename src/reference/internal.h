@@ -48,6 +48,11 @@ inline bool aligned(const void* p, size_t alignment) {
   return reinterpret_cast<uintptr_t>(p) % alignment == 0;
 }
 
+// Whether ids strides [heads, rows, topk] (last dim contiguous) nest without overlap, either
+// [heads, n, K] or [n, heads, K] with gaps allowed; a dim of one entry takes any stride.
+bool ids_strides_nest(int64_t heads, int64_t rows, int64_t topk, int64_t row_stride,
+                      int64_t head_stride);
+
 // ids [heads, rows, topk]: not null, int32-aligned, strides that nest without overlap (either
 // [heads, n, K] or [n, heads, K], gaps allowed). Names the strides and the bound on failure.
 Status check_ids(const TopkOutput& out, int heads, int64_t rows, int topk);

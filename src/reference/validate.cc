@@ -25,21 +25,26 @@ Status check_selection(const Selection& sel) {
   return Status::ok();
 }
 
-Status check_ids(const TopkOutput& out, int heads, int64_t rows, int topk) {
-  CPIDX_CHECK(out.ids != nullptr, "ids output is null");
-  CPIDX_CHECK(aligned(out.ids, alignof(int32_t)),
-              "ids output must be 4-byte aligned (int32), got address " << out.ids);
+bool ids_strides_nest(int64_t heads, int64_t rows, int64_t topk, int64_t row_stride,
+                      int64_t head_stride) {
   // [heads, rows, topk] with the last dim contiguous; the two outer dims nest either way
   // round ([heads, n, K] or [n, heads, K], gaps allowed) so that no two lists overlap.
   const bool many_rows = rows > 1, many_heads = heads > 1;
   using Wide = __int128;  // stride products of a fuzzed call must not overflow
   const bool head_major =
-      (!many_rows || out.row_stride >= topk) &&
-      (!many_heads || Wide{out.head_stride} >= (many_rows ? Wide{rows} * out.row_stride : topk));
+      (!many_rows || row_stride >= topk) &&
+      (!many_heads || Wide{head_stride} >= (many_rows ? Wide{rows} * row_stride : Wide{topk}));
   const bool row_major =
-      (!many_heads || out.head_stride >= topk) &&
-      (!many_rows || Wide{out.row_stride} >= (many_heads ? Wide{heads} * out.head_stride : topk));
-  CPIDX_CHECK(head_major || row_major,
+      (!many_heads || head_stride >= topk) &&
+      (!many_rows || Wide{row_stride} >= (many_heads ? Wide{heads} * head_stride : Wide{topk}));
+  return head_major || row_major;
+}
+
+Status check_ids(const TopkOutput& out, int heads, int64_t rows, int topk) {
+  CPIDX_CHECK(out.ids != nullptr, "ids output is null");
+  CPIDX_CHECK(aligned(out.ids, alignof(int32_t)),
+              "ids output must be 4-byte aligned (int32), got address " << out.ids);
+  CPIDX_CHECK(ids_strides_nest(heads, rows, topk, out.row_stride, out.head_stride),
               "ids strides must hold [heads = " << heads << ", n = " << rows << ", topk = " << topk
                   << "] without overlap: need row_stride >= topk and head_stride >= n * "
                      "row_stride (or head_stride >= topk and row_stride >= heads * "
