@@ -54,7 +54,10 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
 // The device int32 error word of a peer communicator (OR of kPeerError* bits since the last
 // clear; the library never reads it back), or nullptr when `comm` is not one. Once a rank timed
 // out, its later gathers no longer wait (their results are undefined): read the word after a
-// step or a batch of graph replays, and recreate every rank's communicator if it is set.
+// step or a batch of graph replays, and recreate every rank's communicator if it is set. A
+// rank that times out raises the bit in every rank's word (the words are peer-mapped), so each
+// rank's own word tells it, also a rank that fell one call behind its peers (it skipped a
+// gather they ran) and whose own waits then find their previous call's lines.
 int32_t* peer_error_flag(Communicator& comm);
 // Stream-ordered clear of that word (kInvalidArgument when `comm` is not a peer communicator).
 Status clear_peer_error_flag(Communicator& comm, cudaStream_t stream);

@@ -20,7 +20,10 @@
 //    payload, so that no line keeps an epoch old enough to match again after the 32-bit epoch
 //    wraps.
 //  - A reader that waits longer than timeout_ns raises bit 1 of *error and stops waiting (its
-//    results are then undefined); a reader that finds the bit set does not wait at all.
+//    results are then undefined); a reader that finds the bit set does not wait at all. Each
+//    rank's error word is the 16-byte line after its buffer's channel lines (peer-mapped with
+//    them): the reader that timed out raises the bit in every rank's word, so a rank one use
+//    behind (it skipped a step) learns of it too.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +35,8 @@ struct DeviceChannel {
   unsigned long long* buffers[kMaxRanks] = {};  // rank q's buffer as mapped on this rank's GPU
   uint32_t* calls = nullptr;     // device word: uses completed so far
   uint32_t* arrivals = nullptr;  // device word: readers arrived in the current use (0 between)
-  int32_t* error = nullptr;      // device error word (bit 1: a reader timed out)
+  int32_t* error = nullptr;      // this rank's error word (bit 1: a reader timed out),
+                                 // the line after its channel lines in buffers[rank]
   int64_t capacity = 0;          // lines per (parity, source): payloads up to capacity * 8 bytes
   unsigned long long timeout_ns = 0;
   int rank = 0, world = 0;       // world == 0: no channel

@@ -56,22 +56,24 @@ std::string dtype_name(dl::dtype t) {
   }
 }
 
-template <typename A>
-std::string shape_str(const A& a) {
+// "[d0, d1, ...]" of `dim(i)` over the array's dims (its shape or its strides).
+template <typename A, typename Dim>
+std::string dims_str(const A& a, Dim dim) {
   ::cpidx::detail::Message os;
   os << '[';
-  for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
+  for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << dim(i);
   os << ']';
   return os.str();
 }
 
 template <typename A>
+std::string shape_str(const A& a) {
+  return dims_str(a, [&](size_t i) { return a.shape(i); });
+}
+
+template <typename A>
 std::string strides_str(const A& a) {
-  ::cpidx::detail::Message os;
-  os << '[';
-  for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.stride(i);
-  os << ']';
-  return os.str();
+  return dims_str(a, [&](size_t i) { return a.stride(i); });
 }
 
 template <typename A>

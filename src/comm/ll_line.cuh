@@ -8,7 +8,9 @@
 namespace cpidx {
 namespace ll {
 
-// Bit of an error word raised when a reader waited past its timeout (kPeerErrorTimeout).
+// Bit of an error word raised when a reader waited past its timeout (kPeerErrorTimeout), the
+// word's only bit. Each rank's word lies in its peer-mapped buffer: a reader that times out
+// raises it in every rank's word (alarm_peer), so that no rank reads on unaware.
 constexpr int32_t kTimeoutBit = 1;
 // Every 512 uses of a slot (two consecutive uses, one per parity) its writer also stamps the
 // current epoch into the slot's lines it does not use, so no line keeps an epoch older than
@@ -53,14 +55,24 @@ __device__ __forceinline__ int32_t read_error(const int32_t* error) {
   return *reinterpret_cast<const volatile int32_t*>(error);
 }
 
+// Raises the timeout bit in a peer's error word through its mapping. A store, not an atomic OR:
+// atomics to peer memory need NVLink (PCIe peers may lack them), and the bit is the word's only
+// one, so the store leaves the word its OR. Only ever a timeout's path.
+__device__ __forceinline__ void alarm_peer(int32_t* peer_error) {
+  asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(peer_error), "r"(kTimeoutBit)
+               : "memory");
+}
+
 // One reader thread's bounded wait: after timeout_ns (globaltimer) it raises the error word's
-// timeout bit and stops waiting; it also stops when another thread or rank raised it.
+// timeout bit and stops waiting (`raised`: its caller then alarms every peer); it also stops
+// when another thread or rank raised it.
 struct Waiter {
   int32_t* error;
   unsigned long long timeout_ns;
   unsigned long long start = 0;
   unsigned int polls = 0;
   bool gave_up = false;
+  bool raised = false;  // this waiter timed out (not another thread or rank)
 
   // A null error word makes an inert waiter (never used to wait).
   __device__ Waiter(int32_t* e, unsigned long long t) : error(e), timeout_ns(t) {
@@ -83,7 +95,7 @@ struct Waiter {
           start = now;
         } else if (now - start > timeout_ns) {
           atomicOr(error, kTimeoutBit);
-          gave_up = true;
+          gave_up = raised = true;
         }
         if (read_error(error) & kTimeoutBit) gave_up = true;
       }

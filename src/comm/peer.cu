@@ -42,7 +42,8 @@ struct PeerGatherParams {
   unsigned long long* bufs[kPeerMaxRanks];  // rank q's receive buffer as mapped here:
                                             // [regions, 2, world, cap, 2] u64
   uint32_t* counters;                       // [kMaxCtas]: calls made so far by CTA c
-  int32_t* error;                           // the error word (kPeerErrorTimeout)
+  int32_t* error;                           // this rank's error word (kPeerErrorTimeout)
+  size_t error_at;  // u64 offset of the error word in every rank's buffer (error_offset)
   unsigned long long bytes;                 // per rank
   unsigned long long timeout_ns;
   int lines;  // ceil(bytes / 8)
@@ -131,7 +132,9 @@ __global__ void __launch_bounds__(kThreads) peer_all_gather_kernel(const PeerGat
 
   // 2. Wait for every peer's lines of this call in this rank's own buffer, then unpack them.
   // Bounded: after timeout_ns raise the error word and stop waiting (also when another CTA,
-  // thread or rank raised it; a rank that already timed out does not wait at all).
+  // thread or rank raised it; a rank that already timed out does not wait at all). A waiter
+  // that timed out raises every peer's word too: a peer one call behind (it skipped a gather)
+  // would otherwise take this rank's lines of the previous call as its current ones, unaware.
   ll::Waiter waiter(p.error, p.timeout_ns);
   const unsigned long long* in = p.bufs[p.rank];
   for (int src = 0; src < p.world && !waiter.gave_up; ++src) {
@@ -142,6 +145,11 @@ __global__ void __launch_bounds__(kThreads) peer_all_gather_kernel(const PeerGat
       unsigned long long v;
       if (!waiter.wait(lines + 2 * static_cast<size_t>(j), epoch, &v)) break;
       store_payload<kAligned>(out, p.bytes, lo + j, v);
+    }
+  }
+  if (waiter.raised) {
+    for (int q = 0; q < p.world; ++q) {
+      if (q != p.rank) ll::alarm_peer(reinterpret_cast<int32_t*>(p.bufs[q] + p.error_at));
     }
   }
 
@@ -190,10 +198,16 @@ size_t channel_capacity(size_t max_bytes) { return cdiv(max_bytes, 8); }
 size_t channel_bytes(size_t max_bytes, int world) {
   return 2 * static_cast<size_t>(world) * channel_capacity(max_bytes) * 16;
 }
-// Device words: the gather CTAs' call counters [kMaxCtas], the error word, then the channel's
-// uses and arrivals.
-constexpr int kErrorWord = kMaxCtas, kChannelCalls = kMaxCtas + 1, kChannelArrivals = kMaxCtas + 2;
-constexpr int kWords = kMaxCtas + 3;
+// The error word follows the channel in the same buffer (its own 16-byte line), so that a peer
+// that times out can raise it (ll::alarm_peer): the byte offset of the line in every buffer.
+size_t error_offset(const BufferShape& shape, size_t max_bytes, int world) {
+  return shape.bytes(world) + channel_bytes(max_bytes, world);
+}
+constexpr size_t kErrorLineBytes = 16;
+// Device words of this rank alone: the gather CTAs' call counters [kMaxCtas], then the
+// channel's uses and arrivals.
+constexpr int kChannelCalls = kMaxCtas, kChannelArrivals = kMaxCtas + 1;
+constexpr int kWords = kMaxCtas + 2;
 BufferShape buffer_shape(size_t max_bytes) {
   const size_t max_lines = cdiv(max_bytes, 8);
   BufferShape b;
@@ -354,7 +368,7 @@ class PeerCommunicator final : public Communicator {
     BufferShape shape;
     unsigned long long timeout_ns = 0;
     void* buffer = nullptr;     // own receive buffer
-    void* words = nullptr;      // kWords device words (counters, error, channel)
+    void* words = nullptr;      // kWords device words (counters, channel)
     std::vector<void*> peers;   // [world]: each rank's buffer as mapped here
     std::vector<void*> opened;  // IPC mappings to close
     // Some rank lives in another process. The same on every rank: with two processes or more,
@@ -369,7 +383,9 @@ class PeerCommunicator final : public Communicator {
       : bootstrap_(bootstrap), parts_(std::move(parts)) {
     auto* words = static_cast<uint32_t*>(parts_.words);
     base_.counters = words;
-    base_.error = reinterpret_cast<int32_t*>(words + kErrorWord);
+    const size_t error_at = error_offset(parts_.shape, parts_.max_bytes, parts_.world);
+    base_.error = reinterpret_cast<int32_t*>(static_cast<unsigned char*>(parts_.buffer) + error_at);
+    base_.error_at = error_at / sizeof(unsigned long long);
     const size_t channel_at = parts_.shape.bytes(parts_.world);
     for (int q = 0; q < parts_.world; ++q) {
       auto* buffer = static_cast<unsigned char*>(parts_.peers[static_cast<size_t>(q)]);
@@ -481,12 +497,16 @@ class PeerCommunicator final : public Communicator {
     int prev = 0;
     PEER_CUDA(cudaGetDevice(&prev));
     if (prev != parts_.device) PEER_CUDA(cudaSetDevice(parts_.device));
-    if (aligned) {
-      peer_all_gather_kernel<true><<<s.ctas, kThreads, 0, stream>>>(p);
-    } else {
-      peer_all_gather_kernel<false><<<s.ctas, kThreads, 0, stream>>>(p);
-    }
-    const cudaError_t launched = cudaGetLastError();
+    // cudaLaunchKernelEx returns this launch's own error; cudaGetLastError after <<<>>> would
+    // also return (and clear) one the caller left pending, and report a gather that ran as
+    // failed, so that its caller skipped the rest of a step its peers run.
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(s.ctas));
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = stream;
+    const cudaError_t launched = aligned
+                                     ? cudaLaunchKernelEx(&cfg, peer_all_gather_kernel<true>, p)
+                                     : cudaLaunchKernelEx(&cfg, peer_all_gather_kernel<false>, p);
     if (prev != parts_.device) cudaSetDevice(prev);
     return cuda_check(launched, "peer all_gather kernel launch");
   }
@@ -529,7 +549,7 @@ Status set_up_local(int device, size_t max_bytes, double timeout_seconds, PeerIn
   PEER_CUDA(cudaDeviceGetPCIBusId(info->bus_id, sizeof(info->bus_id), device));
   parts->shape = buffer_shape(max_bytes);
   const size_t buffer_bytes =
-      parts->shape.bytes(parts->world) + channel_bytes(max_bytes, parts->world);
+      error_offset(parts->shape, max_bytes, parts->world) + kErrorLineBytes;
   const size_t word_bytes = kWords * sizeof(uint32_t);
   PEER_CUDA(cudaMalloc(&parts->buffer, buffer_bytes));
   PEER_CUDA(cudaMalloc(&parts->words, word_bytes));

@@ -39,6 +39,20 @@ __device__ __forceinline__ void channel_clean(const DeviceChannel& c, uint32_t u
   }
 }
 
+// Rank q's error word as mapped on this GPU: the 16-byte line after its channel lines
+// (DeviceChannel::error is this rank's).
+__device__ __forceinline__ int32_t* channel_error(const DeviceChannel& c, int q) {
+  return reinterpret_cast<int32_t*>(c.buffers[q] + channel_slot(c, 2, 0));
+}
+
+// A waiter of this rank timed out: every peer's error word is raised too, so that a rank that
+// skipped a use (one use behind) does not take the lines of the last use as its own unaware.
+__device__ __forceinline__ void channel_alarm_peers(const DeviceChannel& c) {
+  for (int q = 0; q < c.world; ++q) {
+    if (q != c.rank) ll::alarm_peer(channel_error(c, q));
+  }
+}
+
 // Element j of source `src` of use `uses` from this rank's buffer, waiting for it (bounded by
 // the waiter); kPadKey once the waiter gave up.
 __device__ __forceinline__ Key channel_get(const DeviceChannel& c, uint32_t uses, int src,

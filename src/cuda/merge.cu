@@ -38,6 +38,7 @@ __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t us
     if (k != kPadKey) cand[found + __popc(real & ((1u << lane) - 1u))] = k;
     found += __popc(real);
   }
+  if (waiter.raised) channel_alarm_peers(p.channel);
   if (lane == 0 && (found & 1)) cand[found] = kPadKey;  // warp_rank_topk reads pairs
   __syncwarp();
   warp_rank_topk(cand, found, K, best, lane);

@@ -6,8 +6,11 @@
 // all_gather, and both interleaved), an NCCL bootstrap, and the failure paths: a peer that never
 // arrives (at a gather, or with its keys in the channel) raises the error word instead of
 // hanging, refused sizes and worlds; abandon_peer_communicator letting go of one rank alone while
-// its peer still stores into that rank's buffer.
-// Every test skips cleanly with fewer than 2 GPUs (the PeerExchangeLimits ones need no GPU).
+// its peer still stores into that rank's buffer. PeerOnOneGpu puts two ranks on one GPU: a
+// timeout raises every rank's error word (also that of a rank one gather behind), and a gather
+// reports its own launch's error only.
+// Every test skips cleanly with fewer than 2 GPUs (PeerOnOneGpu: 1; the PeerExchangeLimits ones
+// need no GPU).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -418,9 +421,11 @@ TEST_F(PeerExchange, MissingKeysInTheChannelRaiseTheErrorWordInsteadOfHanging) {
     EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
   });
   for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(result[r].is_ok()) << result[r].to_string();
-  int32_t word = 0;
-  ASSERT_TRUE(cpidx::read_peer_error_flag(*peers[0], &word).is_ok());
-  EXPECT_EQ(word & cpidx::kPeerErrorTimeout, cpidx::kPeerErrorTimeout);
+  for (int r = 0; r < kWorld; ++r) {  // rank 1's by rank 0's merge, through the peer mapping
+    int32_t word = 0;
+    ASSERT_TRUE(cpidx::read_peer_error_flag(*peers[static_cast<size_t>(r)], &word).is_ok());
+    EXPECT_EQ(word & cpidx::kPeerErrorTimeout, cpidx::kPeerErrorTimeout) << "rank " << r;
+  }
   EXPECT_LT(seconds, 5.0) << "the merge should give up after about one timeout";
   peers.clear();
 }
@@ -512,6 +517,173 @@ TEST_F(PeerExchange, RanksThatDisagreeFailTogether) {
              [&](int r) { peers[r] = cpidx::make_peer_communicator(*boot[r], r, 4096, &st[r]); });
   for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(st[r].is_ok()) << st[r].to_string();
   peers.clear();
+}
+
+// ---- Two ranks on one GPU ---------------------------------------------------------------------
+// Both ranks are threads of this process on GPU 0: the peer communicator takes ranks that share
+// a device (no peer access is needed), so these run wherever one GPU is.
+
+// fn(rank) on one thread per rank, GPU 0 current on each.
+void on_gpu0(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&fn, r] {
+      cudaSetDevice(0);
+      fn(r);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+class PeerOnOneGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
+    make(0.25);
+  }
+  // Both ranks' communicators on GPU 0, over a fresh thread bootstrap.
+  void make(double timeout_seconds) {
+    peers_.clear();
+    boot_ = cpidx::make_thread_communicators(kWorld);
+    peers_.resize(kWorld);
+    std::vector<Status> st(kWorld);
+    on_gpu0(kWorld, [&](int r) {
+      peers_[static_cast<size_t>(r)] =
+          cpidx::make_peer_communicator(*boot_[static_cast<size_t>(r)], 0, 64 << 10,
+                                        &st[static_cast<size_t>(r)], timeout_seconds);
+    });
+    for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
+  }
+  void TearDown() override {
+    peers_.clear();  // before their bootstrap
+    boot_.clear();
+  }
+  int32_t error_word(int r) {
+    int32_t word = -1;
+    EXPECT_TRUE(cpidx::read_peer_error_flag(*peers_[static_cast<size_t>(r)], &word).is_ok());
+    return word;
+  }
+  Comms boot_, peers_;
+};
+
+// Rank 0 gathers alone; rank 1 launches nothing. Rank 0's waiter times out and raises rank 1's
+// word as well as its own: every rank reading its own word learns of the failure.
+TEST_F(PeerOnOneGpu, ATimeoutRaisesEveryRanksErrorWord) {
+  DeviceScope scope(0);
+  DeviceVec<uint8_t> buf(2 * 4096);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(error_word(r), 0) << "rank " << r;
+  ASSERT_TRUE(peers_[0]->all_gather(buf.ptr, buf.ptr, 4096, stream).is_ok());
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(error_word(0), cpidx::kPeerErrorTimeout);
+  EXPECT_EQ(error_word(1), cpidx::kPeerErrorTimeout) << "rank 1, which never gathered";
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// Rank 0 skips the second of four gathers (as a rank that failed a step on its own would).
+// Rank 1 times out there; from then on rank 0 is one call behind, and its waits would find rank
+// 1's lines of the previous call with its own word clear. Rank 1's waiter raises rank 0's word,
+// so rank 0 sees the failure in its own word.
+TEST_F(PeerOnOneGpu, ARankThatSkippedAGatherLearnsOfIt) {
+  on_gpu0(kWorld, [&](int r) {
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    DeviceVec<uint64_t> send(1), recv(kWorld);
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t v = 1000u * static_cast<uint64_t>(r) + static_cast<uint64_t>(k);
+      ASSERT_EQ(cudaMemcpy(send.ptr, &v, sizeof(v), cudaMemcpyHostToDevice), cudaSuccess);
+      if (r != 0 || k != 1) {
+        ASSERT_TRUE(peers_[static_cast<size_t>(r)]->all_gather(send.ptr, recv.ptr, 8, stream)
+                        .is_ok());
+      }
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      if (k == 0) {  // in step: each rank has both payloads
+        std::vector<uint64_t> got(kWorld);
+        ASSERT_EQ(cudaMemcpy(got.data(), recv.ptr, sizeof(uint64_t) * kWorld,
+                             cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        EXPECT_EQ(got, (std::vector<uint64_t>{0, 1000})) << "rank " << r;
+      }
+      ASSERT_TRUE(boot_[static_cast<size_t>(r)]->barrier().is_ok());
+    }
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  });
+  EXPECT_EQ(error_word(1), cpidx::kPeerErrorTimeout) << "rank 1, which waited for call 1";
+  EXPECT_EQ(error_word(0), cpidx::kPeerErrorTimeout) << "rank 0, one call behind since";
+}
+
+// A CUDA error the caller left pending is neither reported by the gather (whose kernel ran) nor
+// taken from the caller: a gather reported failed after it ran would have its caller skip the
+// rest of a step its peers run.
+TEST_F(PeerOnOneGpu, AGatherReturnsItsOwnLaunchErrorOnly) {
+  std::vector<Status> result(kWorld);
+  std::vector<std::vector<uint64_t>> got(kWorld, std::vector<uint64_t>(kWorld));
+  cudaError_t pending = cudaSuccess;
+  on_gpu0(kWorld, [&](int r) {
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    DeviceVec<uint64_t> send(1), recv(kWorld);
+    const uint64_t v = 7u + static_cast<uint64_t>(r);
+    ASSERT_EQ(cudaMemcpy(send.ptr, &v, sizeof(v), cudaMemcpyHostToDevice), cudaSuccess);
+    if (r == 0) {  // an allocation that fails leaves its error pending in this thread
+      void* huge = nullptr;
+      ASSERT_EQ(cudaMalloc(&huge, size_t{1} << 52), cudaErrorMemoryAllocation);
+    }
+    result[r] = peers_[static_cast<size_t>(r)]->all_gather(send.ptr, recv.ptr, 8, stream);
+    if (r == 0) pending = cudaGetLastError();  // still the caller's to read
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got[r].data(), recv.ptr, sizeof(uint64_t) * kWorld,
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_TRUE(result[r].is_ok()) << "rank " << r << ": " << result[r].to_string();
+    EXPECT_EQ(got[r], (std::vector<uint64_t>{7, 8})) << "rank " << r;
+    EXPECT_EQ(error_word(r), 0) << "rank " << r;
+  }
+  EXPECT_EQ(pending, cudaErrorMemoryAllocation);
+}
+
+// Rank 1 joins the query gather of rank 0's step but never sends its keys: rank 0's merge gives
+// up and raises both ranks' words (the device channel's alarm). Rank 1 gathers only once rank 0
+// has made its Decoder (a barrier), with a 2 s bound, so that its own gather does not time out
+// while rank 0 is still setting up (it would raise its word itself).
+TEST_F(PeerOnOneGpu, MissingKeysInTheChannelRaiseEveryRanksErrorWord) {
+  make(2.0);
+  std::mt19937 rng(84);
+  DecodeData d = random_decode(5301, 2, 1, lengths(rng, 3, 20000, true), 20000);
+  const int64_t q_bytes = d.rows() * 1 * cpidx::kHeadDim * 2;  // one local head per rank
+  std::vector<Status> result(kWorld);
+  on_gpu0(kWorld, [&](int r) {
+    Communicator& comm = *peers_[static_cast<size_t>(r)];
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    if (r == 1) {  // the query gather alone
+      DeviceVec<uint8_t> q(static_cast<size_t>(kWorld * q_bytes));
+      EXPECT_TRUE(boot_[1]->barrier().is_ok());
+      result[r] = comm.all_gather(q.ptr + q_bytes, q.ptr, static_cast<size_t>(q_bytes), stream);
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    } else {
+      DeviceBatch b(d);
+      cpidx::DecodeConfig cfg = config_for(d, sel_of(16), kWorld, r);
+      cfg.check_agreement = false;  // rank 1 has no Decoder to agree with
+      std::unique_ptr<cpidx::Decoder> dec;
+      result[r] = cpidx::Decoder::create(cfg, 0, &dec);
+      EXPECT_TRUE(boot_[0]->barrier().is_ok());
+      if (result[r].is_ok()) {
+        DeviceVec<int32_t> ids(static_cast<size_t>(d.rows() * 16));
+        result[r] = dec->cp_decode(comm, b.inputs(0, 1),
+                                   cpidx::TopkOutput{ids.ptr, d.rows() * 16, 16}, nullptr, stream);
+        EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      }
+    }
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  });
+  for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(result[r].is_ok()) << result[r].to_string();
+  EXPECT_EQ(error_word(0), cpidx::kPeerErrorTimeout);
+  EXPECT_EQ(error_word(1), cpidx::kPeerErrorTimeout) << "rank 1, whose keys never came";
 }
 
 // No GPU needed: the world bound is checked before anything else (no collective is made).
