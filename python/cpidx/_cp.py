@@ -13,6 +13,7 @@ import datetime
 import inspect
 import itertools
 import os
+import threading
 import uuid
 import warnings
 import weakref
@@ -62,8 +63,14 @@ def _cdiv(a: int, b: int) -> int:
 
 def _resolve_device(device: Any) -> torch.device:
     """The device an instance runs on, one spelling each: ``"cuda"`` is the current CUDA device,
-    ``"cpu:0"`` the CPU (tensors there say ``"cpu"``)."""
-    d = torch.device(device)
+    ``"cpu:0"`` the CPU (tensors there say ``"cpu"``). Anything else is named as ``device``."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})") \
+            from e
+    if d.type not in ("cpu", "cuda"):  # meta, mps, xpu...: neither path runs there
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {str(d)!r}")
     if d.type == "cpu":
         return torch.device("cpu")
     if d.type == "cuda" and d.index is None:
@@ -157,7 +164,8 @@ class IndexerCPDecode:
 
     * ``"auto"`` with a ``torch.distributed`` ProcessGroup (or vLLM GroupCoordinator: its
       ``device_group`` / ``cpu_group`` are used) on CUDA: rank 0 makes an NCCL unique id,
-      ``broadcast_object_list`` hands it to the group and every rank joins the library's NCCL
+      one ``all_gather_object`` hands it to the group (with each rank's set-up verdict: a rank
+      whose Decoder cannot be made fails every rank there) and every rank joins the library's NCCL
       communicator; then, over it, the peer communicator (one-shot stores into CUDA-IPC-mapped
       buffers, about 2-3 us per gather against 6-9 for NCCL, and the key gather fused into the
       decode kernels), sized for the step's larger gather at ``max_tokens``
@@ -250,6 +258,11 @@ class IndexerCPDecode:
                  device: Any, head_dim: int = 128, cache_dtype: Any = "bf16",
                  max_query_len: int = 8, exchange: str = "auto",
                  check_agreement: Optional[bool] = None, host_group: Any = None) -> None:
+        # Steps in flight (on any thread) and whether close() has begun: close() refuses while a
+        # step runs, and a step refuses once close() has begun (both under the lock).
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._closing = False
         if total_heads < 1 or world_size < 1:
             raise ValueError(f"total_heads and world_size must be >= 1, got {total_heads} and "
                              f"{world_size}")
@@ -274,12 +287,15 @@ class IndexerCPDecode:
         for name, value in (("init_blocks", init_blocks), ("local_blocks", local_blocks)):
             if value < 0:  # else every step would refuse it (the CUDA Decoder refuses it here)
                 raise ValueError(f"{name}: expected >= 0, got {value}")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
+        if not 1 <= max_tokens <= 2**31 - 1:  # the library's Decoder takes an int
+            raise ValueError(f"max_tokens: expected 1 to 2^31-1, got {max_tokens}")
         if not 1 <= max_query_len <= MAX_QUERY_LEN:
             raise ValueError(f"max_query_len: expected 1 to {MAX_QUERY_LEN}, got {max_query_len}")
         if not 1 <= max_seq_len <= 2**31 - 1:
             raise ValueError(f"max_seq_len: expected 1 to 2^31-1, got {max_seq_len}")
+        if host_group is not None and not isinstance(host_group, dist.ProcessGroup):
+            raise TypeError(f"host_group: expected a torch.distributed ProcessGroup (gloo) or "
+                            f"None, got {type(host_group).__name__}")
         if host_group is not None and world_size > 1 and (
                 dist.get_world_size(host_group) != world_size or
                 dist.get_rank(host_group) != rank):
@@ -317,11 +333,16 @@ class IndexerCPDecode:
         self._host_errors = None if self._cuda else torch.zeros(1, dtype=torch.int32)
         if self._cuda:
             _refuse_during_capture("creating an IndexerCPDecode")
-            self._decoder = Decoder(
-                total_heads=total_heads, world_size=world_size, rank=rank, max_tokens=max_tokens,
-                max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
-                local_blocks=local_blocks, device=self.device.index, max_query_len=max_query_len,
-                cache_dtype=self.cache_dtype, head_dim=head_dim)
+        # This rank's part (the CUDA Decoder: an allocation that can fail on one rank alone).
+        # With peers, its failure is told to them in the construction's collective below, so
+        # that every rank raises instead of the others waiting there until the group's timeout.
+        local_failure: Optional[BaseException] = None
+        try:
+            self._decoder = self._make_decoder(head_dim)
+        except Exception as e:  # noqa: BLE001 - raised after the peers heard of it
+            if world_size == 1:
+                raise
+            local_failure = e
         self._comm = None  # a cpidx Communicator, when the library runs the exchange
         self._owned: list = []  # communicators this instance made, in closing order
         self._pg = None  # the torch ProcessGroup of the torch exchange
@@ -332,7 +353,8 @@ class IndexerCPDecode:
         self.peer_unavailable_reason: Optional[str] = None  # why "auto" did not get the peer
         if world_size > 1:
             self._setup_exchange(group, exchange, make_host=check_agreement is not False,
-                                 host_group=host_group, warn_unchecked=bool(check_agreement))
+                                 host_group=host_group, warn_unchecked=bool(check_agreement),
+                                 local_failure=local_failure)
         # What the steps agree on (close() agrees whenever there is a host group).
         self.check_agreement: Optional[str] = None
         if self._host is not None and check_agreement is not False:
@@ -342,9 +364,21 @@ class IndexerCPDecode:
         _BY_HANDLE[self.handle] = self
 
     # ---- construction helpers -------------------------------------------------------------
+    def _make_decoder(self, head_dim: int) -> Any:
+        """This rank's CUDA Decoder (None on the CPU, where steps run on the reference)."""
+        if not self._cuda:
+            return None
+        return Decoder(total_heads=self.total_heads, world_size=self.world_size, rank=self.rank,
+                       max_tokens=self.max_tokens, max_seq_len=self.max_seq_len, topk=self.topk,
+                       init_blocks=self.init_blocks, local_blocks=self.local_blocks,
+                       device=self.device.index, max_query_len=self.max_query_len,
+                       cache_dtype=self.cache_dtype, head_dim=head_dim)
+
     def _setup_exchange(self, group: Any, exchange: str, make_host: bool, host_group: Any,
-                        warn_unchecked: bool) -> None:
+                        warn_unchecked: bool, local_failure: Optional[BaseException]) -> None:
         if isinstance(group, _C.Communicator):
+            if local_failure is not None:  # no torch group to tell the peers through
+                raise local_failure
             if (group.rank, group.world_size) != (self.rank, self.world_size):
                 raise ValueError(f"group: communicator is rank {group.rank} of "
                                  f"{group.world_size}, expected rank {self.rank} of "
@@ -364,6 +398,10 @@ class IndexerCPDecode:
                              f"ProcessGroup or a cpidx Communicator is needed, got None")
         device_group = getattr(group, "device_group", group)  # vLLM GroupCoordinator or a PG
         cpu_group = getattr(group, "cpu_group", None)
+        if not isinstance(device_group, dist.ProcessGroup):
+            raise TypeError(f"group: expected a torch.distributed ProcessGroup, a vLLM "
+                            f"GroupCoordinator or a cpidx Communicator, got "
+                            f"{type(group).__name__}")
         if dist.get_world_size(device_group) != self.world_size or \
                 dist.get_rank(device_group) != self.rank:
             raise ValueError(f"group: rank {dist.get_rank(device_group)} of "
@@ -377,22 +415,21 @@ class IndexerCPDecode:
             raise ValueError(f"exchange: 'peer' needs a cpidx build with the peer and NCCL "
                              f"communicators (cpidx.has_peer is {_C.has_peer}, cpidx.has_nccl "
                              f"is {_C.has_nccl})")
-        # One broadcast from rank 0 carries what the ranks must share: the NCCL unique id, and
-        # the name of the host group this instance makes when the group brings none.
+        # One all_gather carries what the ranks must share, from rank 0: the NCCL unique id, and
+        # the name of the host group this instance makes when the group brings none; and each
+        # rank's own set-up verdict.
         self._host = host_group if host_group is not None else _host_group_of(group)
         make_host = make_host and self._host is None
         if library:
             # NVLS off on every rank before anything below can create an NCCL communicator (the
-            # broadcast over an NCCL group creates torch's): NCCL reads the setting once per
+            # all_gather over an NCCL group creates torch's): NCCL reads the setting once per
             # process. Another value set by the user stays, and the library's NCCL factories
             # refuse it.
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        uid, token = None, None
-        if library or make_host:
-            uid, token = self._broadcast_from_rank0(
-                cpu_group if cpu_group is not None else device_group,
-                lambda: (_C.nccl_unique_id() if library else None,
-                         _host_token() if make_host else None))
+        uid, token = self._share_from_rank0(
+            cpu_group if cpu_group is not None else device_group,
+            lambda: (_C.nccl_unique_id() if library else None,
+                     _host_token() if make_host else None), local_failure)
         if make_host:
             self._host = _make_host_group(device_group, token)
         self._warn_if_unchecked(warn_unchecked, group)
@@ -416,32 +453,39 @@ class IndexerCPDecode:
                           f"host (gloo) group to agree through: steps are not checked",
                           stacklevel=4)  # the caller of IndexerCPDecode(...)
 
-    def _broadcast_from_rank0(self, group: Any, make: Any) -> Any:
-        """``make()`` on rank 0 of ``group``, handed to every rank (one broadcast). When it raises
-        there (``ncclGetUniqueId`` without a usable network interface, say), rank 0 broadcasts
-        that instead and every rank raises, rather than the others waiting in the broadcast
-        until the group's timeout: rank 0 its own error, the others a RuntimeError naming it."""
-        failed: Optional[BaseException] = None
-        box: list = [None]
-        if self.rank == 0:
+    def _share_from_rank0(self, group: Any, make: Any,
+                          local_failure: Optional[BaseException]) -> Any:
+        """``make()`` on rank 0 of ``group``, handed to every rank, with every rank's own
+        set-up verdict (``local_failure``: its Decoder could not be made): one all_gather of
+        small objects, made on every rank whatever its verdict. When ``make()`` raises on rank
+        0 (``ncclGetUniqueId`` without a usable network interface, say) or a rank could not set
+        up, every rank raises, rather than the others waiting in a collective until the group's
+        timeout: the failing rank its own error, the others a RuntimeError naming it."""
+        failed = local_failure
+        mine: tuple = ("ok", None)
+        if failed is not None:
+            mine = ("set-up", f"{type(failed).__name__}: {failed}")
+        elif self.rank == 0:
             try:
-                box = [("made", make())]
+                mine = ("made", make())
             except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
                 failed = e
-                box = [("failed", f"{type(e).__name__}: {e}")]
-        kwargs = {}
-        if "nccl" in str(dist.get_backend(group)).lower():
-            kwargs["device"] = self.device
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
-                                   **kwargs)
+                mine = ("failed", f"{type(e).__name__}: {e}")
+        boxes: list = [None] * self.world_size
+        nccl = "nccl" in str(dist.get_backend(group)).lower()
+        with torch.cuda.device(self.device) if nccl and self._cuda else contextlib.nullcontext():
+            dist.all_gather_object(boxes, mine, group=group)  # NCCL: on the current device
         if failed is not None:
             raise failed
-        verdict, value = box[0]
-        if verdict == "failed":
-            raise RuntimeError(f"group: rank 0 could not make what it hands the "
-                               f"{self.world_size} ranks (the NCCL unique id, the host group's "
-                               f"name), so this rank cannot join: {value}")
-        return value
+        for q, (verdict, value) in enumerate(boxes):
+            if verdict == "failed":
+                raise RuntimeError(f"group: rank 0 could not make what it hands the "
+                                   f"{self.world_size} ranks (the NCCL unique id, the host "
+                                   f"group's name), so this rank cannot join: {value}")
+            if verdict == "set-up":
+                raise RuntimeError(f"group: rank {q} could not set up its part of the "
+                                   f"instance, so no rank makes one: {value}")
+        return boxes[0][1]
 
     def _setup_peer(self, nccl: Any, required: bool) -> None:
         """The peer communicator over the NCCL one. Its factory fails on every rank together,
@@ -488,7 +532,24 @@ class IndexerCPDecode:
         this step ORs its ``cpidx.ERR_*`` bits (as ``error_flag()`` would get them: this rank's
         clamped values), stream-ordered and capturable; the instance's own flag is then left
         untouched (a flag per layer, say, with no clear and no copy between steps)."""
-        self._check_open()
+        with self._lock:  # close() refuses while a step runs, and a step after close() began
+            self._check_open()
+            self._in_flight += 1
+        try:
+            return self._call(local_q, kv_cache, block_table, seq_lens, query_len, out, scale,
+                              attention_block_table, sparse_block_table_out,
+                              sparse_context_lens_out, block_page_stride, error_flag)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _call(self, local_q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+              seq_lens: torch.Tensor, query_len: int, out: torch.Tensor, scale: float,
+              attention_block_table: Optional[torch.Tensor],
+              sparse_block_table_out: Optional[torch.Tensor],
+              sparse_context_lens_out: Optional[torch.Tensor], block_page_stride: Optional[int],
+              error_flag: Optional[torch.Tensor]) -> torch.Tensor:
+        """The step of ``__call__``, counted in flight."""
         table = dict(attention_block_table=attention_block_table,
                      sparse_block_table_out=sparse_block_table_out,
                      sparse_context_lens_out=sparse_context_lens_out,
@@ -581,14 +642,18 @@ class IndexerCPDecode:
                 raise ValueError(f"local_q: expected a tensor on {self.device} (the instance's "
                                  f"device), got one on {local_q.device}")
             _check_error_flag(error_flag, local_q)
-            n = int(local_q.shape[0])
-            if n > self.max_tokens:
-                raise ValueError(f"local_q: {n} rows exceed max_tokens {self.max_tokens}")
-            if n == 0:
-                return 0, None
             if local_q.dim() != 3 or local_q.shape[1] != self.local_heads:
                 raise ValueError(f"local_q: expected shape [n, {self.local_heads}, 128] (this "
                                  f"rank's heads), got {list(local_q.shape)}")
+            n = int(local_q.shape[0])
+            if n > self.max_tokens:
+                raise ValueError(f"local_q: {n} rows exceed max_tokens {self.max_tokens}")
+            for name, t in (("kv_cache", kv_cache), ("block_table", block_table),
+                            ("seq_lens", seq_lens), ("out", out)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+            if n == 0:
+                return 0, None
             if not self._cuda:  # the flag is ORed here after the step: the library never sees it
                 _check_host_arrays((), error_flag, local_q=local_q, kv_cache=kv_cache,
                                    block_table=block_table, seq_lens=seq_lens, out=out, **table)
@@ -725,19 +790,43 @@ class IndexerCPDecode:
         the CUDA graphs that captured its steps first: with the NCCL exchange it raises while
         one lives, and can be called again once they are gone (see the class docstring). With a
         host group the ranks agree first: when one cannot close, every rank raises and none
-        closes anything."""
+        closes anything. A step in flight on another thread makes it raise (with a host group,
+        on every rank), closing nothing; from the moment it goes ahead, steps raise."""
         if self._closed:
             return
         if self._closes_collectively():
             try:
-                self._agree_to_close()
+                self._agree_to_close()  # claims the close when it goes ahead
             except HostGroupError:
                 self._let_go_without_agreement()
                 return
-        while self._owned:
-            self._owned[0].close()  # raises before anything is dropped if it cannot close yet
-            self._owned.pop(0)
+        else:
+            why = self._claim_close()
+            if why is not None:
+                raise RuntimeError(f"{self!r}.close(): {why}; nothing was closed: call close() "
+                                   f"again once it returned")
+        try:
+            while self._owned:
+                self._owned[0].close()  # raises before anything is dropped if it cannot close
+                self._owned.pop(0)
+        except BaseException:
+            self._unclaim_close()  # still open: its steps may run again
+            raise
         self._drop()
+
+    def _claim_close(self) -> Optional[str]:
+        """Why close() cannot go ahead on this rank's side now (a step in flight on another
+        thread), or None, after which steps raise as on a closed instance (atomically with the
+        check: a step starting meanwhile is either counted here or refused)."""
+        with self._lock:
+            if self._in_flight:
+                return f"{self._in_flight} step(s) in flight on another thread"
+            self._closing = True
+            return None
+
+    def _unclaim_close(self) -> None:
+        with self._lock:
+            self._closing = False
 
     def _agree_to_close(self) -> None:
         """Raises (closing nothing) when this rank cannot close now: a CUDA graph is being
@@ -748,18 +837,26 @@ class IndexerCPDecode:
         key say, would find them out of step) and none is left waiting in it."""
         blocker = _capture_refusal(f"{self!r}.close() (collective: it closes its communicators)")
         if self._host is None:  # alone: the communicators' close() raises their own reasons
+            if blocker is None:
+                why = self._claim_close()
+                blocker = None if why is None else f"{self!r}.close(): {why}"
             if blocker is not None:
                 raise RuntimeError(blocker)
             return
         if blocker is None:
-            why = self._local_close_blocker()
+            why = self._local_close_blocker() or self._claim_close()
             blocker = None if why is None else f"{self!r}.close(): {why}"
         any_blocked = torch.tensor([0 if blocker is None else 1], dtype=torch.int64)
-        self._host_all_reduce(any_blocked, "close()'s agreement")
+        try:
+            self._host_all_reduce(any_blocked, "close()'s agreement")
+        except HostGroupError:
+            self._unclaim_close()
+            raise
         if blocker is not None:
             raise RuntimeError(f"{blocker}; nothing was closed, on any rank: call close() again "
                                f"on every rank")
         if int(any_blocked):
+            self._unclaim_close()
             raise RuntimeError(f"{self!r}.close(): another rank cannot close yet (it raised the "
                                f"reason); nothing was closed, on any rank: call close() again on "
                                f"every rank")
@@ -768,6 +865,9 @@ class IndexerCPDecode:
         """Why this rank's communicators cannot close now (a live CUDA graph holds an NCCL
         gather, a call is in flight on another thread), asked without closing; None if they
         can. An error asking is a reason too."""
+        with self._lock:
+            if self._in_flight:
+                return f"{self._in_flight} step(s) in flight on another thread"
         try:
             why = (c._close_blocker(ignore_dependents=True) for c in self._owned)
             return next((w for w in why if w), None)
@@ -849,8 +949,9 @@ class IndexerCPDecode:
         return _current_stream(self.device) if self._cuda else 0
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
+        if self._closed or self.__dict__.get("_closing"):
+            raise RuntimeError(f"{self!r} is closed" if self._closed else
+                               f"{self!r} is closing (close() was called on another thread)")
 
     def __repr__(self) -> str:
         get = self.__dict__.get  # also for an instance whose construction failed part-way

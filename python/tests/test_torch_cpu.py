@@ -558,6 +558,85 @@ def test_a_cpu_instance_refuses_an_error_flag_on_its_arguments():
     assert torch.equal(got, want)
 
 
+def test_close_refuses_while_a_step_is_in_flight_and_a_step_after_close_began():
+    # A shutdown path calling close() (registry.clear(), say) while another thread runs a step:
+    # dropping the buffers and communicators under it left the step failing half-way (and, with
+    # the torch exchange, its peers waiting in a collective). close() now raises, closing
+    # nothing, and goes through once the step returned.
+    import threading
+    b, (q, k, bt, sl), cp, want = _one_rank_step(14)
+    entered, release = threading.Event(), threading.Event()
+    step = cp._step
+
+    def held_step(*args, **kwargs):
+        entered.set()
+        assert release.wait(10)
+        return step(*args, **kwargs)
+
+    cp._step = held_step
+    got, errors = torch.full_like(want, 77), []
+
+    def run():
+        try:
+            cp(q, k, bt, sl, 2, got, scale=b.scale)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert entered.wait(10)
+    with pytest.raises(RuntimeError, match=r"close\(\): 1 step\(s\) in flight on another thread; "
+                                           r"nothing was closed"):
+        cp.close()
+    assert not cp.closed
+    release.set()
+    t.join()
+    assert not errors and torch.equal(got, want)
+    # Once close() has begun (claimed), a step raises before it touches anything.
+    assert cp._claim_close() is None
+    with pytest.raises(RuntimeError, match="is closing"):
+        cp(q, k, bt, sl, 2, torch.full_like(want, 77), scale=b.scale)
+    cp._unclaim_close()
+    cp(q, k, bt, sl, 2, got, scale=b.scale)
+    cp.close()
+    assert cp.closed and cp._in_flight == 0
+    with pytest.raises(RuntimeError, match="is closed"):
+        cp(q, k, bt, sl, 2, got, scale=b.scale)
+
+
+def test_cp_decode_names_bad_constructor_and_step_arguments():
+    kw = dict(total_heads=2, rank=0, world_size=1, max_tokens=16, max_seq_len=1536, topk=6,
+              init_blocks=1, local_blocks=1, group=None, device="cpu")
+    for change, exc, pattern in (
+            (dict(device="meta"), ValueError, r"^device: expected 'cpu', 'cuda' or 'cuda:N', "
+                                              r"got 'meta'$"),
+            (dict(device="bogus"), ValueError, r"^device: expected 'cpu', 'cuda' or 'cuda:N', "
+                                               r"got 'bogus'"),
+            (dict(max_tokens=2**31), ValueError, r"^max_tokens: expected 1 to 2\^31-1, got "),
+            (dict(max_tokens=0), ValueError, r"^max_tokens: expected 1 to 2\^31-1, got 0$"),
+            (dict(host_group=5), TypeError, r"^host_group: expected a torch.distributed "
+                                            r"ProcessGroup \(gloo\) or None, got int$"),
+            (dict(world_size=2, group=5), TypeError, r"^group: expected a torch.distributed "
+                                                     r"ProcessGroup, a vLLM GroupCoordinator or a "
+                                                     r"cpidx Communicator, got int$")):
+        with pytest.raises(exc, match=pattern):
+            cpidx.IndexerCPDecode(**dict(kw, **change))
+    b, (q, k, bt, sl), cp, want = _one_rank_step(15)
+    got = torch.full_like(want, 77)
+    for args, exc, pattern in (
+            ((q[0, 0, 0], k, bt, sl), ValueError, r"^local_q: expected shape \[n, 2, 128\] "
+                                                  r"\(this rank's heads\), got \[\]$"),
+            ((q, None, bt, sl), TypeError, "^kv_cache: expected a torch tensor, got NoneType$"),
+            ((q, k, bt.numpy(), sl), TypeError,
+             "^block_table: expected a torch tensor, got ndarray$"),
+            ((q, k, bt, [1, 2]), TypeError, "^seq_lens: expected a torch tensor, got list$")):
+        with pytest.raises(exc, match=pattern):
+            cp(*args, 2, got, scale=b.scale)
+    with pytest.raises(TypeError, match="^out: expected a torch tensor, got NoneType$"):
+        cp(q, k, bt, sl, 2, None, scale=b.scale)
+    assert (got == 77).all()
+
+
 def test_cp_decode_op_is_the_instances_step_eager_compiled_and_checked():
     b, (q, k, bt, sl), cp, want = _one_rank_step(9)
     got = _cp_op(cp, q, k, bt, sl, 2, torch.full_like(want, 77), b.scale)
@@ -998,6 +1077,62 @@ def test_rank0_failing_before_its_broadcast_fails_every_rank_at_once():
     for r in (r0, r1):
         assert r["seconds"] < 5, r  # not the group's 10 s timeout
         assert r["then"] == "every step", r
+
+
+def _rank1_cannot_set_up_rank(rank, world, port, results):
+    """Rank 1 cannot make its part (on CUDA its Decoder: an allocation that fails on one rank
+    alone; here the same method made to raise): every rank raises at once, rank 1 its own error
+    and rank 0 one naming rank 1, not rank 0 left in the construction's collective until the
+    group's timeout (10 s here). With a host group given (no collective needed otherwise) and
+    without. Then the ranks are still in step: an instance is made and runs a step."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    import cpidx._cp as cp_module
+
+    seen = {}
+    with process_group(rank, world, port, "gloo", timeout=datetime.timedelta(seconds=10)):
+        make = cp_module.IndexerCPDecode._make_decoder
+
+        def cannot_make(self, head_dim):
+            raise RuntimeError("cudaMalloc: out of memory")
+
+        kw = dict(total_heads=2, rank=rank, world_size=world, max_tokens=8, max_seq_len=1024,
+                  topk=4, init_blocks=0, local_blocks=1, group=dist.group.WORLD, device="cpu")
+        for how, extra in (("default", {}), ("host group", dict(host_group=dist.group.WORLD))):
+            if rank == 1:
+                cp_module.IndexerCPDecode._make_decoder = cannot_make
+            start = time.monotonic()
+            try:
+                cpidx.IndexerCPDecode(**kw, **extra)
+                seen[how] = None
+            except RuntimeError as e:
+                seen[how] = str(e)
+            seen[how + " seconds"] = time.monotonic() - start
+            cp_module.IndexerCPDecode._make_decoder = make
+        b = random_decode(np.random.default_rng(42), 2, 1, [700, 129], max_seq_len=1024)
+        q, k, bt, sl = as_torch(b)
+        cp = cpidx.IndexerCPDecode(**kw)
+        out = torch.zeros((1, 2, 4), dtype=torch.int32)
+        cp(q[:, cp.head_offset: cp.head_offset + 1].contiguous(), k, bt, sl, 1, out,
+           scale=b.scale)
+        seen["then"] = cp.closed
+        cp.close()
+        results[rank] = seen
+
+
+def test_a_rank_that_cannot_set_up_fails_every_rank_at_once():
+    results = run_ranks(_rank1_cannot_set_up_rank)
+    r0, r1 = results[0], results[1]
+    for how in ("default", "host group"):
+        assert r1[how] == "cudaMalloc: out of memory", r1
+        assert r0[how] == ("group: rank 1 could not set up its part of the instance, so no rank "
+                           "makes one: RuntimeError: cudaMalloc: out of memory"), r0
+        for r in (r0, r1):
+            assert r[how + " seconds"] < 5, r  # not the group's 10 s timeout
+    assert r0["then"] is False and r1["then"] is False
 
 
 def _unchecked_warning_rank(rank, world, port, results):
