@@ -95,6 +95,10 @@ Status abandon_peer_communicator(std::unique_ptr<Communicator>* comm);
 //    gathers in one stream order (one stream, or streams joined by events), as with NCCL.
 //    A rank may run at most one gather ahead of a peer: the kernel enforces it by waiting.
 //  - check_agree() and barrier() forward to the bootstrap communicator.
+//  - Ranks that share one GPU are accepted (the library's one-GPU tests put two ranks there),
+//    but they share its SMs: one rank's cp_decode launches its scoring grid early, behind its
+//    query gather, and that grid can hold every SM while the gather waits for the other rank's,
+//    which then finds no SM until the timeout. Give each rank its own GPU, as NCCL requires.
 //  - device_channel() (cpidx/device_channel.h) is a second set of peer-mapped lines of the same
 //    capacity, which cp_decode writes from its selection kernel and polls from its merge kernel:
 //    the key gather costs no kernel of its own (DecodeConfig::fused_exchange). Its timeouts

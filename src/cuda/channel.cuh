@@ -42,7 +42,9 @@ __device__ __forceinline__ void channel_clean(const DeviceChannel& c, uint32_t u
 // Rank q's error word as mapped on this GPU: the 16-byte line after its channel lines
 // (DeviceChannel::error is this rank's).
 __device__ __forceinline__ int32_t* channel_error(const DeviceChannel& c, int q) {
-  return reinterpret_cast<int32_t*>(c.buffers[q] + channel_slot(c, 2, 0));
+  // Past both parities' slots: [2][world][capacity] lines of two u64 each.
+  return reinterpret_cast<int32_t*>(c.buffers[q] +
+                                    size_t{2} * c.world * static_cast<size_t>(c.capacity) * 2);
 }
 
 // A waiter of this rank timed out: every peer's error word is raised too, so that a rank that

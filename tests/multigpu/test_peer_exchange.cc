@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <future>
 #include <random>
@@ -521,7 +522,13 @@ TEST_F(PeerExchange, RanksThatDisagreeFailTogether) {
 
 // ---- Two ranks on one GPU ---------------------------------------------------------------------
 // Both ranks are threads of this process on GPU 0: the peer communicator takes ranks that share
-// a device (no peer access is needed), so these run wherever one GPU is.
+// a device (no peer access is needed), so these run wherever one GPU is. They share one CUDA
+// context: a host call that waits for the device (a Decoder's creation synchronises it) waits
+// out the other rank's spinning gather, and a scoring grid launched early can hold every SM
+// that gather needs, so each test orders its ranks' launches. As a precaution against the same
+// with kernels loaded lazily at their first launch (CUDA's default), this binary loads its
+// modules eagerly, set before the CUDA runtime starts (a value the caller set stays).
+const bool kEagerModuleLoading = setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0;
 
 // fn(rank) on one thread per rank, GPU 0 current on each.
 void on_gpu0(int world, const std::function<void(int)>& fn) {
@@ -539,6 +546,7 @@ class PeerOnOneGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
+    ASSERT_TRUE(kEagerModuleLoading);
     make(0.25);
   }
   // Both ranks' communicators on GPU 0, over a fresh thread bootstrap.
@@ -647,9 +655,10 @@ TEST_F(PeerOnOneGpu, AGatherReturnsItsOwnLaunchErrorOnly) {
 }
 
 // Rank 1 joins the query gather of rank 0's step but never sends its keys: rank 0's merge gives
-// up and raises both ranks' words (the device channel's alarm). Rank 1 gathers only once rank 0
-// has made its Decoder (a barrier), with a 2 s bound, so that its own gather does not time out
-// while rank 0 is still setting up (it would raise its word itself).
+// up and raises both ranks' words (the device channel's alarm). On a shared GPU rank 1's gather
+// must be resident before rank 0's step is enqueued: rank 0's scoring grid, launched early
+// behind its gather, can take every SM, and rank 1's gather would then find none until rank
+// 0's gather timed out (which raised rank 1's word before its gather, measured on the H100).
 TEST_F(PeerOnOneGpu, MissingKeysInTheChannelRaiseEveryRanksErrorWord) {
   make(2.0);
   std::mt19937 rng(84);
@@ -660,24 +669,31 @@ TEST_F(PeerOnOneGpu, MissingKeysInTheChannelRaiseEveryRanksErrorWord) {
     Communicator& comm = *peers_[static_cast<size_t>(r)];
     cudaStream_t stream = nullptr;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    if (r == 1) {  // the query gather alone
+    // Barrier 1: everything made (a Decoder's creation synchronises the device, so it must not
+    // wait out rank 1's gather); barrier 2: rank 1's gather launched.
+    if (r == 1) {  // the query gather alone, launched first
       DeviceVec<uint8_t> q(static_cast<size_t>(kWorld * q_bytes));
       EXPECT_TRUE(boot_[1]->barrier().is_ok());
       result[r] = comm.all_gather(q.ptr + q_bytes, q.ptr, static_cast<size_t>(q_bytes), stream);
+      EXPECT_TRUE(boot_[1]->barrier().is_ok());
       EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      // Its gather met rank 0's (no timeout of its own): its word is raised later, by rank 0.
+      EXPECT_EQ(error_word(1), 0) << "rank 1 right after its gather";
     } else {
       DeviceBatch b(d);
       cpidx::DecodeConfig cfg = config_for(d, sel_of(16), kWorld, r);
       cfg.check_agreement = false;  // rank 1 has no Decoder to agree with
       std::unique_ptr<cpidx::Decoder> dec;
+      DeviceVec<int32_t> ids(static_cast<size_t>(d.rows() * 16));
       result[r] = cpidx::Decoder::create(cfg, 0, &dec);
       EXPECT_TRUE(boot_[0]->barrier().is_ok());
+      EXPECT_TRUE(boot_[0]->barrier().is_ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 1's gather resident
       if (result[r].is_ok()) {
-        DeviceVec<int32_t> ids(static_cast<size_t>(d.rows() * 16));
         result[r] = dec->cp_decode(comm, b.inputs(0, 1),
                                    cpidx::TopkOutput{ids.ptr, d.rows() * 16, 16}, nullptr, stream);
-        EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       }
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     }
     EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
   });
