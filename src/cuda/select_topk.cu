@@ -393,6 +393,11 @@ __global__ void __launch_bounds__(kThreads, kThreads == kDeep ? 1 : 1024 / kThre
   CPIDX_SELECT_CLOCK(threadIdx.x == 0, kSWaitedClock);
   // Fused exchange: the channel's use count is read before merge_topk may launch (it counts the
   // use once every reader arrived).
+  // NOTE: the trigger is no fence, so in the PTX model the load could return after merge_topk
+  // launched, every CTA of it arrived and the last one counted the use (microseconds of launch
+  // and arrival against one L2 load). A count read one too high writes the next use's epoch and
+  // parity: the merge then waits for lines that never come and times out, raising every rank's
+  // error word: a failure reported, never ids taken from the wrong use.
   const bool channel = p.channel.world > 0;
   const uint32_t uses = channel ? channel_uses(p.channel) : 0;
   pdl_launch_dependents();
