@@ -1024,10 +1024,21 @@ def test_made_host_group_fails_within_its_timeout_when_a_rank_never_joins():
     assert 1.5 < seconds < 30, seconds  # its 2 s timeout, not another failure
 
 
+def _make_and_step(kw, seed):
+    """An instance of ``IndexerCPDecode(**kw)`` (one head a rank of two) and one step of a
+    two-request batch through it: after a failed construction, the ranks are still in step."""
+    b = random_decode(np.random.default_rng(seed), 2, 1, [700, 129], max_seq_len=1024)
+    q, k, bt, sl = as_torch(b)
+    cp = cpidx.IndexerCPDecode(**kw)
+    out = torch.zeros((1, 2, 4), dtype=torch.int32)
+    cp(q[:, cp.head_offset: cp.head_offset + 1].contiguous(), k, bt, sl, 1, out, scale=b.scale)
+    return cp
+
+
 def _rank0_cannot_make_rank(rank, world, port, results):
-    """Rank 0 fails to make what its broadcast hands the ranks (here the host group's name; on
-    CUDA the NCCL unique id, from the same call): every rank raises at once, not only rank 0 with
-    the others left in the broadcast until the group's timeout (10 s here). Then the ranks are
+    """Rank 0 fails to make what the construction's all_gather hands the ranks (here the host
+    group's name; on CUDA the NCCL unique id, from the same call): every rank raises at once, not
+    only rank 0 with the others left in the collective until the group's timeout (10 s here). Then the ranks are
     still in step: a new instance is made and agrees on a step."""
     import datetime
     import time
@@ -1057,18 +1068,13 @@ def _rank0_cannot_make_rank(rank, world, port, results):
             seen["made"] = str(e)
         seen["seconds"] = time.monotonic() - start
         cp_module._host_token = made
-        b = random_decode(np.random.default_rng(41), 2, 1, [700, 129], max_seq_len=1024)
-        q, k, bt, sl = as_torch(b)
-        cp = cpidx.IndexerCPDecode(**kw)
-        out = torch.zeros((1, 2, 4), dtype=torch.int32)
-        cp(q[:, cp.head_offset: cp.head_offset + 1].contiguous(), k, bt, sl, 1, out,
-           scale=b.scale)
+        cp = _make_and_step(kw, 41)
         seen["then"] = cp.check_agreement
         cp.close()
         results[rank] = seen
 
 
-def test_rank0_failing_before_its_broadcast_fails_every_rank_at_once():
+def test_rank0_failing_to_make_what_it_hands_the_ranks_fails_every_rank_at_once():
     results = run_ranks(_rank0_cannot_make_rank)
     r0, r1 = results[0], results[1]
     assert r0["made"] == "ncclGetUniqueId: Bootstrap : no socket interface found", r0
@@ -1112,12 +1118,7 @@ def _rank1_cannot_set_up_rank(rank, world, port, results):
                 seen[how] = str(e)
             seen[how + " seconds"] = time.monotonic() - start
             cp_module.IndexerCPDecode._make_decoder = make
-        b = random_decode(np.random.default_rng(42), 2, 1, [700, 129], max_seq_len=1024)
-        q, k, bt, sl = as_torch(b)
-        cp = cpidx.IndexerCPDecode(**kw)
-        out = torch.zeros((1, 2, 4), dtype=torch.int32)
-        cp(q[:, cp.head_offset: cp.head_offset + 1].contiguous(), k, bt, sl, 1, out,
-           scale=b.scale)
+        cp = _make_and_step(kw, 42)
         seen["then"] = cp.closed
         cp.close()
         results[rank] = seen
