@@ -217,8 +217,9 @@ class IndexerCPDecode:
     an NCCL-only group ``check_agreement=False`` makes none, so ``close()`` does not agree.
 
     A peer exchange never hangs: a rank whose peer stops sending gives up after the
-    communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in its error bits;
-    read them with ``exchange_error_flag()`` after a batch of steps (a blocking read).
+    communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in every rank's error
+    bits (its own and its peers', through the peer mappings); read them with
+    ``exchange_error_flag()`` after a batch of steps (a blocking read).
 
     Teardown: ``close()`` is collective: every rank calls it, in the same order for all of its
     instances. It closes the peer communicator (which waits for every rank before freeing its
@@ -763,8 +764,8 @@ class IndexerCPDecode:
 
     def exchange_error_flag(self) -> Optional[int]:
         """The peer exchange's error bits since the last clear: 0 when fine,
-        ``cpidx.PEER_ERROR_TIMEOUT`` when this rank gave up waiting for a peer (after the
-        communicator's timeout: its steps since then have undefined results, and every rank's
+        ``cpidx.PEER_ERROR_TIMEOUT`` when this rank or a peer gave up waiting (after the
+        communicator's timeout: the steps since then have undefined results, and every rank's
         instance must be recreated). None for the NCCL and torch exchanges and at
         ``world_size == 1``. A blocking device read: call it after synchronising the stream that
         ran the steps (after a batch of graph replays, say), never inside a capture."""
