@@ -398,8 +398,10 @@ class Registry:
         world_size > 1: every rank calls it, having created its instances in the same order.
         The instances whose close() is collective are closed first, in that order, each tried
         after one raised too (the ranks stay in step); only once they all closed are the others
-        closed (no collective) and the decoders and prefillers dropped. So when a rank cannot
-        close (every rank then raises, having agreed on it), no rank drops more than the others:
+        closed (those with a host group agree through it first, so that a step in flight on one
+        rank keeps the instance on every rank) and the decoders and prefillers dropped. So when
+        a rank cannot close (every rank then raises, having agreed on it), no rank drops more
+        than the others:
         the first error is raised after all were tried, and an instance that could not close
         stays in the registry (open, and returned by the next ``cp_decode`` of its key), so a
         later ``clear()`` tries it again."""

@@ -792,14 +792,19 @@ class IndexerCPDecode:
         one lives, and can be called again once they are gone (see the class docstring). With a
         host group the ranks agree first: when one cannot close, every rank raises and none
         closes anything. A step in flight on another thread makes it raise (with a host group,
-        on every rank), closing nothing; from the moment it goes ahead, steps raise."""
+        on every rank, the instances of the torch exchange too), closing nothing, as does a
+        close() under way on another thread; from the moment it goes ahead, steps raise."""
         if self._closed:
             return
-        if self._closes_collectively():
+        if self._agrees_to_close():
             try:
                 self._agree_to_close()  # claims the close when it goes ahead
             except HostGroupError:
-                self._let_go_without_agreement()
+                try:  # still claimed: no step starts on what is let go
+                    self._let_go_without_agreement()
+                except BaseException:
+                    self._unclaim_close()
+                    raise
                 return
         else:
             why = self._claim_close()
@@ -820,6 +825,8 @@ class IndexerCPDecode:
         thread), or None, after which steps raise as on a closed instance (atomically with the
         check: a step starting meanwhile is either counted here or refused)."""
         with self._lock:
+            if self._closing:
+                return "close() is under way on another thread"
             if self._in_flight:
                 return f"{self._in_flight} step(s) in flight on another thread"
             self._closing = True
@@ -836,7 +843,10 @@ class IndexerCPDecode:
         all-reduce their answers first, each reaching the all-reduce whatever its own, so that
         no rank closes while another raised (the next collective, a new instance for the same
         key say, would find them out of step) and none is left waiting in it."""
-        blocker = _capture_refusal(f"{self!r}.close() (collective: it closes its communicators)")
+        blocker = None
+        if self._owned:  # closing communicators allocates and synchronises: not in a capture
+            blocker = _capture_refusal(f"{self!r}.close() (collective: it closes its "
+                                       f"communicators)")
         if self._host is None:  # alone: the communicators' close() raises their own reasons
             if blocker is None:
                 why = self._claim_close()
@@ -848,11 +858,7 @@ class IndexerCPDecode:
             why = self._local_close_blocker() or self._claim_close()
             blocker = None if why is None else f"{self!r}.close(): {why}"
         any_blocked = torch.tensor([0 if blocker is None else 1], dtype=torch.int64)
-        try:
-            self._host_all_reduce(any_blocked, "close()'s agreement")
-        except HostGroupError:
-            self._unclaim_close()
-            raise
+        self._host_all_reduce(any_blocked, "close()'s agreement")  # HostGroupError: still claimed
         if blocker is not None:
             raise RuntimeError(f"{blocker}; nothing was closed, on any rank: call close() again "
                                f"on every rank")
@@ -913,6 +919,14 @@ class IndexerCPDecode:
             raise HostGroupError(f"{self!r}: {what}: the host (gloo) group failed: "
                                  f"{self._host_failure}; the ranks may be out of step: "
                                  f"{_AFTER_HOST_FAILURE}") from e
+
+    def _agrees_to_close(self) -> bool:
+        """Whether close() agrees with the other ranks first: it closes communicators this
+        instance made, or has a host group to agree through (so that when one rank cannot close,
+        a step in flight there say, every rank keeps its instance and the registries stay
+        alike)."""
+        return self._closes_collectively() or (
+            not self._closed and self._host is not None and self.world_size > 1)
 
     def _closes_collectively(self) -> bool:
         """Whether close() closes communicators this instance made (collective, synchronising)."""

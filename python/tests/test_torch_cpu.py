@@ -596,6 +596,8 @@ def test_close_refuses_while_a_step_is_in_flight_and_a_step_after_close_began():
     assert cp._claim_close() is None
     with pytest.raises(RuntimeError, match="is closing"):
         cp(q, k, bt, sl, 2, torch.full_like(want, 77), scale=b.scale)
+    with pytest.raises(RuntimeError, match=r"close\(\) is under way on another thread"):
+        cp.close()  # a second close() meanwhile goes no further either
     cp._unclaim_close()
     cp(q, k, bt, sl, 2, got, scale=b.scale)
     cp.close()
@@ -1122,6 +1124,49 @@ def _rank1_cannot_set_up_rank(rank, world, port, results):
         seen["then"] = cp.closed
         cp.close()
         results[rank] = seen
+
+
+def _step_in_flight_on_one_rank_rank(rank, world, port, results):
+    """A step in flight on rank 0 (its count, as a step held on another thread leaves it) when
+    every rank clears the registry holding a torch-exchange instance with a host group: every
+    rank raises and keeps its instance (before, rank 1 closed and dropped its instance, and the
+    next construction waited alone in its collective). Then both clear, and a new instance runs
+    a step."""
+    import datetime
+
+    import torch.distributed as dist
+
+    seen = {}
+    with process_group(rank, world, port, "gloo", timeout=datetime.timedelta(seconds=10)):
+        kw = dict(total_heads=2, rank=rank, world_size=world, max_tokens=8, max_seq_len=1024,
+                  topk=4, init_blocks=0, local_blocks=1, group=dist.group.WORLD, device="cpu")
+        cp = cpidx.get_shared_cp_decode(**kw)
+        seen["exchange"] = (cp.exchange, cp._host is not None)
+        if rank == 0:
+            cp._in_flight = 1
+        try:
+            cpidx.registry.clear()
+            seen["clear"] = None
+        except RuntimeError as e:
+            seen["clear"] = str(e)
+        seen["kept"] = (cp.closed, cpidx.get_shared_cp_decode(**kw) is cp)
+        if rank == 0:
+            cp._in_flight = 0
+        cpidx.registry.clear()
+        seen["closed"] = cp.closed
+        _make_and_step(kw, 43).close()
+        results[rank] = seen
+
+
+def test_a_step_in_flight_on_one_rank_keeps_the_instance_on_every_rank():
+    results = run_ranks(_step_in_flight_on_one_rank_rank)
+    for rank, r in results.items():
+        assert r["exchange"] == ("torch", True), r
+        assert r["kept"] == (False, True), (rank, r)
+        assert r["closed"] is True, r
+    assert "1 step(s) in flight on another thread; nothing was closed, on any rank" in \
+        results[0]["clear"], results[0]
+    assert "another rank cannot close yet" in results[1]["clear"], results[1]
 
 
 def test_a_rank_that_cannot_set_up_fails_every_rank_at_once():

@@ -507,6 +507,9 @@ class PeerCommunicator final : public Communicator {
     const cudaError_t launched = aligned
                                      ? cudaLaunchKernelEx(&cfg, peer_all_gather_kernel<true>, p)
                                      : cudaLaunchKernelEx(&cfg, peer_all_gather_kernel<false>, p);
+    // A launch that failed leaves its error pending as well: taken here, since the Status
+    // reports it (one the caller left pending before is another code, and stays).
+    if (launched != cudaSuccess && cudaPeekAtLastError() == launched) cudaGetLastError();
     if (prev != parts_.device) cudaSetDevice(prev);
     return cuda_check(launched, "peer all_gather kernel launch");
   }
