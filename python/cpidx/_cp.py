@@ -964,7 +964,7 @@ class IndexerCPDecode:
         return _current_stream(self.device) if self._cuda else 0
 
     def _check_open(self) -> None:
-        if self._closed or self.__dict__.get("_closing"):
+        if self._closed or self._closing:
             raise RuntimeError(f"{self!r} is closed" if self._closed else
                                f"{self!r} is closing (close() was called on another thread)")
 

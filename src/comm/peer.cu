@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "../cuda/device_utils.cuh"
+#include "../cuda/host_util.h"
 #include "cpidx/comm_peer.h"
 #include "cpidx/device_channel.h"
 #include "ll_line.cuh"
@@ -497,21 +499,16 @@ class PeerCommunicator final : public Communicator {
     int prev = 0;
     PEER_CUDA(cudaGetDevice(&prev));
     if (prev != parts_.device) PEER_CUDA(cudaSetDevice(parts_.device));
-    // cudaLaunchKernelEx returns this launch's own error; cudaGetLastError after <<<>>> would
-    // also return (and clear) one the caller left pending, and report a gather that ran as
-    // failed, so that its caller skipped the rest of a step its peers run.
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(s.ctas));
-    cfg.blockDim = dim3(kThreads);
-    cfg.stream = stream;
-    const cudaError_t launched = aligned
-                                     ? cudaLaunchKernelEx(&cfg, peer_all_gather_kernel<true>, p)
-                                     : cudaLaunchKernelEx(&cfg, peer_all_gather_kernel<false>, p);
-    // A launch that failed leaves its error pending as well: taken here, since the Status
-    // reports it (one the caller left pending before is another code, and stays).
-    if (launched != cudaSuccess && cudaPeekAtLastError() == launched) cudaGetLastError();
+    // Launched as the library's kernels are (cudaLaunchKernelEx, without PDL: see the ordering
+    // argument above) and reported by launch_status: this launch's own error only, taken as it
+    // is reported. cudaGetLastError after <<<>>> also returned (and cleared) one the caller had
+    // left pending, reporting a gather that ran as failed, so that its caller skipped the rest
+    // of a step its peers ran.
+    const dim3 grid(static_cast<unsigned>(s.ctas)), block(kThreads);
+    auto* const kernel = aligned ? peer_all_gather_kernel<true> : peer_all_gather_kernel<false>;
+    const cudaError_t launched = cuda::launch_with_pdl(false, kernel, grid, block, 0, stream, p);
     if (prev != parts_.device) cudaSetDevice(prev);
-    return cuda_check(launched, "peer all_gather kernel launch");
+    return cuda_host::launch_status(launched, "peer all_gather kernel launch");
   }
 
   Status check_agree(long long value, const char* what) override {

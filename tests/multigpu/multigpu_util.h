@@ -256,12 +256,13 @@ inline void next_replay_inputs(std::mt19937& rng, int step, int32_t bound, Decod
   for (auto& e : h->block_table) e = static_cast<int32_t>(std::abs(e) % h->num_pages);
 }
 
-// fn(rank) on one thread per rank, with the rank's GPU current; returns when all end.
-inline void on_threads(int world, const std::function<void(int)>& fn) {
+// fn(rank) on one thread per rank, with the rank's GPU current (GPU `device` for every rank
+// when given: ranks sharing one GPU); returns when all end.
+inline void on_threads(int world, const std::function<void(int)>& fn, int device = -1) {
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&fn, r] {
-      cudaSetDevice(r);
+    threads.emplace_back([&fn, r, device] {
+      cudaSetDevice(device < 0 ? r : device);
       fn(r);
     });
   }

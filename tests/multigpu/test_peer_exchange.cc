@@ -531,16 +531,7 @@ TEST_F(PeerExchange, RanksThatDisagreeFailTogether) {
 const bool kEagerModuleLoading = setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0;
 
 // fn(rank) on one thread per rank, GPU 0 current on each.
-void on_gpu0(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&fn, r] {
-      cudaSetDevice(0);
-      fn(r);
-    });
-  }
-  for (auto& t : threads) t.join();
-}
+void on_gpu0(int world, const std::function<void(int)>& fn) { on_threads(world, fn, 0); }
 
 class PeerOnOneGpu : public ::testing::Test {
  protected:
