@@ -64,8 +64,8 @@ class ThreadCommunicator final : public Communicator {
       // A size no allocation holds fails every rank, as a null buffer does: thrown out of this
       // rank alone, it would leave the others in the barrier.
       try {
-        mine.resize(bytes_per_rank);
-        if (bytes_per_rank > 0) std::memcpy(mine.data(), send, bytes_per_rank);
+        const auto* src = static_cast<const unsigned char*>(send);
+        mine.assign(src, src + bytes_per_rank);  // one pass (null only with 0 bytes: no range)
       } catch (const std::exception&) {  // std::bad_alloc, std::length_error
         posted = kNoStaging;
       }
