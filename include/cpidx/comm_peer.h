@@ -66,13 +66,26 @@ Status clear_peer_error_flag(Communicator& comm, cudaStream_t stream);
 // communicator or `bits` is null.
 Status read_peer_error_flag(Communicator& comm, int32_t* bits);
 
+// How many gathers of `comm` sit in CUDA graphs (captured, or instantiated from such a graph)
+// that are still alive; -1 when `comm` is not a peer communicator. When every rank lives in this
+// process the count is theirs together (a replay of any rank's graph stores into every rank's
+// buffer). cp_decode's steps count through their query gather (their key exchange through the
+// device channel rides in the same graph). While it is above 0 the destructor frees nothing (a
+// leak until the process exits, instead of a replay storing into freed memory): an owner that
+// would rather not leak refuses to destroy then (the Python binding's close() does). A graph's
+// gathers leave the count when CUDA releases the graph's last reference, on an internal thread,
+// which can trail cudaGraphExecDestroy / cudaGraphDestroy: with wait_seconds > 0 the call first
+// synchronises the communicator's device, then waits up to that long for the count to reach 0.
+long long peer_gathers_in_live_graphs(Communicator& comm, double wait_seconds = 0);
+
 // Lets go of a peer communicator without a collective, for owners that cannot promise that every
 // rank destroys its communicator at the same time: a garbage collector, interpreter or process
 // exit, a rank whose peers exited or failed. It synchronises the communicator's device (a gather
 // still waiting for an exited peer gives up after timeout_seconds), closes this rank's mappings
 // of the peers' buffers, skips the bootstrap barrier (the bootstrap is not used, so it may be gone
 // already) and deliberately leaks this rank's own buffers and device words (about
-// 8 x P x max_bytes_per_rank) until the process exits.
+// 8 x P x max_bytes_per_rank) until the process exits; while a live CUDA graph holds its gathers,
+// its mappings of the peers' buffers stay open too.
 // The trade-off: a peer that has not let go yet may still map this rank's buffers and store into
 // them; the collective destructor waits for every peer before freeing them, this function keeps
 // them allocated instead, so it never waits for a peer that exited or tears down later but never
@@ -103,10 +116,16 @@ Status abandon_peer_communicator(std::unique_ptr<Communicator>* comm);
 //    capacity, which cp_decode writes from its selection kernel and polls from its merge kernel:
 //    the key gather costs no kernel of its own (DecodeConfig::fused_exchange). Its timeouts
 //    raise the same error word.
-//  - Destruction: make sure no gather is in flight (synchronise the streams). When any peer is
-//    in another process, the destructor is collective: it closes the IPC mappings, then waits in
-//    bootstrap.barrier() before freeing its buffers, so every rank must destroy its communicator
-//    (each from its own thread or process) while the bootstrap is still alive. Ranks of one
+//  - Destruction: make sure no gather is in flight (synchronise the streams), and destroy the
+//    CUDA graphs that captured gathers first. When any peer is in another process, the
+//    destructor is collective: the ranks tell each other whether a live graph holds their
+//    gathers (one bootstrap.barrier()), close the IPC mappings, then wait in a second barrier
+//    before freeing their buffers, so every rank must destroy its communicator (each from its
+//    own thread or process) while the bootstrap is still alive. While a live graph holds a
+//    gather of any rank (peer_gathers_in_live_graphs, after a 0.1 s grace for graphs destroyed
+//    just before), no rank frees its buffers, and the holder keeps its mappings: they stay
+//    until the process exits, so that a replay stores into memory still allocated (its gathers
+//    then time out, raising the error word, once the peers are gone). Ranks of one
 //    process destroy theirs without a collective, after synchronising the other ranks' devices
 //    (their kernels may still store into this rank's buffer), so not while any of those devices
 //    captures a graph. abandon_peer_communicator (above) is the non-collective alternative in

@@ -225,7 +225,7 @@ class IndexerCPDecode:
     instances. It closes the peer communicator (which waits for every rank before freeing its
     buffers) and then the NCCL one, and frees the workspace; it is idempotent, and any later
     use raises; with a host group the ranks agree first, and when one cannot close (a live
-    CUDA graph holds its NCCL gathers) every rank raises and none closes anything.
+    CUDA graph holds its gathers) every rank raises and none closes anything.
     ``with IndexerCPDecode(...) as cp:`` closes on a normal exit. An instance
     dropped without ``close()``, or a ``with`` block left by an exception, never waits for
     other ranks: its peer communicator is abandoned (this rank's buffers stay allocated until
@@ -246,10 +246,11 @@ class IndexerCPDecode:
 
     CUDA graphs first: destroy (``del``) every CUDA graph that captured a step before
     ``close()`` or dropping the instance. NCCL's communicator destroy waits until every live
-    graph holding one of its kernels is gone, so with the NCCL exchange ``close()`` raises
-    ``RuntimeError`` (naming how many gathers such graphs hold) instead of waiting forever, and
-    an instance dropped while one lives lets go of its NCCL communicator without destroying it
-    (the peer exchange captures no NCCL kernel). Instances shared
+    graph holding one of its kernels is gone, and a replay of such a graph stores into the peer
+    communicator's buffers, so with either exchange ``close()`` raises ``RuntimeError`` (naming
+    how many gathers such graphs hold) instead of waiting forever or freeing them under the
+    graph, and an instance dropped while one lives lets go of its communicators without
+    destroying them (the peer one keeps its buffers until the process exits). Instances shared
     through :data:`cpidx.registry` and still open at interpreter exit are not destroyed at all
     (their communicators go with the process), so exit never waits on a graph or a rank.
     """
@@ -788,12 +789,13 @@ class IndexerCPDecode:
         """Collective: every rank calls it (in the same order for all its instances). Closes the
         peer communicator, then the NCCL one (those this instance made; a Communicator passed as
         ``group`` stays open), and frees the buffers. Idempotent; any later use raises. Destroy
-        the CUDA graphs that captured its steps first: with the NCCL exchange it raises while
-        one lives, and can be called again once they are gone (see the class docstring). With a
-        host group the ranks agree first: when one cannot close, every rank raises and none
-        closes anything. A step in flight on another thread makes it raise (with a host group,
-        on every rank, the instances of the torch exchange too), closing nothing, as does a
-        close() under way on another thread; from the moment it goes ahead, steps raise."""
+        the CUDA graphs that captured its steps first: with the NCCL or the peer exchange it
+        raises while one lives, and can be called again once they are gone (see the class
+        docstring). With a host group the ranks agree first: when one cannot close, every rank
+        raises and none closes anything. A step in flight on another thread makes it raise
+        (with a host group, on every rank, the instances of the torch exchange too), closing
+        nothing, as does a close() under way on another thread; from the moment it goes ahead,
+        steps raise."""
         if self._closed:
             return
         if self._agrees_to_close():
@@ -869,9 +871,9 @@ class IndexerCPDecode:
                                f"every rank")
 
     def _local_close_blocker(self) -> Optional[str]:
-        """Why this rank's communicators cannot close now (a live CUDA graph holds an NCCL
-        gather, a call is in flight on another thread), asked without closing; None if they
-        can. An error asking is a reason too."""
+        """Why this rank's communicators cannot close now (a live CUDA graph holds one of
+        their gathers, a call is in flight on another thread), asked without closing; None if
+        they can. An error asking is a reason too."""
         with self._lock:
             if self._in_flight:
                 return f"{self._in_flight} step(s) in flight on another thread"
@@ -885,7 +887,7 @@ class IndexerCPDecode:
         """close() once the host group has failed: no agreement can be had any more, nor a
         collective trusted, so the instance goes as one dropped without close() does, on every
         rank alike (each meets the failure). When this rank could not close (a live CUDA graph
-        holds its NCCL gathers, say), its communicators and workspace are kept until the process
+        holds its gathers, say), its communicators and workspace are kept until the process
         exits instead of freed under that graph. Warns after letting go, so that warnings
         raised as errors still find the instance closed."""
         capturing = _capture_refusal(f"{self!r}.close()")

@@ -96,6 +96,20 @@ std::optional<std::string> PyCommunicator::close_blocker(bool ignore_dependents)
            "those graphs first: NCCL's destroy would wait for them forever";
   }
 #endif
+#if defined(CPIDX_PY_PEER)
+  if (peer_error_flag(*comm_) != nullptr) {
+    long long held = 0;
+    {
+      nb::gil_scoped_release release;  // synchronises the device, then waits up to a second
+      held = peer_gathers_in_live_graphs(*comm_, 1.0);
+    }
+    if (held > 0) {
+      return describe() + ": " + std::to_string(held) +
+             " of its gathers are in CUDA graphs that are still alive (captured steps); delete "
+             "those graphs first: their replays store into its buffers";
+    }
+  }
+#endif
   return std::nullopt;
 }
 
@@ -142,7 +156,9 @@ void bind_comm(nb::module_& m) {
       .def("close", &PyCommunicator::close,
            "Collective teardown: every rank calls it, in the same order for every communicator. "
            "A peer communicator closes its mappings, waits for every rank (through its "
-           "bootstrap) and frees its buffers; close it before its bootstrap. Idempotent.")
+           "bootstrap) and frees its buffers; close it before its bootstrap. Idempotent. Raises "
+           "RuntimeError, closing nothing, while a CUDA graph that captured one of its gathers "
+           "is alive (NCCL and peer): delete those graphs first.")
       .def("_close_blocker", &PyCommunicator::close_blocker, "ignore_dependents"_a = false,
            "Why close() would raise now, or None; local, closes nothing. ignore_dependents: the "
            "open peer communicators built over it are about to close first.")

@@ -1,11 +1,12 @@
 """GPU path: torch CUDA tensors through the ops == the C++ Decoder called directly (bitwise) ==
 the golden ids; the context-parallel halves on one GPU; CUDA-graph capture and replay with
 changing lengths; torch.compile; the peer communicator's Python life cycle (close, bootstrap
-held, finalizer); with 2+ GPUs, IndexerCPDecode over two processes with each exchange.
-Skips without torch, a CUDA build or a GPU."""
+held, finalizer, refused under a live graph); with 2+ GPUs, IndexerCPDecode over two processes
+with each exchange. Skips without torch, a CUDA build or a GPU."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -722,6 +723,59 @@ def test_cp_decode_through_a_closed_communicator_is_named():
     with pytest.raises(RuntimeError, match="comm: .*peer, rank 0 of 1.* is closed"):
         dec.cp_decode(peer, q, k, bt, sl, 1, out, scale=b.scale, stream=s)
     boot.close()
+
+
+@needs_peer
+def test_peer_close_is_refused_while_a_graph_holds_its_gathers():
+    """Two ranks on one GPU, a thread each, each capturing a context-parallel step: the graphs
+    hold the steps' gathers, whose replays store into both ranks' buffers, so close() raises
+    naming them (closing nothing) until the graphs are deleted, and closes after."""
+    rng = np.random.default_rng(41)
+    b = random_decode(rng, 2, 1, [900, 40, 300], max_seq_len=1024)
+    q, k, bt, sl = to_dev(b)
+    boots = cpidx._C._thread_communicators(2)
+    peers, graphs, errors = [None, None], [None, None], []
+    ready = threading.Barrier(2)
+
+    def rank(r):
+        try:
+            peers[r] = cpidx._C.make_peer_communicator(boots[r], 0, 1 << 20)
+            dec = cpidx.Decoder(total_heads=2, world_size=2, rank=r, max_tokens=b.rows,
+                                max_seq_len=1024, topk=4, init_blocks=0, local_blocks=1, device=0)
+            local = q[:, r:r + 1].contiguous()
+            out = torch.full((1, b.rows, 4), -5, dtype=torch.int32, device=DEV)
+            stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+            ready.wait(timeout=60)  # both set up (a Decoder's creation synchronises the device)
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                dec.cp_decode(peers[r], local, k, bt, sl, 1, out, scale=b.scale,
+                              stream=stream.cuda_stream)
+                graph.capture_end()
+            graphs[r] = (graph, dec, out)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            ready.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for r in range(2):
+        assert "2 of its gathers are in CUDA graphs that are still alive" in \
+            peers[r]._close_blocker()
+    with pytest.raises(RuntimeError, match="still alive.*delete those graphs first"):
+        peers[0].close()
+    assert not peers[0].closed
+    graphs.clear()
+    gc.collect()
+    for r in range(2):
+        assert peers[r]._close_blocker() is None
+        peers[r].close()
+        assert peers[r].closed
+    for boot in boots:
+        boot.close()
 
 
 def _two_gpu_rank(rank, world, port, results):

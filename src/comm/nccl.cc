@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpidx/comm_nccl.h"
+#include "graph_holds.h"
 
 namespace cpidx {
 namespace {
@@ -50,12 +51,7 @@ Status nccl_check(ncclResult_t r, const char* call, ncclComm_t comm, int rank, i
   return comm_error(os.str());
 }
 
-Status cuda_check(cudaError_t e, const char* call) {
-  if (e == cudaSuccess) return Status::ok();
-  ::cpidx::detail::Message os;
-  os << call << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
-  return Status(StatusCode::kCudaError, os.str());
-}
+using cuda_host::cuda_status;
 
 // The library found at run time must be at least kMinNccl; the message names both versions
 // (and the headers this file was compiled against).
@@ -135,7 +131,8 @@ class NcclCommunicator final : public Communicator {
     // graph forever, so the communicator is left to the process instead. Graphs destroyed just
     // before may still be releasing theirs on a CUDA thread: a short wait, and no CUDA call (a
     // destructor may run while another thread captures a graph).
-    if (owns_ && comm_ != nullptr && wait_for_release(kDestroyGraceSeconds) == 0) {
+    if (owns_ && comm_ != nullptr &&
+        holds_.wait_for_release(comm_detail::GraphHolds::kDestroyGraceSeconds) == 0) {
       ncclCommDestroy(comm_);
     }
   }
@@ -149,7 +146,9 @@ class NcclCommunicator final : public Communicator {
     if (bytes_per_rank == 0) return Status::ok();
     CPIDX_CHECK(send != nullptr && recv != nullptr,
                 "all_gather: send and recv must be non-null device pointers");
-    CPIDX_RETURN_IF_ERROR(count_if_captured(stream));
+    // NCCL counts such graphs too, and its destroy waits for them; this count lets an owner
+    // refuse instead (nccl_gathers_in_live_graphs).
+    CPIDX_RETURN_IF_ERROR(holds_.count_if_captured(stream));
     return nccl_check(ncclAllGather(send, recv, bytes_per_rank, ncclUint8, comm_, stream),
                       "ncclAllGather", comm_, rank_, world_);
   }
@@ -165,18 +164,18 @@ class NcclCommunicator final : public Communicator {
 
   // Gathers held by live CUDA graphs (nccl_gathers_in_live_graphs).
   long long gathers_in_live_graphs(double wait_seconds) const {
-    if (wait_seconds > 0 && captured_->load() > 0) {
+    if (wait_seconds > 0 && holds_.count() > 0) {
       // A graph still running keeps its references until it ends.
       on_device_best_effort(device_, [] { cudaDeviceSynchronize(); });
     }
-    return wait_for_release(wait_seconds);
+    return holds_.wait_for_release(wait_seconds);
   }
 
   Status barrier() override {
     if (host_ != nullptr) return host_->barrier();
     int prev = 0;
-    CPIDX_RETURN_IF_ERROR(cuda_check(cudaGetDevice(&prev), "cudaGetDevice"));
-    CPIDX_RETURN_IF_ERROR(cuda_check(cudaSetDevice(device_), "cudaSetDevice"));
+    CPIDX_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&prev), "cudaGetDevice"));
+    CPIDX_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "cudaSetDevice"));
     Status st = device_barrier();
     cudaSetDevice(prev);
     return st;
@@ -186,59 +185,19 @@ class NcclCommunicator final : public Communicator {
   // A one-int all-reduce on an internal stream, then a wait for it (created on first use).
   Status device_barrier() {
     if (barrier_stream_ == nullptr) {
-      CPIDX_RETURN_IF_ERROR(cuda_check(
+      CPIDX_RETURN_IF_ERROR(cuda_status(
           cudaStreamCreateWithFlags(&barrier_stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
     }
     if (barrier_scratch_ == nullptr) {
-      CPIDX_RETURN_IF_ERROR(cuda_check(cudaMalloc(&barrier_scratch_, sizeof(int)), "cudaMalloc"));
       CPIDX_RETURN_IF_ERROR(
-          cuda_check(cudaMemset(barrier_scratch_, 0, sizeof(int)), "cudaMemset"));
+          cuda_status(cudaMalloc(&barrier_scratch_, sizeof(int)), "cudaMalloc"));
+      CPIDX_RETURN_IF_ERROR(
+          cuda_status(cudaMemset(barrier_scratch_, 0, sizeof(int)), "cudaMemset"));
     }
     CPIDX_RETURN_IF_ERROR(nccl_check(ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32,
                                                    ncclSum, comm_, barrier_stream_),
                                      "ncclAllReduce (barrier)", comm_, rank_, world_));
-    return cuda_check(cudaStreamSynchronize(barrier_stream_), "cudaStreamSynchronize (barrier)");
-  }
-
-  // The count after waiting up to `seconds` for it to reach 0 (host polling only).
-  long long wait_for_release(double seconds) const {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-    while (captured_->load() > 0 && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return captured_->load();
-  }
-  static constexpr double kDestroyGraceSeconds = 0.1;
-
-  // A gather captured into a CUDA graph: the graph keeps a user object whose release, when the
-  // graph and its instantiations are gone, takes the gather off the count. (NCCL counts such
-  // graphs too, and its destroy waits for them; this count lets an owner refuse instead.)
-  Status count_if_captured(cudaStream_t stream) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    cudaGraph_t graph = nullptr;
-    CPIDX_RETURN_IF_ERROR(cuda_check(cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph),
-                                     "cudaStreamGetCaptureInfo"));
-    if (capture != cudaStreamCaptureStatusActive) return Status::ok();
-    auto* counter = new std::shared_ptr<std::atomic<long long>>(captured_);
-    cudaUserObject_t object = nullptr;
-    Status st = cuda_check(cudaUserObjectCreate(&object, counter, &release_captured, 1,
-                                                cudaUserObjectNoDestructorSync),
-                           "cudaUserObjectCreate");
-    if (!st.is_ok()) {
-      delete counter;
-      return st;
-    }
-    ++*captured_;
-    st = cuda_check(cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove),
-                    "cudaGraphRetainUserObject");
-    if (!st.is_ok()) cudaUserObjectRelease(object, 1);  // runs release_captured
-    return st;
-  }
-  // The user object's destructor (a CUDA-internal thread; no CUDA calls).
-  static void release_captured(void* counter) {
-    auto* held = static_cast<std::shared_ptr<std::atomic<long long>>*>(counter);
-    --**held;
-    delete held;
+    return cuda_status(cudaStreamSynchronize(barrier_stream_), "cudaStreamSynchronize (barrier)");
   }
 
   ncclComm_t comm_;
@@ -248,8 +207,7 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Communicator> owned_host_;  // the single-process factory's thread channel
   cudaStream_t barrier_stream_ = nullptr;
   void* barrier_scratch_ = nullptr;
-  // Outlives the communicator: graphs may release their gathers after it is gone.
-  std::shared_ptr<std::atomic<long long>> captured_ = std::make_shared<std::atomic<long long>>(0);
+  comm_detail::GraphHolds holds_;
 };
 
 // What the ranks of make_nccl_communicator agree on through their host channel.
@@ -286,7 +244,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
     CPIDX_CHECK(rank >= 0 && rank < world,
                 "make_nccl_communicator: rank must be in [0, " << world << "), got " << rank);
     int count = 0;
-    CPIDX_RETURN_IF_ERROR(cuda_check(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
+    CPIDX_RETURN_IF_ERROR(cuda_status(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
     CPIDX_CHECK(device >= 0 && device < count,
                 "make_nccl_communicator: device must be in [0, " << count << "), got " << device);
     CPIDX_RETURN_IF_ERROR(check_host_channel(host_channel, world, rank));
@@ -296,8 +254,8 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
     // fail on a valid ordinal (exclusive or prohibited compute mode, no memory left), and a
     // rank failing it after the agreement would leave its peers in ncclCommInitRank.
     int current = 0;
-    CPIDX_RETURN_IF_ERROR(cuda_check(cudaGetDevice(&current), "cudaGetDevice"));
-    CPIDX_RETURN_IF_ERROR(cuda_check(cudaSetDevice(device), "cudaSetDevice"));
+    CPIDX_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&current), "cudaGetDevice"));
+    CPIDX_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device), "cudaSetDevice"));
     prev = current;
     return Status::ok();
   }();
@@ -377,7 +335,7 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_communicators_single_proces
   Status st = [&]() -> Status {
     CPIDX_CHECK(!devices.empty(), "make_nccl_communicators_single_process: no devices given");
     int count = 0;
-    CPIDX_RETURN_IF_ERROR(cuda_check(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
+    CPIDX_RETURN_IF_ERROR(cuda_status(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
     for (size_t i = 0; i < devices.size(); ++i) {
       CPIDX_CHECK(devices[i] >= 0 && devices[i] < count,
                   "make_nccl_communicators_single_process: devices[" << i << "] must be in [0, "
@@ -395,7 +353,7 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_communicators_single_proces
   const int world = static_cast<int>(devices.size());
   std::vector<ncclComm_t> raw(devices.size(), nullptr);
   int prev = 0;
-  st = cuda_check(cudaGetDevice(&prev), "cudaGetDevice");
+  st = cuda_status(cudaGetDevice(&prev), "cudaGetDevice");
   if (st.is_ok()) {
     st = nccl_check(ncclCommInitAll(raw.data(), world, devices.data()), "ncclCommInitAll",
                     nullptr, -1, 0);

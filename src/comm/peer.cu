@@ -21,6 +21,7 @@
 #include "../cuda/host_util.h"
 #include "cpidx/comm_peer.h"
 #include "cpidx/device_channel.h"
+#include "graph_holds.h"
 #include "ll_line.cuh"
 
 namespace cpidx {
@@ -162,13 +163,7 @@ __global__ void __launch_bounds__(kThreads) peer_all_gather_kernel(const PeerGat
 
 // ---- Host side -------------------------------------------------------------------------------
 
-Status cuda_check(cudaError_t e, const char* call) {
-  if (e == cudaSuccess) return Status::ok();
-  ::cpidx::detail::Message os;
-  os << call << ": " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
-  return Status(StatusCode::kCudaError, os.str());
-}
-#define PEER_CUDA(expr) CPIDX_RETURN_IF_ERROR(cuda_check((expr), #expr))
+using cuda_host::cuda_status;
 
 size_t cdiv(size_t a, size_t b) { return (a + b - 1) / b; }
 
@@ -206,6 +201,12 @@ size_t error_offset(const BufferShape& shape, size_t max_bytes, int world) {
   return shape.bytes(world) + channel_bytes(max_bytes, world);
 }
 constexpr size_t kErrorLineBytes = 16;
+// Then one int32 a rank, set by rank q in every peer's buffer when a live CUDA graph holds its
+// gathers as it is destroyed (ranks in several processes; PeerCommunicator::held_anywhere).
+constexpr size_t kHoldBytes = kPeerMaxRanks * sizeof(int32_t);
+size_t hold_offset(const BufferShape& shape, size_t max_bytes, int world) {
+  return error_offset(shape, max_bytes, world) + kErrorLineBytes;
+}
 // Device words of this rank alone: the gather CTAs' call counters [kMaxCtas], then the
 // channel's uses and arrivals.
 constexpr int kChannelCalls = kMaxCtas, kChannelArrivals = kMaxCtas + 1;
@@ -242,6 +243,8 @@ struct PeerInfo {
   uint64_t nonce;  // process_nonce()
   uint64_t max_bytes;
   uint64_t buffer;  // receive buffer address in the owner's process
+  uint64_t holds;   // address of the owner's Parts::holds (read by ranks of the same process
+                    // before the verdicts are gathered, while the owner waits in that gather)
   int32_t code;     // StatusCode of the local set-up (0: ok)
   int32_t device;
   int32_t ipc_ok;  // cudaIpcGetMemHandle succeeded
@@ -313,16 +316,16 @@ class BootstrapStage {
   Status gather_staged(const void* mine, void* all, size_t bytes) {
     const size_t world = static_cast<size_t>(boot_.world_size());
     Status copied = [&]() -> Status {
-      PEER_CUDA(cudaSetDevice(device_));
-      PEER_CUDA(cudaMemset(send_, 0, bytes_));
-      PEER_CUDA(cudaMemcpy(send_, mine, bytes, cudaMemcpyHostToDevice));
+      CPIDX_CUDA_TRY(cudaSetDevice(device_));
+      CPIDX_CUDA_TRY(cudaMemset(send_, 0, bytes_));
+      CPIDX_CUDA_TRY(cudaMemcpy(send_, mine, bytes, cudaMemcpyHostToDevice));
       // A pageable copy may return before its DMA lands; the gather runs on another stream.
-      return cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      return cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     }();
     CPIDX_RETURN_IF_ERROR(boot_.all_gather(send_, recv_, bytes, stream_));
-    PEER_CUDA(cudaStreamSynchronize(stream_));
+    CPIDX_CUDA_TRY(cudaStreamSynchronize(stream_));
     CPIDX_RETURN_IF_ERROR(copied);
-    PEER_CUDA(cudaMemcpy(all, recv_, bytes * world, cudaMemcpyDeviceToHost));
+    CPIDX_CUDA_TRY(cudaMemcpy(all, recv_, bytes * world, cudaMemcpyDeviceToHost));
     return Status::ok();
   }
 
@@ -330,10 +333,10 @@ class BootstrapStage {
     const size_t world = static_cast<size_t>(boot_.world_size());
     device_ = device;
     const Status st = [&]() -> Status {
-      PEER_CUDA(cudaSetDevice(device));
-      PEER_CUDA(cudaMalloc(&send_, bytes_));
-      PEER_CUDA(cudaMalloc(&recv_, bytes_ * world));
-      PEER_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      CPIDX_CUDA_TRY(cudaSetDevice(device));
+      CPIDX_CUDA_TRY(cudaMalloc(&send_, bytes_));
+      CPIDX_CUDA_TRY(cudaMalloc(&recv_, bytes_ * world));
+      CPIDX_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
       return Status::ok();
     }();
     if (!st.is_ok()) cudaGetLastError();  // not sticky: the next attempt starts clean
@@ -379,6 +382,9 @@ class PeerCommunicator final : public Communicator {
     // The other ranks' devices when all ranks live in this process (they store into this rank's
     // buffer from there).
     std::vector<int> peer_devices;
+    // Gathers held by live CUDA graphs. When every rank lives in this process, rank 0's count,
+    // shared: a graph of any rank stores into every rank's buffer. Otherwise this rank's own.
+    comm_detail::GraphHolds holds;
   };
 
   PeerCommunicator(Communicator& bootstrap, Parts parts)
@@ -412,17 +418,26 @@ class PeerCommunicator final : public Communicator {
   }
 
   // Frees what `parts` holds: IPC mappings closed first, then (when other processes may have
-  // mapped this rank's buffer) a bootstrap barrier, then this rank's own memory.
-  // Every rank calls it (the barrier is collective when cross_process, which all ranks agree on).
+  // mapped this rank's buffer) a bootstrap barrier, then this rank's own memory. Every rank calls
+  // it (the barriers are collective when cross_process, which all ranks agree on).
+  // While a live CUDA graph holds a gather (of any rank: its replays store into every rank's
+  // buffer), nothing is freed, and the holder's mappings stay open: left to the process, as a
+  // leak, never freed under a graph that may still replay.
   static void release(Communicator& bootstrap, Parts& parts) {
     int prev = 0;
     const bool got_prev = cudaGetDevice(&prev) == cudaSuccess;
     const bool on_device = got_prev && cudaSetDevice(parts.device) == cudaSuccess;
     if (on_device) {
       cudaDeviceSynchronize();  // no gather of this rank may still be writing to its peers
-      for (void* p : parts.opened) cudaIpcCloseMemHandle(p);
     } else {
       cudaGetLastError();
+    }
+    const bool held_here =
+        parts.holds.wait_for_release(comm_detail::GraphHolds::kDestroyGraceSeconds) > 0;
+    const bool held =
+        parts.cross_process ? held_anywhere(bootstrap, parts, held_here, on_device) : held_here;
+    if (on_device && !held_here) {
+      for (void* p : parts.opened) cudaIpcCloseMemHandle(p);
     }
     parts.opened.clear();
     if (parts.cross_process) bootstrap.barrier();  // every importer closed before owners free
@@ -437,7 +452,7 @@ class PeerCommunicator final : public Communicator {
         cudaGetLastError();
       }
     }
-    if (on_device) {
+    if (on_device && !held) {
       if (!parts.peer_devices.empty()) cudaSetDevice(parts.device);
       if (parts.buffer != nullptr) cudaFree(parts.buffer);
       if (parts.words != nullptr) cudaFree(parts.words);
@@ -446,13 +461,42 @@ class PeerCommunicator final : public Communicator {
     parts.buffer = parts.words = nullptr;
   }
 
+  // Ranks in several processes (collective, one barrier): whether a live graph holds a gather of
+  // any rank. A rank whose graphs hold one sets its word in every peer's buffer, then each reads
+  // the words in its own. A word that cannot be read counts as held (a leak, never a free).
+  static bool held_anywhere(Communicator& bootstrap, const Parts& parts, bool held_here,
+                            bool on_device) {
+    const size_t at = hold_offset(parts.shape, parts.max_bytes, parts.world);
+    if (on_device && held_here) {
+      const int32_t one = 1;
+      for (int q = 0; q < parts.world; ++q) {
+        auto* peer = static_cast<unsigned char*>(parts.peers[static_cast<size_t>(q)]);
+        if (q == parts.rank || peer == nullptr) continue;
+        if (cudaMemcpy(peer + at + sizeof(int32_t) * static_cast<size_t>(parts.rank), &one,
+                       sizeof(one), cudaMemcpyHostToDevice) != cudaSuccess) {
+          cudaGetLastError();
+        }
+      }
+    }
+    bootstrap.barrier();  // every rank's word set before any is read
+    if (held_here || !on_device || parts.buffer == nullptr) return true;
+    int32_t words[kPeerMaxRanks] = {};
+    if (cudaMemcpy(words, static_cast<unsigned char*>(parts.buffer) + at, kHoldBytes,
+                   cudaMemcpyDeviceToHost) != cudaSuccess) {
+      cudaGetLastError();
+      return true;
+    }
+    return std::any_of(words, words + parts.world, [](int32_t w) { return w != 0; });
+  }
+
   // abandon_peer_communicator: this rank's part of release() only. Its own buffer and words stay
   // allocated (a peer may still store into them), and no barrier is made, so it never waits for
-  // a peer. The destructor then frees nothing.
+  // a peer. Its mappings stay open too while a live graph holds its gathers. The destructor then
+  // frees nothing.
   Status abandon() {
     Status first = Status::ok();
     auto note = [&](cudaError_t e, const char* call) {
-      if (e != cudaSuccess && first.is_ok()) first = cuda_check(e, call);
+      if (e != cudaSuccess && first.is_ok()) first = cuda_status(e, call);
     };
     int prev = 0;
     const bool had_prev = cudaGetDevice(&prev) == cudaSuccess;
@@ -462,7 +506,9 @@ class PeerCommunicator final : public Communicator {
       // No gather of this rank may still store through the mappings closed below; one waiting
       // for an exited peer gives up after the timeout.
       note(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      for (void* p : parts_.opened) note(cudaIpcCloseMemHandle(p), "cudaIpcCloseMemHandle");
+      if (parts_.holds.wait_for_release(comm_detail::GraphHolds::kDestroyGraceSeconds) == 0) {
+        for (void* p : parts_.opened) note(cudaIpcCloseMemHandle(p), "cudaIpcCloseMemHandle");
+      }
     }
     parts_.opened.clear();
     parts_.buffer = parts_.words = nullptr;  // leaked on purpose until the process exits
@@ -497,13 +543,16 @@ class PeerCommunicator final : public Communicator {
                          reinterpret_cast<uintptr_t>(recv) % 8 == 0;
     // Launches go to the current device: switch only when the caller is elsewhere.
     int prev = 0;
-    PEER_CUDA(cudaGetDevice(&prev));
-    if (prev != parts_.device) PEER_CUDA(cudaSetDevice(parts_.device));
+    CPIDX_CUDA_TRY(cudaGetDevice(&prev));
+    if (prev != parts_.device) CPIDX_CUDA_TRY(cudaSetDevice(parts_.device));
     // Launched as the library's kernels are (cudaLaunchKernelEx, without PDL: see the ordering
     // argument above) and reported by launch_status: this launch's own error only, taken as it
     // is reported. cudaGetLastError after <<<>>> also returned (and cleared) one the caller had
     // left pending, reporting a gather that ran as failed, so that its caller skipped the rest
     // of a step its peers ran.
+    // A gather captured into a CUDA graph is counted until the graph goes: its replays use the
+    // buffers, which are not freed meanwhile (release, peer_gathers_in_live_graphs).
+    CPIDX_RETURN_IF_ERROR(parts_.holds.count_if_captured(stream));
     const dim3 grid(static_cast<unsigned>(s.ctas)), block(kThreads);
     auto* const kernel = aligned ? peer_all_gather_kernel<true> : peer_all_gather_kernel<false>;
     const cudaError_t launched = cuda::launch_with_pdl(false, kernel, grid, block, 0, stream, p);
@@ -524,6 +573,20 @@ class PeerCommunicator final : public Communicator {
 
   int32_t* error_word() const { return base_.error; }
 
+  // Gathers held by live CUDA graphs (peer_gathers_in_live_graphs).
+  long long gathers_in_live_graphs(double wait_seconds) const {
+    if (wait_seconds > 0 && parts_.holds.count() > 0) {
+      // A graph still running keeps its references until it ends.
+      int prev = 0;
+      if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(parts_.device) == cudaSuccess) {
+        cudaDeviceSynchronize();
+        cudaSetDevice(prev);
+      }
+      cudaGetLastError();
+    }
+    return parts_.holds.wait_for_release(wait_seconds);
+  }
+
  private:
   Communicator& bootstrap_;
   Parts parts_;
@@ -542,21 +605,20 @@ Status set_up_local(int device, size_t max_bytes, double timeout_seconds, PeerIn
       timeout_seconds > 0 && timeout_seconds < 1e6,
       "make_peer_communicator: timeout_seconds must be in (0, 1e6), got " << timeout_seconds);
   int count = 0;
-  PEER_CUDA(cudaGetDeviceCount(&count));
+  CPIDX_CUDA_TRY(cudaGetDeviceCount(&count));
   CPIDX_CHECK(device >= 0 && device < count,
               "make_peer_communicator: device must be in [0, " << count << "), got " << device);
-  PEER_CUDA(cudaSetDevice(device));
-  PEER_CUDA(cudaDeviceGetPCIBusId(info->bus_id, sizeof(info->bus_id), device));
+  CPIDX_CUDA_TRY(cudaSetDevice(device));
+  CPIDX_CUDA_TRY(cudaDeviceGetPCIBusId(info->bus_id, sizeof(info->bus_id), device));
   parts->shape = buffer_shape(max_bytes);
-  const size_t buffer_bytes =
-      error_offset(parts->shape, max_bytes, parts->world) + kErrorLineBytes;
+  const size_t buffer_bytes = hold_offset(parts->shape, max_bytes, parts->world) + kHoldBytes;
   const size_t word_bytes = kWords * sizeof(uint32_t);
-  PEER_CUDA(cudaMalloc(&parts->buffer, buffer_bytes));
-  PEER_CUDA(cudaMalloc(&parts->words, word_bytes));
-  PEER_CUDA(cudaMemset(parts->buffer, 0, buffer_bytes));
-  PEER_CUDA(cudaMemset(parts->words, 0, word_bytes));
+  CPIDX_CUDA_TRY(cudaMalloc(&parts->buffer, buffer_bytes));
+  CPIDX_CUDA_TRY(cudaMalloc(&parts->words, word_bytes));
+  CPIDX_CUDA_TRY(cudaMemset(parts->buffer, 0, buffer_bytes));
+  CPIDX_CUDA_TRY(cudaMemset(parts->words, 0, word_bytes));
   // The zeros must land before any peer can write here (after the exchange below).
-  PEER_CUDA(cudaDeviceSynchronize());
+  CPIDX_CUDA_TRY(cudaDeviceSynchronize());
   info->buffer = reinterpret_cast<uint64_t>(parts->buffer);
   // Needed only when a peer lives in another process; a failure matters only then.
   info->ipc_ok = cudaIpcGetMemHandle(&info->handle, parts->buffer) == cudaSuccess;
@@ -583,7 +645,7 @@ Status map_peer(const PeerInfo& me, const PeerInfo& other, int rank, int q,
                            ") and GPU " + other_bus + " (rank " + std::to_string(q) + ")";
   auto check_peer_access = [&](int peer_device) -> Status {
     int can = 0;
-    PEER_CUDA(cudaDeviceCanAccessPeer(&can, me.device, peer_device));
+    CPIDX_CUDA_TRY(cudaDeviceCanAccessPeer(&can, me.device, peer_device));
     if (!can) {
       return unsupported("no peer access between " + pair + " (cudaDeviceCanAccessPeer); use NCCL");
     }
@@ -596,7 +658,7 @@ Status map_peer(const PeerInfo& me, const PeerInfo& other, int rank, int q,
       if (e == cudaErrorPeerAccessAlreadyEnabled) {
         cudaGetLastError();  // enabled earlier (by NCCL, or another communicator): fine
       } else {
-        PEER_CUDA(e);
+        CPIDX_CUDA_TRY(e);
       }
     }
     parts->peers[static_cast<size_t>(q)] = reinterpret_cast<void*>(other.buffer);
@@ -667,6 +729,7 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   mine.nonce = process_nonce();
   mine.max_bytes = max_bytes_per_rank;
   mine.device = device;
+  mine.holds = reinterpret_cast<uint64_t>(&parts.holds);
   gethostname(mine.host, sizeof(mine.host) - 1);
   copy_text(mine.boot_id, boot_id());
   Status local = set_up_local(device, max_bytes_per_rank, timeout_seconds, &mine, &parts);
@@ -692,6 +755,11 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
     for (int q = 0; q < world && !parts.cross_process; ++q) {
       const int d = infos[static_cast<size_t>(q)].device;
       if (q != rank && d != device) parts.peer_devices.push_back(d);
+    }
+    // One count for every rank of this process: rank 0's (copied while rank 0 waits in the
+    // verdicts' gather below, which this rank has not joined yet).
+    if (!parts.cross_process && rank != 0) {
+      parts.holds = *reinterpret_cast<const comm_detail::GraphHolds*>(infos[0].holds);
     }
   }
   for (int q = 0; q < world && mapped.is_ok(); ++q) {
@@ -739,6 +807,11 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   return std::make_unique<PeerCommunicator>(bootstrap, std::move(parts));
 }
 
+long long peer_gathers_in_live_graphs(Communicator& comm, double wait_seconds) {
+  auto* peer = dynamic_cast<PeerCommunicator*>(&comm);
+  return peer != nullptr ? peer->gathers_in_live_graphs(wait_seconds) : -1;
+}
+
 Status abandon_peer_communicator(std::unique_ptr<Communicator>* comm) {
   CPIDX_CHECK(comm != nullptr, "abandon_peer_communicator: comm must not be null");
   if (*comm == nullptr) return Status::ok();
@@ -758,7 +831,7 @@ int32_t* peer_error_flag(Communicator& comm) {
 Status clear_peer_error_flag(Communicator& comm, cudaStream_t stream) {
   int32_t* word = peer_error_flag(comm);
   CPIDX_CHECK(word != nullptr, "clear_peer_error_flag: not a peer communicator");
-  return cuda_check(cudaMemsetAsync(word, 0, sizeof(int32_t), stream),
+  return cuda_status(cudaMemsetAsync(word, 0, sizeof(int32_t), stream),
                     "cudaMemsetAsync (peer error word)");
 }
 
@@ -767,7 +840,7 @@ Status read_peer_error_flag(Communicator& comm, int32_t* bits) {
   CPIDX_CHECK(word != nullptr, "read_peer_error_flag: not a peer communicator");
   CPIDX_CHECK(bits != nullptr, "read_peer_error_flag: bits must not be null");
   // cudaMemcpyDefault: the word's device is found from its address, whatever device is current.
-  return cuda_check(cudaMemcpy(bits, word, sizeof(int32_t), cudaMemcpyDefault),
+  return cuda_status(cudaMemcpy(bits, word, sizeof(int32_t), cudaMemcpyDefault),
                     "cudaMemcpy (peer error word)");
 }
 

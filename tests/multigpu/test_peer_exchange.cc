@@ -7,12 +7,14 @@
 // arrives (at a gather, or with its keys in the channel) raises the error word instead of
 // hanging, refused sizes and worlds; abandon_peer_communicator letting go of one rank alone while
 // its peer still stores into that rank's buffer. PeerOnOneGpu puts two ranks on one GPU: a
-// timeout raises every rank's error word (also that of a rank one gather behind), and a gather
-// reports its own launch's error only.
+// timeout raises every rank's error word (also that of a rank one gather behind), a gather
+// reports its own launch's error only, and gathers held by live CUDA graphs are counted and keep
+// the buffers their replays use.
 // Every test skips cleanly with fewer than 2 GPUs (PeerOnOneGpu: 1; the PeerExchangeLimits ones
 // need no GPU).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
@@ -643,6 +645,99 @@ TEST_F(PeerOnOneGpu, AGatherReturnsItsOwnLaunchErrorOnly) {
     EXPECT_EQ(error_word(r), 0) << "rank " << r;
   }
   EXPECT_EQ(pending, cudaErrorMemoryAllocation);
+}
+
+// Gathers captured into CUDA graphs are counted until the graphs go (an instantiation holds them
+// too), for both ranks together: a replay of either rank's graph stores into both buffers.
+TEST_F(PeerOnOneGpu, GathersInLiveGraphsAreCountedForTheWholeProcess) {
+  EXPECT_EQ(cpidx::peer_gathers_in_live_graphs(*boot_[0]), -1) << "not a peer communicator";
+  DeviceScope scope(0);
+  DeviceVec<uint64_t> buf(2 * kWorld);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(cpidx::peer_gathers_in_live_graphs(*peers_[static_cast<size_t>(r)]), 0);
+  }
+  // Rank 0 captures two gathers (nothing runs, so no peer is waited for).
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  EXPECT_TRUE(peers_[0]->all_gather(buf.ptr, buf.ptr, 8, stream).is_ok());
+  EXPECT_TRUE(peers_[0]->all_gather(buf.ptr + kWorld, buf.ptr + kWorld, 8, stream).is_ok());
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  EXPECT_EQ(cpidx::peer_gathers_in_live_graphs(*peers_[0]), 2);
+  EXPECT_EQ(cpidx::peer_gathers_in_live_graphs(*peers_[1]), 2) << "rank 1 counts rank 0's graph";
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cpidx::peer_gathers_in_live_graphs(*peers_[1], 0.2), 2) << "the instantiation";
+  ASSERT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(cpidx::peer_gathers_in_live_graphs(*peers_[static_cast<size_t>(r)], 5.0), 0);
+  }
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// Both ranks' communicators destroyed while each rank's instantiated graph of a gather lives:
+// their buffers and words stay allocated, so the graphs still replay into them and gather
+// right, and memory allocated after the destruction (which a freed buffer would have become)
+// is never stored into. Freed, the replays' stores land in that memory or fault.
+TEST_F(PeerOnOneGpu, DestroyedUnderLiveGraphsTheBuffersStayForTheirReplays) {
+  constexpr size_t kBytes = 4096;
+  constexpr size_t kLater = size_t{2} << 20;
+  std::vector<cudaStream_t> streams(kWorld, nullptr);
+  std::vector<cudaGraphExec_t> execs(kWorld, nullptr);
+  std::vector<std::unique_ptr<DeviceVec<uint8_t>>> bufs(kWorld);
+  on_gpu0(kWorld, [&](int r) {
+    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), cudaSuccess);
+    bufs[r] = std::make_unique<DeviceVec<uint8_t>>(kWorld * kBytes);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(streams[r], cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    EXPECT_TRUE(peers_[static_cast<size_t>(r)]
+                    ->all_gather(bufs[r]->ptr + r * kBytes, bufs[r]->ptr, kBytes, streams[r])
+                    .is_ok());
+    ASSERT_EQ(cudaStreamEndCapture(streams[r], &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&execs[r], graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  });
+  ASSERT_EQ(cpidx::peer_gathers_in_live_graphs(*peers_[0]), 2);
+  peers_.clear();  // ranks of one process: no collective, a 0.1 s grace each; must return
+  DeviceScope scope(0);
+  std::vector<std::unique_ptr<DeviceVec<uint8_t>>> later;  // where freed buffers would go
+  for (int i = 0; i < 8; ++i) {
+    later.push_back(std::make_unique<DeviceVec<uint8_t>>(kLater));
+    ASSERT_EQ(cudaMemset(later.back()->ptr, 0xA5, kLater), cudaSuccess);
+  }
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::vector<uint8_t>> got(kWorld);
+    on_gpu0(kWorld, [&](int r) {
+      const std::vector<uint8_t> mine = rank_payload(60 + round, r, kBytes);
+      ASSERT_EQ(
+          cudaMemcpy(bufs[r]->ptr + r * kBytes, mine.data(), kBytes, cudaMemcpyHostToDevice),
+          cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(execs[r], streams[r]), cudaSuccess);
+      EXPECT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess) << "rank " << r;
+      got[r].resize(kWorld * kBytes);
+      ASSERT_EQ(cudaMemcpy(got[r].data(), bufs[r]->ptr, kWorld * kBytes, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+    });
+    std::vector<uint8_t> want;
+    for (int q = 0; q < kWorld; ++q) {
+      const std::vector<uint8_t> p = rank_payload(60 + round, q, kBytes);
+      want.insert(want.end(), p.begin(), p.end());
+    }
+    for (int r = 0; r < kWorld; ++r) EXPECT_EQ(got[r], want) << "rank " << r << ", round " << round;
+  }
+  for (auto& v : later) {
+    std::vector<uint8_t> host(kLater);
+    ASSERT_EQ(cudaMemcpy(host.data(), v->ptr, kLater, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(std::count(host.begin(), host.end(), uint8_t{0xA5}),
+              static_cast<std::ptrdiff_t>(kLater))
+        << "a replay stored into memory allocated after the communicators were destroyed";
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(cudaGraphExecDestroy(execs[r]), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(streams[r]), cudaSuccess);
+  }
 }
 
 // Rank 1 joins the query gather of rank 0's step but never sends its keys: rank 0's merge gives

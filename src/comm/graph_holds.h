@@ -1,0 +1,79 @@
+// src/comm/graph_holds.h: how many of a device communicator's gathers sit in CUDA graphs that
+// are still alive (captured, or instantiated from such a graph). The NCCL communicator's destroy
+// would wait for those graphs, and the peer communicator's replays store into its buffers, so
+// their owners keep what such a graph uses instead of destroying or freeing it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+
+#include "../cuda/host_util.h"
+#include "cpidx/status.h"
+
+namespace cpidx {
+namespace comm_detail {
+
+// Copies share one count (the ranks of a peer communicator in one process: a graph of any of
+// them stores into every rank's buffer). The count outlives its holders: graphs may release
+// their gathers after the communicator is gone.
+class GraphHolds {
+ public:
+  // A gather enqueued on `stream`: when the stream is capturing, the graph keeps a CUDA user
+  // object whose release, once the graph and every instantiation of it are gone, takes the
+  // gather off the count. Nothing when the stream is not capturing.
+  Status count_if_captured(cudaStream_t stream) const {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+    CPIDX_RETURN_IF_ERROR(cuda_host::cuda_status(
+        cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph), "cudaStreamGetCaptureInfo"));
+    if (capture != cudaStreamCaptureStatusActive) return Status::ok();
+    auto* held = new std::shared_ptr<std::atomic<long long>>(count_);
+    cudaUserObject_t object = nullptr;
+    Status st = cuda_host::cuda_status(
+        cudaUserObjectCreate(&object, held, &release, 1, cudaUserObjectNoDestructorSync),
+        "cudaUserObjectCreate");
+    if (!st.is_ok()) {
+      delete held;
+      return st;
+    }
+    ++*count_;
+    st = cuda_host::cuda_status(
+        cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove),
+        "cudaGraphRetainUserObject");
+    if (!st.is_ok()) cudaUserObjectRelease(object, 1);  // runs release()
+    return st;
+  }
+
+  long long count() const { return count_->load(); }
+
+  // The count after waiting up to `seconds` for it to reach 0: CUDA releases a destroyed graph's
+  // objects on an internal thread, which can trail cudaGraphExecDestroy / cudaGraphDestroy.
+  // Host polling only, no CUDA call (a destructor may run while another thread captures).
+  long long wait_for_release(double seconds) const {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (count_->load() > 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return count_->load();
+  }
+
+  // How long a destructor waits for graphs destroyed just before it.
+  static constexpr double kDestroyGraceSeconds = 0.1;
+
+ private:
+  // The user object's destructor (a CUDA-internal thread: no CUDA calls).
+  static void release(void* counter) {
+    auto* held = static_cast<std::shared_ptr<std::atomic<long long>>*>(counter);
+    --**held;
+    delete held;
+  }
+
+  std::shared_ptr<std::atomic<long long>> count_ = std::make_shared<std::atomic<long long>>(0);
+};
+
+}  // namespace comm_detail
+}  // namespace cpidx
