@@ -6,7 +6,9 @@
 // communicator (cpidx/comm_peer.h, IPC-mapped buffers, MPI as bootstrap): its gathers equal
 // NCCL's bytes, 1000 back-to-back gathers in one graph, mixed sizes, cp_decode eager and in 1000
 // graph replays, and abandon_peer_communicator on one rank while its peers are elsewhere (no
-// barrier, its buffer left mapped for them). Skips with fewer GPUs than ranks.
+// barrier, its buffer left mapped for them). Skips with fewer GPUs than ranks; but
+// MpiPeerOnOneGpu puts every rank on GPU 0: a graph on one rank that holds a gather keeps every
+// rank's buffers when all destroy their communicators.
 //
 // Rule: no ASSERT or early return before a collective (see multigpu_util.h).
 #include <gtest/gtest.h>
@@ -308,6 +310,82 @@ TEST_F(MpiPeer, AbandonWaitsForNoPeer) {
       EXPECT_TRUE(released.is_ok()) << released.to_string();
     }
   }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Ranks in separate processes that share GPU 0 (CUDA IPC maps a buffer of the same GPU into
+// another process; no kernel of one rank here waits for another's, so the GPU's time-slicing of
+// the processes never matters). Runs with >= 2 ranks and >= 1 GPU.
+class MpiPeerOnOneGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (world().size < 2 || device_count() < 1) {
+      GTEST_SKIP() << "needs >= 2 ranks and a GPU; " << world().size << " ranks, "
+                   << device_count() << " GPUs";
+    }
+  }
+  // Whether `p` (this process's) still points into a device allocation.
+  static bool allocated(const void* p) {
+    cudaPointerAttributes attributes{};
+    const cudaError_t e = cudaPointerGetAttributes(&attributes, p);
+    if (e != cudaSuccess) cudaGetLastError();
+    return e == cudaSuccess && attributes.type == cudaMemoryTypeDevice;
+  }
+};
+
+// Every rank destroys its communicator while rank 0 alone keeps an instantiated graph of a
+// gather: no rank frees its buffer (rank 0's replays store into every peer's through its
+// mappings), each told so through a word of its own buffer; rank 0's replay afterwards stores
+// into them without a fault (and times out waiting for lines no peer sends). Seen through each
+// rank's error word, which lives in its buffer: still allocated after the destruction. A control
+// world destroyed with no graph frees them. (The GPU's free memory cannot tell: while a peer
+// keeps its IPC mapping, CUDA keeps the memory of a buffer its owner freed.)
+TEST_F(MpiPeerOnOneGpu, AGraphOnOneRankKeepsEveryRanksBuffers) {
+  constexpr size_t kBytes = 4096;
+  const int rank = world().rank, size = world().size;
+  DeviceScope scope(0);
+  Status st;
+  std::unique_ptr<Communicator> mpi = cpidx::make_mpi_communicator(&st);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();  // the same verdict on every rank
+  if (mpi == nullptr) return;
+
+  // Control: no graph, every rank frees.
+  std::unique_ptr<Communicator> peer = cpidx::make_peer_communicator(*mpi, 0, kBytes, &st, 0.25);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  if (peer == nullptr) return;
+  const int32_t* word = cpidx::peer_error_flag(*peer);
+  EXPECT_TRUE(allocated(word));
+  peer.reset();  // collective across processes
+  EXPECT_FALSE(allocated(word)) << "the control world's buffer";
+
+  peer = cpidx::make_peer_communicator(*mpi, 0, kBytes, &st, 0.25);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  if (peer == nullptr) return;
+  word = cpidx::peer_error_flag(*peer);
+  DeviceVec<uint8_t> buf(static_cast<size_t>(size) * kBytes);
+  cudaStream_t stream = nullptr;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  if (rank == 0) {
+    cudaGraph_t graph = nullptr;
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    EXPECT_TRUE(peer->all_gather(buf.ptr, buf.ptr, kBytes, stream).is_ok());
+    EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  }
+  EXPECT_EQ(cpidx::peer_gathers_in_live_graphs(*peer), rank == 0 ? 1 : 0)
+      << "each process counts its own graphs";
+  peer.reset();
+  EXPECT_TRUE(allocated(word)) << "rank " << rank
+                               << " freed its buffer while rank 0's graph held a gather";
+  MPI_Barrier(MPI_COMM_WORLD);  // every rank destroyed its communicator
+  if (exec != nullptr) {
+    EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess) << "the replay's stores faulted";
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  }
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
