@@ -36,7 +36,10 @@ constexpr int32_t kPeerErrorTimeout = 1;
 //    handles (cudaIpcGetMemHandle / cudaIpcOpenMemHandle).
 //  - Fails on every rank with kUnsupported (world > kPeerMaxRanks, a pair of GPUs without peer
 //    access, ranks on different hosts, IPC refused) or kInvalidArgument (bad device, sizes that
-//    differ between ranks), naming the rank and the reason: fall back to NCCL then.
+//    differ between ranks, two ranks on one GPU), naming the rank and the reason: fall back to
+//    NCCL then (which refuses a shared GPU too).
+//  - allow_shared_gpu (the same on every rank) accepts ranks that share a GPU, which the
+//    library's one-GPU tests use; see "Ranks that share one GPU" below for the hazard.
 //  - A device-memory bootstrap (NCCL) gathers the set-up messages through a few KB staged on
 //    `device`, or, where this rank cannot allocate there (a bad device), on the caller's current
 //    device (its NCCL device, usually), so the failing rank still joins the gathers. A rank that
@@ -49,7 +52,8 @@ constexpr int32_t kPeerErrorTimeout = 1;
 // sets *status; *status is ok otherwise.
 std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, int device,
                                                      size_t max_bytes_per_rank, Status* status,
-                                                     double timeout_seconds = 5.0);
+                                                     double timeout_seconds = 5.0,
+                                                     bool allow_shared_gpu = false);
 
 // The device int32 error word of a peer communicator (OR of kPeerError* bits since the last
 // clear; the library never reads it back), or nullptr when `comm` is not one. Once a rank timed
@@ -108,10 +112,11 @@ Status abandon_peer_communicator(std::unique_ptr<Communicator>* comm);
 //    gathers in one stream order (one stream, or streams joined by events), as with NCCL.
 //    A rank may run at most one gather ahead of a peer: the kernel enforces it by waiting.
 //  - check_agree() and barrier() forward to the bootstrap communicator.
-//  - Ranks that share one GPU are accepted (the library's one-GPU tests put two ranks there),
-//    but they share its SMs: one rank's cp_decode launches its scoring grid early, behind its
-//    query gather, and that grid can hold every SM while the gather waits for the other rank's,
-//    which then finds no SM until the timeout. Give each rank its own GPU, as NCCL requires.
+//  - Ranks that share one GPU are refused unless allow_shared_gpu (the library's one-GPU tests
+//    put two ranks there), because they share its SMs: one rank's cp_decode launches its
+//    scoring grid early, behind its query gather, and that grid can hold every SM while the
+//    gather waits for the other rank's, which then finds no SM until the timeout. Give each
+//    rank its own GPU, as NCCL requires.
 //  - device_channel() (cpidx/device_channel.h) is a second set of peer-mapped lines of the same
 //    capacity, which cp_decode writes from its selection kernel and polls from its merge kernel:
 //    the key gather costs no kernel of its own (DecodeConfig::fused_exchange). Its timeouts

@@ -285,7 +285,7 @@ void bind_comm(nb::module_& m) {
   m.def(
       "make_peer_communicator",
       [](PyCommunicator& bootstrap, int device, int64_t max_bytes_per_rank,
-         double timeout_seconds) {
+         double timeout_seconds, bool allow_shared_gpu) {
         Status st;
         std::unique_ptr<Communicator> comm;
         {
@@ -294,18 +294,21 @@ void bind_comm(nb::module_& m) {
           // (a local raise here would leave the other ranks waiting in the collective).
           const size_t bound = max_bytes_per_rank < 0 ? 0 : static_cast<size_t>(max_bytes_per_rank);
           nb::gil_scoped_release release;  // collective: every rank blocks until all have joined
-          comm = make_peer_communicator(boot.comm(), device, bound, &st, timeout_seconds);
+          comm = make_peer_communicator(boot.comm(), device, bound, &st, timeout_seconds,
+                                        allow_shared_gpu);
         }
         check_status(st);
         return owned(std::move(comm), "peer", nb::find(&bootstrap));
       },
       "bootstrap"_a, "device"_a, "max_bytes_per_rank"_a, "timeout_seconds"_a = 5.0,
+      "allow_shared_gpu"_a = false,
       "Collective: the peer communicator (one-shot stores into CUDA-IPC / peer-mapped buffers, "
       "ranks on one host with P2P access) of this rank on `device`, for gathers of up to "
       "max_bytes_per_rank bytes per rank (cp_gather_bytes). `bootstrap` (any cpidx "
       "Communicator of the same ranks, e.g. the NCCL one) is held, and cannot be closed, while "
       "this one is open. Every rank raises the same error when the host, the GPUs or an "
-      "argument rule it out: fall back to NCCL then.");
+      "argument rule it out: fall back to NCCL then. Ranks that share a GPU are refused "
+      "(ValueError) unless allow_shared_gpu (for tests: their kernels compete for its SMs).");
 #else
   m.attr("has_peer") = false;
 #endif

@@ -727,9 +727,10 @@ def test_cp_decode_through_a_closed_communicator_is_named():
 
 @needs_peer
 def test_peer_close_is_refused_while_a_graph_holds_its_gathers():
-    """Two ranks on one GPU, a thread each, each capturing a context-parallel step: the graphs
-    hold the steps' gathers, whose replays store into both ranks' buffers, so close() raises
-    naming them (closing nothing) until the graphs are deleted, and closes after."""
+    """Two ranks on one GPU, a thread each (refused unless allowed), each capturing a
+    context-parallel step: the graphs hold the steps' gathers, whose replays store into both
+    ranks' buffers, so close() raises naming them (closing nothing) until the graphs are
+    deleted, and closes after."""
     rng = np.random.default_rng(41)
     b = random_decode(rng, 2, 1, [900, 40, 300], max_seq_len=1024)
     q, k, bt, sl = to_dev(b)
@@ -739,7 +740,10 @@ def test_peer_close_is_refused_while_a_graph_holds_its_gathers():
 
     def rank(r):
         try:
-            peers[r] = cpidx._C.make_peer_communicator(boots[r], 0, 1 << 20)
+            with pytest.raises(ValueError, match="ranks 0 and 1 share GPU"):
+                cpidx._C.make_peer_communicator(boots[r], 0, 1 << 20)  # every rank refuses
+            peers[r] = cpidx._C.make_peer_communicator(boots[r], 0, 1 << 20,
+                                                       allow_shared_gpu=True)
             dec = cpidx.Decoder(total_heads=2, world_size=2, rank=r, max_tokens=b.rows,
                                 max_seq_len=1024, topk=4, init_blocks=0, local_blocks=1, device=0)
             local = q[:, r:r + 1].contiguous()

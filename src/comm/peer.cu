@@ -629,7 +629,7 @@ Status set_up_local(int device, size_t max_bytes, double timeout_seconds, PeerIn
 // Maps rank q's buffer into this process: a raw pointer (same process, with peer access
 // enabled) or a CUDA IPC mapping (another process of the same host).
 Status map_peer(const PeerInfo& me, const PeerInfo& other, int rank, int q,
-                PeerCommunicator::Parts* parts) {
+                bool allow_shared_gpu, PeerCommunicator::Parts* parts) {
   if (other.max_bytes != me.max_bytes) {
     return invalid_argument("ranks disagree on max_bytes_per_rank: rank " + std::to_string(rank) +
                             " has " + std::to_string(me.max_bytes) + ", rank " + std::to_string(q) +
@@ -643,6 +643,13 @@ Status map_peer(const PeerInfo& me, const PeerInfo& other, int rank, int q,
   const std::string other_bus = text_of(other.bus_id);
   const std::string pair = "GPU " + std::string(me.bus_id) + " (rank " + std::to_string(rank) +
                            ") and GPU " + other_bus + " (rank " + std::to_string(q) + ")";
+  if (other_bus == me.bus_id && !allow_shared_gpu) {
+    return invalid_argument("ranks " + std::to_string(std::min(rank, q)) + " and " +
+                            std::to_string(std::max(rank, q)) + " share GPU " + other_bus +
+                            ": the peer communicator needs a GPU of its own for every rank, as "
+                            "NCCL does (a rank's decode can hold the SMs another rank's gather "
+                            "waits for); check each rank's device");
+  }
   auto check_peer_access = [&](int peer_device) -> Status {
     int can = 0;
     CPIDX_CUDA_TRY(cudaDeviceCanAccessPeer(&can, me.device, peer_device));
@@ -693,7 +700,8 @@ Status map_peer(const PeerInfo& me, const PeerInfo& other, int rank, int q,
 
 std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, int device,
                                                      size_t max_bytes_per_rank, Status* status,
-                                                     double timeout_seconds) {
+                                                     double timeout_seconds,
+                                                     bool allow_shared_gpu) {
   Status ignored;
   Status& result = status != nullptr ? *status : ignored;
   result = Status::ok();
@@ -770,7 +778,9 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
     }
   }
   for (int q = 0; q < world && mapped.is_ok(); ++q) {
-    if (q != rank) mapped = map_peer(mine, infos[static_cast<size_t>(q)], rank, q, &parts);
+    if (q != rank) {
+      mapped = map_peer(mine, infos[static_cast<size_t>(q)], rank, q, allow_shared_gpu, &parts);
+    }
   }
 
   // 3. Agree: every rank returns the first failing rank's reason. (A bootstrap that failed in

@@ -333,13 +333,14 @@ class MpiPeerOnOneGpu : public ::testing::Test {
   }
 };
 
-// Every rank destroys its communicator while rank 0 alone keeps an instantiated graph of a
-// gather: no rank frees its buffer (rank 0's replays store into every peer's through its
-// mappings), each told so through a word of its own buffer; rank 0's replay afterwards stores
-// into them without a fault (and times out waiting for lines no peer sends). Seen through each
-// rank's error word, which lives in its buffer: still allocated after the destruction. A control
-// world destroyed with no graph frees them. (The GPU's free memory cannot tell: while a peer
-// keeps its IPC mapping, CUDA keeps the memory of a buffer its owner freed.)
+// Ranks that share a GPU are refused unless allow_shared_gpu. Every rank destroys its
+// communicator while rank 0 alone keeps an instantiated graph of a gather: no rank frees its
+// buffer (rank 0's replays store into every peer's through its mappings), each told so through
+// a word of its own buffer; rank 0's replay afterwards stores into them without a fault (and
+// times out waiting for lines no peer sends). Seen through each rank's error word, which lives
+// in its buffer: still allocated after the destruction. A control world destroyed with no graph
+// frees them. (The GPU's free memory cannot tell: while a peer keeps its IPC mapping, CUDA keeps
+// the memory of a buffer its owner freed.)
 TEST_F(MpiPeerOnOneGpu, AGraphOnOneRankKeepsEveryRanksBuffers) {
   constexpr size_t kBytes = 4096;
   const int rank = world().rank, size = world().size;
@@ -349,8 +350,14 @@ TEST_F(MpiPeerOnOneGpu, AGraphOnOneRankKeepsEveryRanksBuffers) {
   EXPECT_TRUE(st.is_ok()) << st.to_string();  // the same verdict on every rank
   if (mpi == nullptr) return;
 
-  // Control: no graph, every rank frees.
+  // Refused without allow_shared_gpu, on every rank (bus ids compared across processes).
   std::unique_ptr<Communicator> peer = cpidx::make_peer_communicator(*mpi, 0, kBytes, &st, 0.25);
+  EXPECT_EQ(peer, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("share GPU"), std::string::npos) << st.message();
+
+  // Control: no graph, every rank frees.
+  peer = cpidx::make_peer_communicator(*mpi, 0, kBytes, &st, 0.25, /*allow_shared_gpu=*/true);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   if (peer == nullptr) return;
   const int32_t* word = cpidx::peer_error_flag(*peer);
@@ -358,7 +365,7 @@ TEST_F(MpiPeerOnOneGpu, AGraphOnOneRankKeepsEveryRanksBuffers) {
   peer.reset();  // collective across processes
   EXPECT_FALSE(allocated(word)) << "the control world's buffer";
 
-  peer = cpidx::make_peer_communicator(*mpi, 0, kBytes, &st, 0.25);
+  peer = cpidx::make_peer_communicator(*mpi, 0, kBytes, &st, 0.25, /*allow_shared_gpu=*/true);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   if (peer == nullptr) return;
   word = cpidx::peer_error_flag(*peer);

@@ -549,9 +549,9 @@ class PeerOnOneGpu : public ::testing::Test {
     peers_.resize(kWorld);
     std::vector<Status> st(kWorld);
     on_gpu0(kWorld, [&](int r) {
-      peers_[static_cast<size_t>(r)] =
-          cpidx::make_peer_communicator(*boot_[static_cast<size_t>(r)], 0, 64 << 10,
-                                        &st[static_cast<size_t>(r)], timeout_seconds);
+      peers_[static_cast<size_t>(r)] = cpidx::make_peer_communicator(
+          *boot_[static_cast<size_t>(r)], 0, 64 << 10, &st[static_cast<size_t>(r)],
+          timeout_seconds, /*allow_shared_gpu=*/true);
     });
     for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
   }
@@ -566,6 +566,24 @@ class PeerOnOneGpu : public ::testing::Test {
   }
   Comms boot_, peers_;
 };
+
+// Without allow_shared_gpu the two ranks on GPU 0 are refused, on both, naming the pair and
+// the GPU (NCCL refuses them too): their kernels would compete for its SMs.
+TEST_F(PeerOnOneGpu, RanksSharingAGpuAreRefusedUnlessAllowed) {
+  Comms boot = cpidx::make_thread_communicators(kWorld);
+  Comms peers(kWorld);
+  std::vector<Status> st(kWorld);
+  on_gpu0(kWorld, [&](int r) {
+    peers[static_cast<size_t>(r)] = cpidx::make_peer_communicator(
+        *boot[static_cast<size_t>(r)], 0, 4096, &st[static_cast<size_t>(r)]);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(peers[static_cast<size_t>(r)], nullptr) << "rank " << r;
+    EXPECT_EQ(st[r].code(), StatusCode::kInvalidArgument) << st[r].to_string();
+    EXPECT_NE(st[r].message().find("ranks 0 and 1 share GPU"), std::string::npos)
+        << st[r].message();
+  }
+}
 
 // Rank 0 gathers alone; rank 1 launches nothing. Rank 0's waiter times out and raises rank 1's
 // word as well as its own: every rank reading its own word learns of the failure.
