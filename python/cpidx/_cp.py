@@ -246,11 +246,13 @@ class IndexerCPDecode:
 
     CUDA graphs first: destroy (``del``) every CUDA graph that captured a step before
     ``close()`` or dropping the instance. NCCL's communicator destroy waits until every live
-    graph holding one of its kernels is gone, and a replay of such a graph stores into the peer
-    communicator's buffers, so with either exchange ``close()`` raises ``RuntimeError`` (naming
-    how many gathers such graphs hold) instead of waiting forever or freeing them under the
-    graph, and an instance dropped while one lives lets go of its communicators without
-    destroying them (the peer one keeps its buffers until the process exits). Instances shared
+    graph holding one of its kernels is gone, and a replay of such a graph uses the peer
+    communicator's buffers and the instance's workspace. So while one lives ``close()`` raises
+    ``RuntimeError`` naming how many gathers such graphs hold, with a host group on every rank
+    (they agree first), without one with the NCCL exchange; without a host group the peer
+    exchange cannot refuse on one rank alone (its teardown is collective), so it closes and
+    keeps those buffers until the process exits, with a ``RuntimeWarning``. An instance dropped
+    while one lives lets go of its communicators without destroying them. Instances shared
     through :data:`cpidx.registry` and still open at interpreter exit are not destroyed at all
     (their communicators go with the process), so exit never waits on a graph or a rank.
     """
@@ -789,13 +791,12 @@ class IndexerCPDecode:
         """Collective: every rank calls it (in the same order for all its instances). Closes the
         peer communicator, then the NCCL one (those this instance made; a Communicator passed as
         ``group`` stays open), and frees the buffers. Idempotent; any later use raises. Destroy
-        the CUDA graphs that captured its steps first: with the NCCL or the peer exchange it
-        raises while one lives, and can be called again once they are gone (see the class
-        docstring). With a host group the ranks agree first: when one cannot close, every rank
-        raises and none closes anything. A step in flight on another thread makes it raise
-        (with a host group, on every rank, the instances of the torch exchange too), closing
-        nothing, as does a close() under way on another thread; from the moment it goes ahead,
-        steps raise."""
+        the CUDA graphs that captured its steps first: while one lives it raises (can be called
+        again once they are gone) or keeps what they use (see the class docstring). With a host
+        group the ranks agree first: when one cannot close, every rank raises and none closes
+        anything. A step in flight on another thread makes it raise (with a host group, on
+        every rank, the instances of the torch exchange too), closing nothing, as does a
+        close() under way on another thread; from the moment it goes ahead, steps raise."""
         if self._closed:
             return
         if self._agrees_to_close():
@@ -813,6 +814,9 @@ class IndexerCPDecode:
             if why is not None:
                 raise RuntimeError(f"{self!r}.close(): {why}; nothing was closed: call close() "
                                    f"again once it returned")
+        # Without a host group no rank can refuse for all (a peer communicator's close is
+        # collective): under a live graph this rank closes, and keeps what the graph uses.
+        held = self._graph_blocker() if self._host is None else None
         try:
             while self._owned:
                 self._owned[0].close()  # raises before anything is dropped if it cannot close
@@ -820,7 +824,13 @@ class IndexerCPDecode:
         except BaseException:
             self._unclaim_close()  # still open: its steps may run again
             raise
+        if held is not None:
+            self._keep_for_live_graphs([])
         self._drop()
+        if held is not None:
+            warnings.warn(f"{self!r}.close(): {held}: its buffers are kept until the process "
+                          f"exits (no host group to agree on closing later)", RuntimeWarning,
+                          stacklevel=2)
 
     def _claim_close(self) -> Optional[str]:
         """Why close() cannot go ahead on this rank's side now (a step in flight on another
@@ -878,10 +888,26 @@ class IndexerCPDecode:
             if self._in_flight:
                 return f"{self._in_flight} step(s) in flight on another thread"
         try:
-            why = (c._close_blocker(ignore_dependents=True) for c in self._owned)
-            return next((w for w in why if w), None)
+            why = (c._close_blocker(ignore_dependents=True, peer_graphs=True)
+                   for c in self._owned)
+            return next((w for w in why if w), None) or (
+                None if self._comm in self._owned else self._graph_blocker())
         except Exception as e:  # noqa: BLE001 - reported as the reason
             return f"{type(e).__name__}: {e}"
+
+    def _graph_blocker(self) -> Optional[str]:
+        """Live CUDA graphs that captured steps through this instance's communicator (its own
+        or the caller's): their replays use its buffers, the communicator's and the workspace.
+        None when there are none, or no count (the torch exchange)."""
+        count = getattr(self._comm, "_gathers_in_live_graphs", None)
+        held = count(1.0) if count is not None and not self._comm.closed else 0
+        return None if held <= 0 else (f"{held} gather(s) of its steps are in CUDA graphs that "
+                                       f"are still alive (delete those graphs first)")
+
+    def _keep_for_live_graphs(self, comms: list) -> None:
+        """What a live graph may still use, kept until the process exits instead of freed."""
+        _KEPT_FOR_LIVE_GRAPHS.append((self._decoder, comms,
+                                      [self.__dict__.get(n) for n in _EXCHANGE_BUFFERS]))
 
     def _let_go_without_agreement(self) -> None:
         """close() once the host group has failed: no agreement can be had any more, nor a
@@ -898,8 +924,7 @@ class IndexerCPDecode:
         if blocker is not None:
             for comm in self._owned:
                 comm._leak_at_exit()
-            _KEPT_FOR_LIVE_GRAPHS.append((self._decoder, self._owned,
-                                          [self.__dict__.get(n) for n in _EXCHANGE_BUFFERS]))
+            self._keep_for_live_graphs(self._owned)
             kept = (f"; this rank could not close ({blocker}), so its communicators and buffers "
                     f"are kept until the process exits")
         self._drop()

@@ -75,7 +75,22 @@ Communicator& PyCommunicator::get(const char* arg) {
   return *comm_;
 }
 
-std::optional<std::string> PyCommunicator::close_blocker(bool ignore_dependents) {
+long long PyCommunicator::gathers_in_live_graphs(double wait_seconds) {
+  if (comm_ == nullptr) return -1;
+  long long held = -1;
+  nb::gil_scoped_release release;  // may synchronise the device and wait
+#if defined(CPIDX_PY_NCCL)
+  held = nccl_gathers_in_live_graphs(*comm_, wait_seconds);
+#endif
+#if defined(CPIDX_PY_PEER)
+  if (held < 0) held = peer_gathers_in_live_graphs(*comm_, wait_seconds);
+#endif
+  (void)wait_seconds;
+  return held;
+}
+
+std::optional<std::string> PyCommunicator::close_blocker(bool ignore_dependents,
+                                                         bool peer_graphs) {
   if (comm_ == nullptr) return std::nullopt;
   if (dependents_ > 0 && !ignore_dependents) {
     return describe() + " is the bootstrap of " + std::to_string(dependents_) +
@@ -84,38 +99,34 @@ std::optional<std::string> PyCommunicator::close_blocker(bool ignore_dependents)
   if (in_use_ > 0) {
     return describe() + " is in use by a call on another thread; close it after that call";
   }
-#if defined(CPIDX_PY_NCCL)
-  long long held = 0;
-  {
-    nb::gil_scoped_release release;  // synchronises the device, then waits up to a second
-    held = nccl_gathers_in_live_graphs(*comm_, 1.0);
-  }
-  if (held > 0) {
-    return describe() + ": " + std::to_string(held) +
-           " of its gathers are in CUDA graphs that are still alive (captured steps); delete "
-           "those graphs first: NCCL's destroy would wait for them forever";
-  }
-#endif
+  // NCCL's destroy would wait forever for a live graph that holds one of its gathers. The peer
+  // communicator's destructor keeps its buffers instead (a leak, no hang), so close() goes
+  // ahead: refusing on one rank alone would leave the others in its collective destructor.
+  // Callers that agree across ranks first (IndexerCPDecode with a host group) ask for it too
+  // (peer_graphs), since their own buffers must outlive such a graph.
 #if defined(CPIDX_PY_PEER)
-  if (peer_error_flag(*comm_) != nullptr) {
-    long long held = 0;
-    {
-      nb::gil_scoped_release release;  // synchronises the device, then waits up to a second
-      held = peer_gathers_in_live_graphs(*comm_, 1.0);
-    }
+  const bool is_peer = peer_error_flag(*comm_) != nullptr;
+#else
+  const bool is_peer = false;
+#endif
+  if (!is_peer || peer_graphs) {
+    const long long held = gathers_in_live_graphs(1.0);  // syncs, then waits up to a second
     if (held > 0) {
       return describe() + ": " + std::to_string(held) +
              " of its gathers are in CUDA graphs that are still alive (captured steps); delete "
-             "those graphs first: their replays store into its buffers";
+             "those graphs first: " +
+             (is_peer ? "their replays store into its buffers"
+                      : "NCCL's destroy would wait for them forever");
     }
   }
-#endif
   return std::nullopt;
 }
 
 void PyCommunicator::close() {
   if (comm_ == nullptr) return;
-  if (const std::optional<std::string> why = close_blocker(false)) throw std::runtime_error(*why);
+  if (const std::optional<std::string> why = close_blocker(false, false)) {
+    throw std::runtime_error(*why);
+  }
   std::unique_ptr<Communicator> comm = std::move(comm_);  // closed for every other thread now
   {
     nb::gil_scoped_release release;  // collective: waits for every rank
@@ -156,12 +167,22 @@ void bind_comm(nb::module_& m) {
       .def("close", &PyCommunicator::close,
            "Collective teardown: every rank calls it, in the same order for every communicator. "
            "A peer communicator closes its mappings, waits for every rank (through its "
-           "bootstrap) and frees its buffers; close it before its bootstrap. Idempotent. Raises "
-           "RuntimeError, closing nothing, while a CUDA graph that captured one of its gathers "
-           "is alive (NCCL and peer): delete those graphs first.")
+           "bootstrap) and frees its buffers; close it before its bootstrap. Idempotent. Delete "
+           "the CUDA graphs that captured its gathers first: an NCCL communicator raises "
+           "RuntimeError, closing nothing, while one is alive (NCCL's destroy would wait for "
+           "it); a peer one closes and keeps its buffers until the process exits (the graph's "
+           "replays store into them).")
       .def("_close_blocker", &PyCommunicator::close_blocker, "ignore_dependents"_a = false,
+           "peer_graphs"_a = false,
            "Why close() would raise now, or None; local, closes nothing. ignore_dependents: the "
-           "open peer communicators built over it are about to close first.")
+           "open peer communicators built over it are about to close first. peer_graphs: a "
+           "peer communicator's gathers held by live CUDA graphs are a reason too (for callers "
+           "that agree across ranks before closing).")
+      .def("_gathers_in_live_graphs", &PyCommunicator::gathers_in_live_graphs,
+           "wait_seconds"_a = 0.0,
+           "How many of its gathers sit in live CUDA graphs (NCCL or peer; -1 for others or "
+           "once closed), after synchronising its device and waiting up to wait_seconds for "
+           "graphs just destroyed.")
       .def(
           "read_error_flag",
           [](PyCommunicator& c) -> nb::object {

@@ -33,11 +33,17 @@ class PyCommunicator {
   // one is open, while a call that released the GIL still uses it, or (NCCL) while a CUDA graph
   // that captured one of its gathers lives: NCCL's destroy would wait for it forever. (A
   // finalizer destroys it anyway: the C++ destructor then leaves the ncclComm_t to the process.)
+  // A peer communicator under such a graph is not refused (one rank refusing would leave the
+  // others in the collective destructor): its destructor keeps the buffers the graph uses.
   void close();
   // Why close() would raise now (the same checks, NCCL's wait for live graphs included), or
   // nothing; closes nothing. ignore_dependents: the open peer communicators built over this one
   // are about to close first (a teardown that agrees with its peers before closing anything).
-  std::optional<std::string> close_blocker(bool ignore_dependents);
+  // peer_graphs: a peer communicator's gathers held by live graphs are a reason too (for such
+  // a teardown, whose own buffers the graphs use as well).
+  std::optional<std::string> close_blocker(bool ignore_dependents, bool peer_graphs);
+  // nccl_gathers_in_live_graphs / peer_gathers_in_live_graphs; -1 for other kinds or closed.
+  long long gathers_in_live_graphs(double wait_seconds);
   // Process exit: lets go of the communicator without destroying it (its memory, threads and
   // mappings go with the process). A destroy could wait forever there: NCCL's waits for every
   // live CUDA graph that captured one of its kernels, and an engine's graphs usually outlive

@@ -1,7 +1,7 @@
 """GPU path: torch CUDA tensors through the ops == the C++ Decoder called directly (bitwise) ==
 the golden ids; the context-parallel halves on one GPU; CUDA-graph capture and replay with
 changing lengths; torch.compile; the peer communicator's Python life cycle (close, bootstrap
-held, finalizer, refused under a live graph); with 2+ GPUs, IndexerCPDecode over two processes
+held, finalizer, graphs holding its gathers); with 2+ GPUs, IndexerCPDecode over two processes
 with each exchange. Skips without torch, a CUDA build or a GPU."""
 from __future__ import annotations
 
@@ -726,11 +726,12 @@ def test_cp_decode_through_a_closed_communicator_is_named():
 
 
 @needs_peer
-def test_peer_close_is_refused_while_a_graph_holds_its_gathers():
+def test_peer_gathers_in_live_graphs_are_counted_and_close_keeps_their_buffers():
     """Two ranks on one GPU, a thread each (refused unless allowed), each capturing a
-    context-parallel step: the graphs hold the steps' gathers, whose replays store into both
-    ranks' buffers, so close() raises naming them (closing nothing) until the graphs are
-    deleted, and closes after."""
+    context-parallel step: the graphs hold the steps' gathers, counted for both ranks together
+    (a replay of either stores into both buffers). A caller that agrees across ranks before
+    closing (IndexerCPDecode) is told so (peer_graphs); close() itself does not refuse (one rank
+    refusing would leave the others in its collective destructor) and keeps the buffers."""
     rng = np.random.default_rng(41)
     b = random_decode(rng, 2, 1, [900, 40, 300], max_seq_len=1024)
     q, k, bt, sl = to_dev(b)
@@ -756,7 +757,7 @@ def test_peer_close_is_refused_while_a_graph_holds_its_gathers():
                               stream=stream.cuda_stream)
                 graph.capture_end()
             graphs[r] = (graph, dec, out)
-        except Exception as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # noqa: BLE001 - reported below (pytest's Failed included)
             errors.append(e)
             ready.abort()
 
@@ -765,19 +766,19 @@ def test_peer_close_is_refused_while_a_graph_holds_its_gathers():
         t.start()
     for t in threads:
         t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
     assert not errors, errors
     for r in range(2):
+        assert peers[r]._gathers_in_live_graphs() == 2  # one query gather a step, both ranks'
         assert "2 of its gathers are in CUDA graphs that are still alive" in \
-            peers[r]._close_blocker()
-    with pytest.raises(RuntimeError, match="still alive.*delete those graphs first"):
-        peers[0].close()
-    assert not peers[0].closed
+            peers[r]._close_blocker(peer_graphs=True)
+        assert peers[r]._close_blocker() is None
+    assert boots[0]._gathers_in_live_graphs() == -1  # a thread communicator: no count
+    for r in range(2):
+        peers[r].close()  # ranks of one process: no collective; the buffers are kept
+        assert peers[r].closed and peers[r]._gathers_in_live_graphs() == -1
     graphs.clear()
     gc.collect()
-    for r in range(2):
-        assert peers[r]._close_blocker() is None
-        peers[r].close()
-        assert peers[r].closed
     for boot in boots:
         boot.close()
 

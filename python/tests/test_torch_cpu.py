@@ -1368,7 +1368,7 @@ class _ClosableComm:
     def _leak_at_exit(self):
         self.leaked = True
 
-    def _close_blocker(self, ignore_dependents=False):
+    def _close_blocker(self, ignore_dependents=False, peer_graphs=False):
         return "a CUDA graph still holds 2 of its gathers" if self.blocked else None
 
     def close(self):
@@ -1723,6 +1723,49 @@ def test_close_is_idempotent_and_a_later_call_raises_naming_the_instance():
         with pytest.raises(RuntimeError, match=r"IndexerCPDecode\(rank 0 of 1, exchange 'none', "
                                                r"device 'cpu'\) is closed"):
             use()
+
+
+class _GraphHeldComm(_ClosableComm):
+    """Stands in for a peer communicator an instance made and steps through, with `held` of its
+    gathers in live CUDA graphs: its close() does not refuse (the teardown is collective)."""
+
+    def __init__(self, held):
+        super().__init__(blocked=False)
+        self.held, self.closed = held, False
+
+    def _gathers_in_live_graphs(self, wait_seconds=0.0):
+        return -1 if self.closed else self.held
+
+    def close(self):
+        super().close()
+        self.closed = True
+
+
+def test_without_a_host_group_close_keeps_what_a_live_graph_uses():
+    """No host group to agree through: a rank whose graphs hold its steps' gathers cannot refuse
+    for every rank, so close() closes its communicators and keeps its workspace until the
+    process exits, warning; with no graph it frees it, silently."""
+    import warnings
+
+    import cpidx._cp as cp_module
+
+    for held in (2, 0):
+        cp = _world_one()
+        comm = _GraphHeldComm(held)
+        cp._owned, cp._comm = [comm], comm  # as a peer exchange's instance without a host group
+        before = len(cp_module._KEPT_FOR_LIVE_GRAPHS)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cp.close()
+        warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        kept = len(cp_module._KEPT_FOR_LIVE_GRAPHS) - before == 1
+        assert cp.closed and comm.closes == 1 and not comm.leaked
+        if held:
+            assert kept
+            assert len(warned) == 1 and "2 gather(s) of its steps are in CUDA graphs" in \
+                warned[0] and "kept until the process exits" in warned[0], warned
+        else:
+            assert not kept and not warned, warned
 
 
 def test_context_manager_closes_on_both_exits():

@@ -50,6 +50,16 @@ class GraphHolds {
 
   long long count() const { return count_->load(); }
 
+  // A weak reference to this count, and taking one up (false, nothing changed, once the count
+  // is gone): how the ranks of one process come to share rank 0's.
+  std::weak_ptr<std::atomic<long long>> share() const { return count_; }
+  bool adopt(const std::weak_ptr<std::atomic<long long>>& shared) {
+    std::shared_ptr<std::atomic<long long>> count = shared.lock();
+    if (count == nullptr) return false;
+    count_ = std::move(count);
+    return true;
+  }
+
   // The count after waiting up to `seconds` for it to reach 0: CUDA releases a destroyed graph's
   // objects on an internal thread, which can trail cudaGraphExecDestroy / cudaGraphDestroy.
   // Host polling only, no CUDA call (a destructor may run while another thread captures).

@@ -12,8 +12,10 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -243,8 +245,7 @@ struct PeerInfo {
   uint64_t nonce;  // process_nonce()
   uint64_t max_bytes;
   uint64_t buffer;  // receive buffer address in the owner's process
-  uint64_t holds;   // address of the owner's Parts::holds (read by ranks of the same process
-                    // before the verdicts are gathered, while the owner waits in that gather)
+  uint64_t holds_id;  // the owner's Parts::holds in this process's HoldsRegistry
   int32_t code;     // StatusCode of the local set-up (0: ok)
   int32_t device;
   int32_t ipc_ok;  // cudaIpcGetMemHandle succeeded
@@ -262,7 +263,9 @@ struct Verdict {
   int32_t code;   // StatusCode (0: every peer mapped)
   int32_t magic;  // kVerdictMagic: a verdict that lacks it (a rank that could not stage its
                   // own) reads as a failure
-  char message[504];
+  int32_t cross_process;  // this rank saw a rank of another process (Parts::cross_process)
+  int32_t reserved;
+  char message[496];
 };
 
 // Text of a fixed-size field received from a peer, NUL or not.
@@ -356,6 +359,43 @@ class BootstrapStage {
   void *send_ = nullptr, *recv_ = nullptr;
   cudaStream_t stream_ = nullptr;
   Status status_, on_device_;
+};
+
+// The graph-hold counts of the ranks being created in this process, by id (PeerInfo::holds_id),
+// so that its other ranks take up rank 0's (Parts::holds). Weak references: a rank 0 whose
+// creation has already ended leaves nothing (or an expired entry) to take up, and the others
+// keep their own count; their creation fails with rank 0's then.
+class HoldsRegistry {
+ public:
+  static uint64_t publish(const comm_detail::GraphHolds& holds) {
+    std::lock_guard<std::mutex> lock(mutex());
+    const uint64_t id = ++next();
+    map().emplace(id, holds.share());
+    return id;
+  }
+  static void retract(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex());
+    map().erase(id);
+  }
+  static void take_up(uint64_t id, comm_detail::GraphHolds* holds) {
+    std::lock_guard<std::mutex> lock(mutex());
+    const auto it = map().find(id);
+    if (it != map().end()) holds->adopt(it->second);
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static uint64_t& next() {
+    static uint64_t n = 0;
+    return n;
+  }
+  static std::unordered_map<uint64_t, std::weak_ptr<std::atomic<long long>>>& map() {
+    static std::unordered_map<uint64_t, std::weak_ptr<std::atomic<long long>>> m;
+    return m;
+  }
 };
 
 std::string boot_id() {
@@ -462,8 +502,11 @@ class PeerCommunicator final : public Communicator {
   }
 
   // Ranks in several processes (collective, one barrier): whether a live graph holds a gather of
-  // any rank. A rank whose graphs hold one sets its word in every peer's buffer, then each reads
-  // the words in its own. A word that cannot be read counts as held (a leak, never a free).
+  // any rank. A rank whose graphs hold one sets its word in every peer's buffer, and waits for
+  // the copies to land (a pageable copy may return before its DMA does), then each reads the
+  // words in its own. What cannot be told for sure (a failed copy, barrier or read) counts as
+  // held: a leak, never a free under a graph. A holder whose copy to a peer failed cannot tell
+  // that peer; the peer then frees (best effort; the copy failing means the mapping is broken).
   static bool held_anywhere(Communicator& bootstrap, const Parts& parts, bool held_here,
                             bool on_device) {
     const size_t at = hold_offset(parts.shape, parts.max_bytes, parts.world);
@@ -477,9 +520,10 @@ class PeerCommunicator final : public Communicator {
           cudaGetLastError();
         }
       }
+      if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
     }
-    bootstrap.barrier();  // every rank's word set before any is read
-    if (held_here || !on_device || parts.buffer == nullptr) return true;
+    const bool met = bootstrap.barrier().is_ok();  // every rank's word set before any is read
+    if (held_here || !met || !on_device || parts.buffer == nullptr) return true;
     int32_t words[kPeerMaxRanks] = {};
     if (cudaMemcpy(words, static_cast<unsigned char*>(parts.buffer) + at, kHoldBytes,
                    cudaMemcpyDeviceToHost) != cudaSuccess) {
@@ -541,6 +585,9 @@ class PeerCommunicator final : public Communicator {
     p.chunk = s.chunk;
     const bool aligned = bytes_per_rank % 8 == 0 && reinterpret_cast<uintptr_t>(send) % 8 == 0 &&
                          reinterpret_cast<uintptr_t>(recv) % 8 == 0;
+    // A gather captured into a CUDA graph is counted until the graph goes: its replays use the
+    // buffers, which are not freed meanwhile (release, peer_gathers_in_live_graphs).
+    CPIDX_RETURN_IF_ERROR(parts_.holds.count_if_captured(stream));
     // Launches go to the current device: switch only when the caller is elsewhere.
     int prev = 0;
     CPIDX_CUDA_TRY(cudaGetDevice(&prev));
@@ -550,9 +597,6 @@ class PeerCommunicator final : public Communicator {
     // is reported. cudaGetLastError after <<<>>> also returned (and cleared) one the caller had
     // left pending, reporting a gather that ran as failed, so that its caller skipped the rest
     // of a step its peers ran.
-    // A gather captured into a CUDA graph is counted until the graph goes: its replays use the
-    // buffers, which are not freed meanwhile (release, peer_gathers_in_live_graphs).
-    CPIDX_RETURN_IF_ERROR(parts_.holds.count_if_captured(stream));
     const dim3 grid(static_cast<unsigned>(s.ctas)), block(kThreads);
     auto* const kernel = aligned ? peer_all_gather_kernel<true> : peer_all_gather_kernel<false>;
     const cudaError_t launched = cuda::launch_with_pdl(false, kernel, grid, block, 0, stream, p);
@@ -737,7 +781,7 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   mine.nonce = process_nonce();
   mine.max_bytes = max_bytes_per_rank;
   mine.device = device;
-  mine.holds = reinterpret_cast<uint64_t>(&parts.holds);
+  mine.holds_id = HoldsRegistry::publish(parts.holds);
   gethostname(mine.host, sizeof(mine.host) - 1);
   copy_text(mine.boot_id, boot_id());
   Status local = set_up_local(device, max_bytes_per_rank, timeout_seconds, &mine, &parts);
@@ -764,11 +808,8 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
       const int d = infos[static_cast<size_t>(q)].device;
       if (q != rank && d != device) parts.peer_devices.push_back(d);
     }
-    // One count for every rank of this process: rank 0's (copied while rank 0 waits in the
-    // verdicts' gather below, which this rank has not joined yet).
-    if (!parts.cross_process && rank != 0) {
-      parts.holds = *reinterpret_cast<const comm_detail::GraphHolds*>(infos[0].holds);
-    }
+    // One count for every rank of this process: rank 0's.
+    if (!parts.cross_process && rank != 0) HoldsRegistry::take_up(infos[0].holds_id, &parts.holds);
   }
   for (int q = 0; q < world && mapped.is_ok(); ++q) {
     const PeerInfo& o = infos[static_cast<size_t>(q)];
@@ -789,10 +830,17 @@ std::unique_ptr<Communicator> make_peer_communicator(Communicator& bootstrap, in
   std::memset(&verdict, 0, sizeof(verdict));
   verdict.code = static_cast<int32_t>(mapped.code());
   verdict.magic = kVerdictMagic;
+  verdict.cross_process = parts.cross_process ? 1 : 0;
   copy_text(verdict.message, mapped.message());
   std::vector<Verdict> verdicts(static_cast<size_t>(world));
   Status agreed = stage.gather(&verdict, verdicts.data(), sizeof(Verdict));
+  HoldsRegistry::retract(mine.holds_id);  // every rank of this process has taken it up
   if (agreed.is_ok()) {
+    // Every rank makes release()'s barriers alike, also when one of them could not tell that a
+    // peer lives in another process (its exchange failed).
+    for (const Verdict& v : verdicts) {
+      if (v.magic == kVerdictMagic && v.cross_process != 0) parts.cross_process = true;
+    }
     for (int q = 0; q < world; ++q) {
       const Verdict& v = verdicts[static_cast<size_t>(q)];
       if (v.magic != kVerdictMagic) {

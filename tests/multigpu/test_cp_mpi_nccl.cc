@@ -69,6 +69,32 @@ void set_up_world() {
   w.peer = cpidx::make_peer_communicator(*w.mpi, w.device, kPeerMaxBytes, &w.peer_status);
 }
 
+// This rank's cp_decode through `c` on `device` captured in a CUDA graph (after an eager warm-up),
+// then `replays` replays with the shared schedule of new inputs; every `check_every`-th and the
+// last replay compared with the plain decode. The ranks agree through `host` that every capture
+// succeeded before any replays (none replays alone).
+void replay_graph_and_check(Communicator& c, Communicator& host, int device, DecodeData& d,
+                            const Selection& sel, std::mt19937& rng, int32_t bound, int replays,
+                            int check_every) {
+  GraphRank rank(c, device, d, sel);
+  Status st = rank.warm_up();
+  if (st.is_ok()) st = rank.capture();
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  const Status ready = host.check_agree(st.is_ok() ? 1 : 0, "graph captured");
+  ASSERT_TRUE(ready.is_ok()) << ready.to_string();
+  for (int step = 0; step < replays; ++step) {
+    next_replay_inputs(rng, step, bound, &d);
+    const bool check = step % check_every == 0 || step == replays - 1;
+    rank.set_inputs(d);
+    if (check) rank.poison_ids();
+    rank.launch();
+    rank.sync();
+    if (!check) continue;
+    expect_owned_heads_equal(rank.geometry(), rank.ids(), plain_decode_on(device, d, sel),
+                             d.rows(), sel.topk, "replay " + std::to_string(step));
+  }
+}
+
 class MpiNccl : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -89,32 +115,6 @@ class MpiNccl : public ::testing::Test {
     const std::vector<int32_t> plain = plain_decode_on(device(), d, sel);
     const RankResult res = cp_rank(c ? *c : comm(), device(), d, sel);
     expect_rank_matches(res, plain, d.rows(), sel.topk, what);
-  }
-
-  // This rank's cp_decode through `c` captured in a CUDA graph (after an eager warm-up), then
-  // `replays` replays with the shared schedule of new inputs; every `check_every`-th and the
-  // last replay compared with the plain decode. The ranks agree that every capture succeeded
-  // before any replays (none replays alone).
-  static void replay_graph_and_check(Communicator& c, DecodeData& d, const Selection& sel,
-                                     std::mt19937& rng, int32_t bound, int replays,
-                                     int check_every) {
-    GraphRank rank(c, device(), d, sel);
-    Status st = rank.warm_up();
-    if (st.is_ok()) st = rank.capture();
-    EXPECT_TRUE(st.is_ok()) << st.to_string();
-    const Status ready = world().mpi->check_agree(st.is_ok() ? 1 : 0, "graph captured");
-    ASSERT_TRUE(ready.is_ok()) << ready.to_string();
-    for (int step = 0; step < replays; ++step) {
-      next_replay_inputs(rng, step, bound, &d);
-      const bool check = step % check_every == 0 || step == replays - 1;
-      rank.set_inputs(d);
-      if (check) rank.poison_ids();
-      rank.launch();
-      rank.sync();
-      if (!check) continue;
-      expect_owned_heads_equal(rank.geometry(), rank.ids(), plain_decode_on(device(), d, sel),
-                               d.rows(), sel.topk, "replay " + std::to_string(step));
-    }
   }
 };
 
@@ -170,7 +170,8 @@ TEST_F(MpiNccl, GraphReplay1000WithChangingInputs) {
   const int32_t bound = 1 << 16;
   std::mt19937 rng(61);
   DecodeData d = random_decode(2100, 4, Q, lengths(rng, reqs, bound, false), bound);
-  replay_graph_and_check(comm(), d, sel_of(16), rng, bound, replays, check_every);
+  replay_graph_and_check(comm(), *world().mpi, device(), d, sel_of(16), rng, bound, replays,
+                         check_every);
 }
 
 TEST_F(MpiNccl, DisagreeingBatchSizeFailsBeforeAnyCollective) {
@@ -254,7 +255,8 @@ TEST_F(MpiPeer, CpDecodeGraphReplay1000WithChangingInputs) {
   const int32_t bound = 1 << 16;
   std::mt19937 rng(62);
   DecodeData d = random_decode(2600, 4, Q, lengths(rng, reqs, bound, false), bound);
-  replay_graph_and_check(peer(), d, sel_of(16), rng, bound, replays, check_every);
+  replay_graph_and_check(peer(), *world().mpi, device(), d, sel_of(16), rng, bound, replays,
+                         check_every);
   expect_error_word_clear("cp_decode graph");
 }
 
@@ -314,8 +316,9 @@ TEST_F(MpiPeer, AbandonWaitsForNoPeer) {
 }
 
 // Ranks in separate processes that share GPU 0 (CUDA IPC maps a buffer of the same GPU into
-// another process; no kernel of one rank here waits for another's, so the GPU's time-slicing of
-// the processes never matters). Runs with >= 2 ranks and >= 1 GPU.
+// another process; the GPU time-slices the processes' contexts, so a gather that waits for the
+// other rank's lines spins until that rank's slice comes: slow, but neither rank's kernels can
+// hold the SMs the other needs). Runs with >= 2 ranks and >= 1 GPU.
 class MpiPeerOnOneGpu : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -393,6 +396,43 @@ TEST_F(MpiPeerOnOneGpu, AGraphOnOneRankKeepsEveryRanksBuffers) {
     EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
   }
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// cp_decode through the peer communicator across processes (CUDA IPC), keys through the device
+// channel and through all_gather, eager and in 40 graph replays with changing inputs: each
+// rank's owned heads equal the plain decode bitwise, and the error words stay clear.
+TEST_F(MpiPeerOnOneGpu, CpDecodeEqualsPlainBitwise) {
+  DeviceScope scope(0);
+  Status st;
+  std::unique_ptr<Communicator> mpi = cpidx::make_mpi_communicator(&st);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();  // the same verdict on every rank
+  if (mpi == nullptr) return;
+  std::unique_ptr<Communicator> peer =
+      cpidx::make_peer_communicator(*mpi, 0, kPeerMaxBytes, &st, 5.0, /*allow_shared_gpu=*/true);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  if (peer == nullptr) return;
+  std::mt19937 rng(72);
+  int seed = 2700;
+  for (bool fused : {true, false}) {
+    for (int Q : {1, 4}) {
+      std::vector<int32_t> s = lengths(rng, 6, 100000, true);
+      s[0] = 1;
+      DecodeData d = random_decode(seed++, 4, Q, s, 100000);
+      const std::string what = "Q=" + std::to_string(Q) + (fused ? ", channel" : ", all_gather");
+      const std::vector<int32_t> plain = plain_decode_on(0, d, sel_of(16));
+      const RankResult res = cp_rank(*peer, 0, d, sel_of(16), -1, fused);
+      expect_rank_matches(res, plain, d.rows(), 16, what);
+    }
+  }
+  // Captured once, replayed with new lengths and tables (a check every 10 replays).
+  const int32_t bound = 1 << 16;
+  DecodeData d = random_decode(seed++, 4, 2, lengths(rng, 8, bound, false), bound);
+  replay_graph_and_check(*peer, *mpi, 0, d, sel_of(16), rng, bound, 40, 10);
+  int32_t word = -1;
+  EXPECT_TRUE(cpidx::read_peer_error_flag(*peer, &word).is_ok());
+  EXPECT_EQ(word, 0) << "peer error word";
+  peer.reset();  // collective across processes
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
