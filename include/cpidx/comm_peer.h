@@ -78,7 +78,7 @@ Status read_peer_error_flag(Communicator& comm, int32_t* bits);
 // leak until the process exits, instead of a replay storing into freed memory): an owner that
 // would rather not leak, and can agree with the other ranks first (the destructor is collective
 // across processes), refuses to destroy then (the Python IndexerCPDecode.close() with a host
-// group does). Each process counts its own graphs. A graph's
+// group does). Otherwise each rank counts its own graphs. A graph's
 // gathers leave the count when CUDA releases the graph's last reference, on an internal thread,
 // which can trail cudaGraphExecDestroy / cudaGraphDestroy: with wait_seconds > 0 the call first
 // synchronises the communicator's device, then waits up to that long for the count to reach 0.

@@ -78,12 +78,13 @@ Communicator& PyCommunicator::get(const char* arg) {
 long long PyCommunicator::gathers_in_live_graphs(double wait_seconds) {
   if (comm_ == nullptr) return -1;
   long long held = -1;
-  nb::gil_scoped_release release;  // may synchronise the device and wait
+  Use use(*this, nullptr);         // not closed by another thread while the GIL is released
+  nb::gil_scoped_release release;  // may synchronise the device and wait (released first)
 #if defined(CPIDX_PY_NCCL)
-  held = nccl_gathers_in_live_graphs(*comm_, wait_seconds);
+  held = nccl_gathers_in_live_graphs(use.comm(), wait_seconds);
 #endif
 #if defined(CPIDX_PY_PEER)
-  if (held < 0) held = peer_gathers_in_live_graphs(*comm_, wait_seconds);
+  if (held < 0) held = peer_gathers_in_live_graphs(use.comm(), wait_seconds);
 #endif
   (void)wait_seconds;
   return held;

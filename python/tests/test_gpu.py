@@ -761,7 +761,7 @@ def test_peer_gathers_in_live_graphs_are_counted_and_close_keeps_their_buffers()
             errors.append(e)
             ready.abort()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:

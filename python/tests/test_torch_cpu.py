@@ -1734,7 +1734,13 @@ class _GraphHeldComm(_ClosableComm):
         self.held, self.closed = held, False
 
     def _gathers_in_live_graphs(self, wait_seconds=0.0):
+        if self.held is None:
+            raise RuntimeError("cudaDeviceSynchronize: an illegal memory access")
         return -1 if self.closed else self.held
+
+    def _close_blocker(self, ignore_dependents=False, peer_graphs=False):
+        # A peer communicator refuses for live graphs only when asked (peer_graphs).
+        return f"{self.held} of its gathers are held" if peer_graphs and self.held else None
 
     def close(self):
         super().close()
@@ -1749,23 +1755,28 @@ def test_without_a_host_group_close_keeps_what_a_live_graph_uses():
 
     import cpidx._cp as cp_module
 
-    for held in (2, 0):
+    for held in (2, None, 0):  # None: the count raises, which counts as held
         cp = _world_one()
         comm = _GraphHeldComm(held)
         cp._owned, cp._comm = [comm], comm  # as a peer exchange's instance without a host group
+        if held:  # with a host group the agreement asks for the peer's graphs too
+            assert cp._local_close_blocker() == "2 of its gathers are held"
         before = len(cp_module._KEPT_FOR_LIVE_GRAPHS)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cp.close()
-        warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        warned = [w for w in caught if w.category is RuntimeWarning]
         kept = len(cp_module._KEPT_FOR_LIVE_GRAPHS) - before == 1
         assert cp.closed and comm.closes == 1 and not comm.leaked
-        if held:
-            assert kept
-            assert len(warned) == 1 and "2 gather(s) of its steps are in CUDA graphs" in \
-                warned[0] and "kept until the process exits" in warned[0], warned
-        else:
-            assert not kept and not warned, warned
+        if held == 0:
+            assert not kept and not warned, [str(w.message) for w in warned]
+            continue
+        assert kept and len(warned) == 1, [str(w.message) for w in warned]
+        assert "kept until the process exits" in str(warned[0].message)
+        assert ("2 gather(s) of its steps are in CUDA graphs" if held else
+                "could not be counted (RuntimeError: cudaDeviceSynchronize") in \
+            str(warned[0].message)
+        assert warned[0].filename == __file__  # points at the caller of close()
 
 
 def test_context_manager_closes_on_both_exits():

@@ -524,7 +524,8 @@ TEST_F(PeerExchange, RanksThatDisagreeFailTogether) {
 
 // ---- Two ranks on one GPU ---------------------------------------------------------------------
 // Both ranks are threads of this process on GPU 0: the peer communicator takes ranks that share
-// a device (no peer access is needed), so these run wherever one GPU is. They share one CUDA
+// a device when allowed (allow_shared_gpu; no peer access is needed), so these run wherever one
+// GPU is. They share one CUDA
 // context: a host call that waits for the device (a Decoder's creation synchronises it) waits
 // out the other rank's spinning gather, and a scoring grid launched early can hold every SM
 // that gather needs, so each test orders its ranks' launches. As a precaution against the same
