@@ -24,7 +24,11 @@ struct DecodeConfig {
   // two CTAs per SM by keeping fewer request offsets (plan().offset_stride), which costs steps
   // of more than max_tokens / offset_stride requests a few us: pass the real bounds (README,
   // "Sizing").
-  int max_tokens = 0;                // bound on decode rows per call (requests x Q)
+  int max_tokens = 0;                // bound on decode rows per call (requests x Q), at most
+                                     // kMaxTokens
+  // The largest max_tokens accepted: every request and row index the kernels form in 32 bits
+  // (a request count plus a grid, say) stays far from INT_MAX.
+  static constexpr int kMaxTokens = 1 << 30;
   int32_t max_seq_len = 0;           // bound on tokens per request (pass max_model_len)
   int max_query_len = kMaxQueryLen;  // bound on Q
   Selection sel;                     // K, init, local

@@ -245,7 +245,9 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   CPIDX_CHECK(c.sel.init_blocks >= 0 && c.sel.local_blocks >= 0,
               "init_blocks and local_blocks must be >= 0, got " << c.sel.init_blocks << " and "
                                                                << c.sel.local_blocks);
-  CPIDX_CHECK(c.max_tokens >= 1, "max_tokens must be >= 1, got " << c.max_tokens);
+  CPIDX_CHECK(c.max_tokens >= 1 && c.max_tokens <= DecodeConfig::kMaxTokens,
+              "max_tokens must be in [1, " << DecodeConfig::kMaxTokens << "], got "
+                                           << c.max_tokens);
   CPIDX_CHECK(c.max_seq_len >= 1, "max_seq_len must be >= 1, got " << c.max_seq_len);
   CPIDX_CHECK(c.max_query_len >= 1 && c.max_query_len <= kMaxQueryLen,
               "max_query_len must be in [1, " << kMaxQueryLen << "], got " << c.max_query_len);
