@@ -23,6 +23,7 @@ Status Prefiller::validate(const PrefillInputs&, const TopkOutput&) const { retu
 Status Prefiller::prefill(const PrefillInputs&, const TopkOutput&, cudaStream_t) { return no_cuda(); }
 int32_t* Prefiller::error_flag() const { return nullptr; }
 Status Prefiller::clear_error_flag(cudaStream_t) { return no_cuda(); }
+long long Prefiller::launches_in_live_graphs(double) const { return 0; }
 Status mixed_topk(Decoder&, Communicator*, const DecodeInputs&, Prefiller&, const PrefillInputs&,
                   int32_t*, int64_t, int64_t, cudaStream_t) {
   return no_cuda();

@@ -74,6 +74,10 @@ class Prefiller {
   int32_t* error_flag() const;
   Status clear_error_flag(cudaStream_t stream);
 
+  // How many of its launches sit in live CUDA graphs; while above 0 the destructor keeps the
+  // workspace (Decoder::launches_in_live_graphs).
+  long long launches_in_live_graphs(double wait_seconds = 0) const;
+
  private:
   struct Impl;
   explicit Prefiller(std::unique_ptr<Impl> impl);

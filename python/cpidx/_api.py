@@ -7,6 +7,7 @@ import contextlib
 import functools
 import sys
 import threading
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -338,8 +339,12 @@ class Registry:
 
     Entries live until :meth:`clear` (collective when it holds IndexerCPDecode instances: it
     closes them); at interpreter exit they are dropped without a collective and without
-    destroying their communicators (which could wait for a live CUDA graph). A workspace serves
-    one stream at a time: layers run in order on one stream, as in the engine.
+    destroying their communicators (which could wait for a live CUDA graph). Delete the CUDA
+    graphs that captured calls before :meth:`clear`: a decoder or prefiller dropped under a live
+    graph keeps its workspace (the graph's replays use it) until the process exits, with a
+    ``RuntimeWarning``. A workspace serves one stream at a time: layers run in order on one
+    stream, as in the engine; calls of one shape from two streams at once (two threads) share
+    it and must not overlap: pass each its own ``registry=`` or ``decoder=``.
     ``cpidx.registry`` is the default instance; pass your own ``registry=`` to keep separate
     sets.
     """
@@ -431,8 +436,18 @@ class Registry:
         error = self._close_and_forget(collective)
         if error is None:
             with self._lock:
+                dropped = list(self._decoders.values()) + list(self._prefillers.values())
                 self._decoders.clear()
                 self._prefillers.clear()
+            held = sum(1 for obj in dropped
+                       if getattr(obj, "launches_in_live_graphs", lambda: 0)() > 0)
+            del dropped  # their workspaces go now, but for those that live graphs still use
+            if held:
+                warnings.warn(f"Registry.clear(): {held} decoder(s) / prefiller(s) dropped while "
+                              f"CUDA graphs that captured their calls are alive: their "
+                              f"workspaces, which the graphs' replays use, are kept until the "
+                              f"process exits (delete the graphs before clear())",
+                              RuntimeWarning, stacklevel=2)
             error = self._close_and_forget(others)
         if error is not None:
             raise error
@@ -499,7 +514,7 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     eager; under torch.compile through ``torch.ops.cpidx.decode_topk``), ``decoder`` if given
     (its topk, init_blocks, local_blocks and max_seq_len must be the call's), else the
     registry's decoder for this shape (``max_tokens`` fixes its size; default: the next power of
-    two >= n).
+    two >= n), whose workspace serves one stream at a time (:class:`Registry`).
 
     ``error_flag``: optional one-element int32 array or tensor on the inputs' device. The call
     ORs into it the bits of the values it clamped instead of reading out of bounds

@@ -211,7 +211,17 @@ void bind_prefiller(nb::module_& m) {
           [](PyPrefiller& p, uintptr_t stream) {
             check_status(p.prefiller->clear_error_flag(as_stream(stream)));
           },
-          "stream"_a = 0);
+          "stream"_a = 0)
+      .def(
+          "launches_in_live_graphs",
+          [](const PyPrefiller& p, double wait_seconds) {
+            nb::gil_scoped_release release;  // may poll up to wait_seconds
+            return p.prefiller->launches_in_live_graphs(wait_seconds);
+          },
+          "wait_seconds"_a = 0.0,
+          "How many of its launches sit in live CUDA graphs (after waiting up to wait_seconds "
+          "for graphs just deleted). While above 0, dropping it keeps its workspace, which "
+          "their replays use, until the process exits: delete the graphs first.");
 }
 
 void bind_decoder(nb::module_& m) {
@@ -344,7 +354,18 @@ void bind_decoder(nb::module_& m) {
           [](PyDecoder& d, uintptr_t stream) {
             check_status(d.decoder->clear_error_flag(as_stream(stream)));
           },
-          "stream"_a = 0);
+          "stream"_a = 0)
+      .def(
+          "launches_in_live_graphs",
+          [](const PyDecoder& d, double wait_seconds) {
+            nb::gil_scoped_release release;  // may poll up to wait_seconds
+            return d.decoder->launches_in_live_graphs(wait_seconds);
+          },
+          "wait_seconds"_a = 0.0,
+          "How many of its launches (a call captures one to three) sit in live CUDA graphs "
+          "(after waiting up to wait_seconds for graphs just deleted). While above 0, dropping "
+          "it keeps its workspace, which their replays use, until the process exits: delete the "
+          "graphs first.");
 }
 
 }  // namespace cpidx::py

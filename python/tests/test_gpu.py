@@ -253,6 +253,48 @@ def test_cuda_graph_replay_with_changing_lengths():
         assert torch.equal(cp_out, eager), lens
 
 
+def test_registry_clear_under_a_live_graph_keeps_the_workspace_and_warns():
+    # The functional call's decoder, dropped by clear() while a graph that captured a call lives:
+    # its workspace stays for the graph's replays (which still give the eager ids), with a
+    # warning; once the graph is gone nothing counts it.
+    T, Q, K, msl = 4, 1, 16, 8192
+    rng = np.random.default_rng(33)
+    b = random_decode(rng, T, Q, [msl, 3000, 1], max_seq_len=msl)
+    q, k, bt, sl = to_dev(b)
+    reg = cpidx.Registry()
+    out = torch.zeros((T, b.rows, K), dtype=torch.int32, device=DEV)
+
+    def step(o):
+        cpidx.decode_topk(q, k, bt, sl, Q, o, scale=0.5, topk=K, max_seq_len=msl,
+                          max_tokens=b.rows, registry=reg)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(out)  # creates the registry's decoder outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    (dec,) = reg._decoders.values()
+    assert dec.launches_in_live_graphs() == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(out)
+    assert dec.launches_in_live_graphs() == 1
+    del dec
+    with pytest.warns(RuntimeWarning, match=r"1 decoder\(s\) / prefiller\(s\) dropped while "
+                                            r"CUDA graphs .* kept until the process exits"):
+        reg.clear()
+    assert len(reg) == 0
+    want = torch.zeros_like(out)
+    cpidx.decode_topk(q, k, bt, sl, Q, want, scale=0.5, topk=K, max_seq_len=msl)
+    for _ in range(2):
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    del graph
+    reg.clear()  # nothing left, nothing to warn about
+
+
 def test_objects_collected_inside_a_capture_leave_it_valid():
     # An engine may drop objects while it captures (the collector runs inside torch.cuda.graph,
     # whose capture mode is global): their teardown must not invalidate the capture.

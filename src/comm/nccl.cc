@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "cpidx/comm_nccl.h"
-#include "graph_holds.h"
+#include "../cuda/graph_holds.h"
 
 namespace cpidx {
 namespace {
@@ -132,7 +132,7 @@ class NcclCommunicator final : public Communicator {
     // before may still be releasing theirs on a CUDA thread: a short wait, and no CUDA call (a
     // destructor may run while another thread captures a graph).
     if (owns_ && comm_ != nullptr &&
-        holds_.wait_for_release(comm_detail::GraphHolds::kDestroyGraceSeconds) == 0) {
+        holds_.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) == 0) {
       ncclCommDestroy(comm_);
     }
   }
@@ -207,7 +207,7 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Communicator> owned_host_;  // the single-process factory's thread channel
   cudaStream_t barrier_stream_ = nullptr;
   void* barrier_scratch_ = nullptr;
-  comm_detail::GraphHolds holds_;
+  cuda_host::GraphHolds holds_;
 };
 
 // What the ranks of make_nccl_communicator agree on through their host channel.

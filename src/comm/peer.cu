@@ -23,7 +23,7 @@
 #include "../cuda/host_util.h"
 #include "cpidx/comm_peer.h"
 #include "cpidx/device_channel.h"
-#include "graph_holds.h"
+#include "../cuda/graph_holds.h"
 #include "ll_line.cuh"
 
 namespace cpidx {
@@ -367,7 +367,7 @@ class BootstrapStage {
 // keep their own count; their creation fails with rank 0's then.
 class HoldsRegistry {
  public:
-  static uint64_t publish(const comm_detail::GraphHolds& holds) {
+  static uint64_t publish(const cuda_host::GraphHolds& holds) {
     std::lock_guard<std::mutex> lock(mutex());
     const uint64_t id = ++next();
     map().emplace(id, holds.share());
@@ -377,7 +377,7 @@ class HoldsRegistry {
     std::lock_guard<std::mutex> lock(mutex());
     map().erase(id);
   }
-  static void take_up(uint64_t id, comm_detail::GraphHolds* holds) {
+  static void take_up(uint64_t id, cuda_host::GraphHolds* holds) {
     std::lock_guard<std::mutex> lock(mutex());
     const auto it = map().find(id);
     if (it != map().end()) holds->adopt(it->second);
@@ -424,7 +424,7 @@ class PeerCommunicator final : public Communicator {
     std::vector<int> peer_devices;
     // Gathers held by live CUDA graphs. When every rank lives in this process, rank 0's count,
     // shared: a graph of any rank stores into every rank's buffer. Otherwise this rank's own.
-    comm_detail::GraphHolds holds;
+    cuda_host::GraphHolds holds;
   };
 
   PeerCommunicator(Communicator& bootstrap, Parts parts)
@@ -473,7 +473,7 @@ class PeerCommunicator final : public Communicator {
       cudaGetLastError();
     }
     const bool held_here =
-        parts.holds.wait_for_release(comm_detail::GraphHolds::kDestroyGraceSeconds) > 0;
+        parts.holds.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) > 0;
     const bool held =
         parts.cross_process ? held_anywhere(bootstrap, parts, held_here, on_device) : held_here;
     if (on_device && !held_here) {
@@ -550,7 +550,7 @@ class PeerCommunicator final : public Communicator {
       // No gather of this rank may still store through the mappings closed below; one waiting
       // for an exited peer gives up after the timeout.
       note(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      if (parts_.holds.wait_for_release(comm_detail::GraphHolds::kDestroyGraceSeconds) == 0) {
+      if (parts_.holds.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) == 0) {
         for (void* p : parts_.opened) note(cudaIpcCloseMemHandle(p), "cudaIpcCloseMemHandle");
       }
     }

@@ -12,8 +12,9 @@
 #include "cpidx/indexer.h"
 #include "cpidx/reference.h"
 #include "cpidx/workspace.h"
-#include "kernels.h"
+#include "graph_holds.h"
 #include "host_util.h"
+#include "kernels.h"
 #include "reference/internal.h"
 
 namespace cpidx {
@@ -78,6 +79,8 @@ struct Decoder::Impl {
   DecodeWorkspaceLayout layout;
   int device = 0;
   uint8_t* workspace = nullptr;
+  // Launches held by live CUDA graphs, whose replays use the workspace (launches_in_live_graphs).
+  cuda_host::GraphHolds holds;
 
   template <typename T>
   T* at(size_t offset) const { return reinterpret_cast<T*>(workspace + offset); }
@@ -169,6 +172,7 @@ struct Decoder::Impl {
   // Scoring and selection: the scoring kernel, then select_topk (the split path's selection, or
   // the fused path's merge of requests that span CTAs).
   Status launch_scoring(const cuda::ScoreTopkParams& p, DType dtype, cudaStream_t stream) const {
+    CPIDX_RETURN_IF_ERROR(holds.count_if_captured(stream));
     CPIDX_LAUNCH_TRY(cuda::launch_score_topk(p, dtype, launch, stream));
     CPIDX_LAUNCH_TRY(cuda::launch_select_topk(p, launch, stream));
     return Status::ok();
@@ -203,6 +207,7 @@ struct Decoder::Impl {
     m.query_len = batch.query_len;
     m.max_seq_len = cfg.max_seq_len;
     m.pdl = cfg.programmatic_launch;
+    CPIDX_RETURN_IF_ERROR(holds.count_if_captured(stream));
     CPIDX_LAUNCH_TRY(cuda::launch_merge_topk(m, stream));
     return Status::ok();
   }
@@ -223,7 +228,15 @@ struct Decoder::Impl {
 
 Decoder::Decoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Decoder::~Decoder() {
-  if (impl_) cuda_host::free_relaxed(impl_->workspace);
+  // Not under a live graph that still uses it: left to the process instead (after a short
+  // grace for graphs destroyed just before).
+  if (impl_ && impl_->holds.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) == 0) {
+    cuda_host::free_relaxed(impl_->workspace);
+  }
+}
+
+long long Decoder::launches_in_live_graphs(double wait_seconds) const {
+  return impl_->holds.wait_for_release(wait_seconds);
 }
 
 Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decoder>* out) {
@@ -311,6 +324,7 @@ size_t Decoder::exchange_buffer_bytes() const {
 
 Status Decoder::clear_error_flag(cudaStream_t stream) {
   CPIDX_RETURN_IF_ERROR(impl_->check_device());
+  CPIDX_RETURN_IF_ERROR(impl_->holds.count_if_captured(stream));
   CPIDX_LAUNCH_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
   return Status::ok();
 }

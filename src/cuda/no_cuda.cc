@@ -39,6 +39,7 @@ int32_t* Decoder::error_flag() const { return nullptr; }
 Status Decoder::clear_error_flag(cudaStream_t) { return no_cuda(); }
 void* Decoder::exchange_buffer() const { return nullptr; }
 size_t Decoder::exchange_buffer_bytes() const { return 0; }
+long long Decoder::launches_in_live_graphs(double) const { return 0; }
 bool gpu_available() { return false; }
 
 }  // namespace cpidx

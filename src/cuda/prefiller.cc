@@ -9,8 +9,9 @@
 
 #include "cpidx/prefill.h"
 #include "cpidx/reference.h"
-#include "prefill_kernels.h"
+#include "graph_holds.h"
 #include "host_util.h"
+#include "prefill_kernels.h"
 #include "reference/internal.h"
 
 namespace cpidx {
@@ -60,6 +61,8 @@ struct Prefiller::Impl {
   cuda::PrefillLaunch launch;
   PrefillWorkspaceLayout layout;
   uint8_t* workspace = nullptr;
+  // Launches held by live CUDA graphs, whose replays use the workspace (launches_in_live_graphs).
+  cuda_host::GraphHolds holds;
   int device = 0;
 
   template <typename T>
@@ -90,7 +93,14 @@ struct Prefiller::Impl {
 
 Prefiller::Prefiller(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Prefiller::~Prefiller() {
-  if (impl_) cuda_host::free_relaxed(impl_->workspace);
+  // Not under a live graph that still uses it (Decoder::~Decoder).
+  if (impl_ && impl_->holds.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) == 0) {
+    cuda_host::free_relaxed(impl_->workspace);
+  }
+}
+
+long long Prefiller::launches_in_live_graphs(double wait_seconds) const {
+  return impl_->holds.wait_for_release(wait_seconds);
 }
 
 Status Prefiller::create(const PrefillConfig& c, int device, std::unique_ptr<Prefiller>* out) {
@@ -143,6 +153,7 @@ int32_t* Prefiller::error_flag() const { return impl_->at<int32_t>(impl_->layout
 
 Status Prefiller::clear_error_flag(cudaStream_t stream) {
   CPIDX_RETURN_IF_ERROR(cuda_host::check_current_device(impl_->device, "Prefiller"));
+  CPIDX_RETURN_IF_ERROR(impl_->holds.count_if_captured(stream));
   CPIDX_LAUNCH_TRY(cudaMemsetAsync(error_flag(), 0, sizeof(int32_t), stream));
   return Status::ok();
 }
@@ -172,6 +183,7 @@ Status Prefiller::validate(const PrefillInputs& in, const TopkOutput& out) const
 
 Status Prefiller::prefill(const PrefillInputs& in, const TopkOutput& out, cudaStream_t stream) {
   CPIDX_RETURN_IF_ERROR(validate(in, out));
+  CPIDX_RETURN_IF_ERROR(impl_->holds.count_if_captured(stream));
   CPIDX_LAUNCH_TRY(cuda::launch_prefill(impl_->params(in, out), impl_->launch, stream));
   return Status::ok();
 }

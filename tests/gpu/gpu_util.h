@@ -104,6 +104,35 @@ class CapturedGraph {
   cpidx::Status status_;
 };
 
+// Device memory allocated after an object's destruction, filled with a pattern: where a freed
+// workspace would go. untouched() says whether anything stored into it since (a graph replaying
+// into the freed workspace would).
+class LaterAllocations {
+ public:
+  explicit LaterAllocations(int count = 8, size_t bytes = size_t{8} << 20) : bytes_(bytes) {
+    for (int i = 0; i < count; ++i) {
+      blocks_.push_back(std::make_unique<DeviceVec<uint8_t>>(bytes));
+      cudaMemset(blocks_.back()->ptr, 0xA5, bytes);
+    }
+  }
+  bool untouched() const {
+    std::vector<uint8_t> host(bytes_);
+    for (const auto& b : blocks_) {
+      if (cudaMemcpy(host.data(), b->ptr, bytes_, cudaMemcpyDeviceToHost) != cudaSuccess) {
+        return false;
+      }
+      for (uint8_t v : host) {
+        if (v != 0xA5) return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  size_t bytes_;
+  std::vector<std::unique_ptr<DeviceVec<uint8_t>>> blocks_;
+};
+
 // A DecodeData mirrored on the device.
 struct DeviceBatch {
   explicit DeviceBatch(const DecodeData& d)

@@ -755,6 +755,47 @@ TEST(GpuDecode, ObjectsDestroyedDuringACaptureLeaveItValid) {
   }
 }
 
+// A Decoder's launches captured into CUDA graphs are counted until the graphs go; one destroyed
+// while a graph that captured its call lives keeps its workspace, so the graph still replays
+// right, and memory allocated after the destruction (where a freed workspace would go) is never
+// stored into.
+TEST(GpuDecode, DestroyedUnderALiveGraphTheWorkspaceStays) {
+  SKIP_WITHOUT_GPU();
+  DecodeData d = random_decode(871, 4, 1, {9000, 300, 1, 0}, 1 << 14);
+  const Selection sel = sel_of(16);
+  DeviceBatch b(d);
+  const std::vector<int32_t> cpu = cpu_decode(d, sel);
+  const int64_t n = d.rows();
+  DeviceVec<int32_t> ids(static_cast<size_t>(d.total_heads * n * sel.topk));
+  std::unique_ptr<cpidx::Decoder> dec;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &dec).is_ok());
+  ASSERT_TRUE(dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
+                          nullptr, nullptr)
+                  .is_ok());
+  EXPECT_EQ(dec->launches_in_live_graphs(), 0) << "an eager call";
+  {
+    const std::unique_ptr<CapturedGraph> graph = capture_decode(*dec, b, ids, sel.topk);
+    ASSERT_TRUE(graph->status().is_ok()) << graph->status().to_string();
+    EXPECT_EQ(dec->launches_in_live_graphs(), 1);
+  }
+  EXPECT_EQ(dec->launches_in_live_graphs(5.0), 0) << "the graph is gone";
+
+  const std::unique_ptr<CapturedGraph> graph = capture_decode(*dec, b, ids, sel.topk);
+  ASSERT_TRUE(graph->status().is_ok()) << graph->status().to_string();
+  const size_t workspace = dec->plan().workspace_bytes;
+  dec.reset();  // a 0.1 s grace, then the workspace is left to the process
+  // Of the workspace's size, where CUDA puts a freed block's successor (8 MiB blocks did not
+  // land on a freed decode workspace: the test passed against destructors that free regardless).
+  const LaterAllocations later(2, workspace);
+  for (int replay = 0; replay < 3; ++replay) {
+    ids.poison();
+    CUDA_OK(graph->replay());
+    const CompareResult r = compare_ids(d, sel, ids.download(), cpu);
+    EXPECT_EQ(r.bad_rows, 0) << "replay " << replay << ": " << r.first_bad;
+  }
+  EXPECT_TRUE(later.untouched()) << "a replay stored into memory allocated after the Decoder went";
+}
+
 // Creating an object while a capture is under way fails with a message that says to create it
 // before capturing, leaves no CUDA error behind for the caller's next check, and works again
 // once the capture has ended.

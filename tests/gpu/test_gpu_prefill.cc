@@ -578,6 +578,35 @@ TEST(GpuPrefill, GraphReplayFollowsNewContextsAndTables) {
   });
 }
 
+// A Prefiller's launches in live graphs are counted; one destroyed under such a graph keeps its
+// workspace, and the graph still replays the eager ids (GpuDecode's test of the same).
+TEST(GpuPrefill, DestroyedUnderALiveGraphTheWorkspaceStays) {
+  SKIP_WITHOUT_GPU();
+  PrefillCase c = make_case(1602, 4, {300, 100}, {30000, 3000}, DType::kBF16);
+  const Selection sel = sel_of(16);
+  const std::vector<int32_t> eager = gpu_prefill(c, sel);
+  DevicePrefill d(c);
+  std::unique_ptr<cpidx::Prefiller> pre;
+  ASSERT_TRUE(cpidx::Prefiller::create(config_of(c, sel), 0, &pre).is_ok());
+  const int64_t K = sel.topk;
+  DeviceVec<int32_t> ids(static_cast<size_t>(4 * c.tokens * K));
+  EXPECT_EQ(pre->launches_in_live_graphs(), 0);
+  CapturedGraph graph([&](cudaStream_t stream) {
+    return pre->prefill(d.inputs(c), cpidx::TopkOutput{ids.ptr, c.tokens * K, K}, stream);
+  });
+  ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
+  EXPECT_EQ(pre->launches_in_live_graphs(), 1);
+  const size_t workspace = pre->plan().workspace_bytes;
+  pre.reset();
+  const LaterAllocations later(2, workspace);
+  for (int replay = 0; replay < 2; ++replay) {
+    ids.poison();
+    CUDA_OK(graph.replay());
+    EXPECT_EQ(ids.download(), eager) << "replay " << replay;
+  }
+  EXPECT_TRUE(later.untouched()) << "a replay stored into memory allocated after it went";
+}
+
 TEST(GpuPrefill, MixedBatchEqualsSeparateCalls) {
   SKIP_WITHOUT_GPU();
   for_each_kernel([&] {

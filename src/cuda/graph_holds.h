@@ -1,7 +1,8 @@
-// src/comm/graph_holds.h: how many of a device communicator's gathers sit in CUDA graphs that
-// are still alive (captured, or instantiated from such a graph). The NCCL communicator's destroy
-// would wait for those graphs, and the peer communicator's replays store into its buffers, so
-// their owners keep what such a graph uses instead of destroying or freeing it.
+// src/cuda/graph_holds.h: how many of an object's launches (a communicator's gathers, a
+// Decoder's or Prefiller's steps) sit in CUDA graphs that are still alive (captured, or
+// instantiated from such a graph). NCCL's destroy would wait for those graphs, and their replays
+// use the peer communicator's buffers and the decoders' workspaces, so the owners keep what such
+// a graph uses instead of destroying or freeing it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,29 +12,29 @@
 #include <memory>
 #include <thread>
 
-#include "../cuda/host_util.h"
+#include "host_util.h"
 #include "cpidx/status.h"
 
 namespace cpidx {
-namespace comm_detail {
+namespace cuda_host {
 
 // Copies share one count (the ranks of a peer communicator in one process: a graph of any of
 // them stores into every rank's buffer). The count outlives its holders: graphs may release
 // their gathers after the communicator is gone.
 class GraphHolds {
  public:
-  // A gather enqueued on `stream`: when the stream is capturing, the graph keeps a CUDA user
-  // object whose release, once the graph and every instantiation of it are gone, takes the
-  // gather off the count. Nothing when the stream is not capturing.
+  // A launch (a gather, a step) enqueued on `stream`: when the stream is capturing, the graph
+  // keeps a CUDA user object whose release, once the graph and every instantiation of it are
+  // gone, takes it off the count. Nothing when the stream is not capturing.
   Status count_if_captured(cudaStream_t stream) const {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cudaGraph_t graph = nullptr;
-    CPIDX_RETURN_IF_ERROR(cuda_host::cuda_status(
+    CPIDX_RETURN_IF_ERROR(cuda_status(
         cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph), "cudaStreamGetCaptureInfo"));
     if (capture != cudaStreamCaptureStatusActive) return Status::ok();
     auto* held = new std::shared_ptr<std::atomic<long long>>(count_);
     cudaUserObject_t object = nullptr;
-    Status st = cuda_host::cuda_status(
+    Status st = cuda_status(
         cudaUserObjectCreate(&object, held, &release, 1, cudaUserObjectNoDestructorSync),
         "cudaUserObjectCreate");
     if (!st.is_ok()) {
@@ -41,7 +42,7 @@ class GraphHolds {
       return st;
     }
     ++*count_;
-    st = cuda_host::cuda_status(
+    st = cuda_status(
         cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove),
         "cudaGraphRetainUserObject");
     if (!st.is_ok()) cudaUserObjectRelease(object, 1);  // runs release()
@@ -85,5 +86,5 @@ class GraphHolds {
   std::shared_ptr<std::atomic<long long>> count_ = std::make_shared<std::atomic<long long>>(0);
 };
 
-}  // namespace comm_detail
+}  // namespace cuda_host
 }  // namespace cpidx
