@@ -514,7 +514,10 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     eager; under torch.compile through ``torch.ops.cpidx.decode_topk``), ``decoder`` if given
     (its topk, init_blocks, local_blocks and max_seq_len must be the call's), else the
     registry's decoder for this shape (``max_tokens`` fixes its size; default: the next power of
-    two >= n), whose workspace serves one stream at a time (:class:`Registry`).
+    two >= n), whose workspace serves one stream at a time (:class:`Registry`). With
+    ``decoder`` or ``registry`` given, or the sparse-table arguments as host arrays, the call
+    goes to the binding directly rather than through the op, also under torch.compile (a graph
+    break there: ``fullgraph=True`` refuses it).
 
     ``error_flag``: optional one-element int32 array or tensor on the inputs' device. The call
     ORs into it the bits of the values it clamped instead of reading out of bounds

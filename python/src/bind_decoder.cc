@@ -179,7 +179,12 @@ void bind_prefiller(nb::module_& m) {
             c.sel = selection(topk, init_blocks, local_blocks);
             c.cache_dtype = cache_dtype_of(cache_dtype);
             std::unique_ptr<Prefiller> p;
-            check_status(Prefiller::create(c, device, &p));
+            Status st;
+            {
+              nb::gil_scoped_release release;  // creation synchronises the device
+              st = Prefiller::create(c, device, &p);
+            }
+            check_status(st);
             new (self) PyPrefiller{std::move(p), Place{true, device}};
           },
           nb::kw_only(), "num_heads"_a, "max_tokens"_a, "max_seq_len"_a, "topk"_a,
@@ -254,7 +259,12 @@ void bind_decoder(nb::module_& m) {
             c.cache_dtype = cache_dtype_of(cache_dtype);
             c.head_dim = head_dim;
             std::unique_ptr<Decoder> d;
-            check_status(Decoder::create(c, device, &d));
+            Status st;
+            {
+              nb::gil_scoped_release release;  // creation synchronises the device
+              st = Decoder::create(c, device, &d);
+            }
+            check_status(st);
             new (self) PyDecoder{std::move(d), Place{true, device}};
           },
           nb::kw_only(), "total_heads"_a, "world_size"_a, "rank"_a, "max_tokens"_a,
