@@ -354,27 +354,56 @@ class Registry:
         self._decoders: dict = {}
         self._prefillers: dict = {}
         self._cp: dict = {}
+        self._making: dict = {}  # (store id, key) -> Event: a decoder or prefiller being made
 
-    def _cached(self, store: dict, key: tuple, make: Any, what: Any = None,
-                check: Any = None) -> Any:
-        """The entry for ``key``, made by ``make()`` when missing or closed. ``what()`` names a
-        GPU object for the capture check (None: ``make`` checks for itself); ``check()``, when
-        given, runs first, on a miss only (a call's arguments that sized the key)."""
+    def _cached(self, store: dict, key: tuple, make: Any) -> Any:
+        """The entry for ``key``, made by ``make()`` under the registry's lock when missing or
+        closed (the shared IndexerCPDecode instances: their creation is collective, so the
+        threads of a rank make them one at a time; ``make`` checks for a capture itself)."""
         with self._lock:
             obj = store.get(key)
             if obj is None or getattr(obj, "closed", False):
-                if check is not None:
-                    check()
-                if what is not None:
-                    _refuse_during_capture(f"creating {what()} (the first call of this shape)")
                 obj = store[key] = make()
             return obj
+
+    def _cached_apart(self, store: dict, key: tuple, make: Any, what: Any,
+                      check: Any = None) -> Any:
+        """The entry for ``key`` of a store whose objects' creation makes no collective
+        (decoders, prefillers), made by ``make()`` when missing or closed, outside the
+        registry's lock: calls of other shapes (other threads, other devices) go on meanwhile,
+        and one thread makes a key while the others wanting it wait. On a miss ``check()``,
+        when given, runs first (a call's arguments that sized the key), then the capture check
+        naming ``what()``."""
+        slot = (id(store), key)
+        while True:
+            with self._lock:
+                obj = store.get(key)
+                if obj is not None and not getattr(obj, "closed", False):
+                    return obj
+                pending = self._making.get(slot)
+                if pending is None:
+                    if check is not None:
+                        check()
+                    _refuse_during_capture(f"creating {what()} (the first call of this shape)")
+                    pending = self._making[slot] = threading.Event()
+                    break
+            pending.wait()  # made, or failed (then this thread tries itself)
+        made = None
+        try:
+            made = make()
+            return made
+        finally:
+            with self._lock:
+                if made is not None:
+                    store[key] = made
+                del self._making[slot]
+            pending.set()
 
     def decoder(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
                 init_blocks: int, local_blocks: int, cache_dtype: str = "bf16",
                 _check: Any = None) -> Decoder:
         key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
-        return self._cached(self._decoders, key, lambda: Decoder(
+        return self._cached_apart(self._decoders, key, lambda: Decoder(
             total_heads=heads, world_size=1, rank=0, max_tokens=max_tokens,
             max_seq_len=max_seq_len, topk=topk, init_blocks=init_blocks,
             local_blocks=local_blocks, device=device, cache_dtype=cache_dtype),
@@ -385,7 +414,7 @@ class Registry:
                   init_blocks: int, local_blocks: int, cache_dtype: str = "bf16",
                   _check: Any = None) -> Prefiller:
         key = (device, heads, max_tokens, max_seq_len, topk, init_blocks, local_blocks, cache_dtype)
-        return self._cached(self._prefillers, key, lambda: Prefiller(
+        return self._cached_apart(self._prefillers, key, lambda: Prefiller(
             num_heads=heads, max_tokens=max_tokens, max_seq_len=max_seq_len, topk=topk,
             init_blocks=init_blocks, local_blocks=local_blocks, device=device,
             cache_dtype=cache_dtype),

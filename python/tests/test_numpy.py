@@ -854,6 +854,52 @@ def test_registry_keys_decoders_and_prefillers_on_every_setting(monkeypatch):
     assert len(reg) == 8
 
 
+def test_registry_makes_a_decoder_apart_from_other_shapes_and_once_per_shape(monkeypatch):
+    # A new shape's decoder is made outside the registry's lock: another thread's call of an
+    # existing shape goes on meanwhile (creation synchronises a device), and threads wanting the
+    # same new shape get one object, made once; a creation that fails leaves nothing behind.
+    import threading
+    import time
+    import types
+
+    import cpidx._api as api
+
+    made, started = [], threading.Event()
+
+    def slow_decoder(**kw):
+        made.append(kw["max_tokens"])
+        if kw["max_tokens"] == 128:
+            started.set()
+            time.sleep(0.5)
+        if kw["max_tokens"] == 256:
+            raise RuntimeError("cudaMalloc: out of memory")
+        return types.SimpleNamespace(**kw)
+
+    monkeypatch.setattr(api, "Decoder", slow_decoder)
+    reg = api.Registry()
+    shape = dict(device=0, heads=2, max_seq_len=1024, topk=8, init_blocks=0, local_blocks=1)
+    old = reg.decoder(max_tokens=64, **shape)
+    got = {}
+
+    def make_new(i):
+        got[i] = reg.decoder(max_tokens=128, **shape)
+
+    threads = [threading.Thread(target=make_new, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert started.wait(5)
+    t0 = time.monotonic()
+    assert reg.decoder(max_tokens=64, **shape) is old  # not behind the creation
+    assert time.monotonic() - t0 < 0.25
+    for t in threads:
+        t.join(5)
+    assert got[0] is got[1] is got[2] and made.count(128) == 1
+    for _ in range(2):  # a failed creation leaves no entry and no pending mark: tried again
+        with pytest.raises(RuntimeError, match="out of memory"):
+            reg.decoder(max_tokens=256, **shape)
+    assert made.count(256) == 2 and len(reg) == 2
+
+
 def test_an_explicit_decoder_must_match_the_call():
     # decode_topk(..., decoder=D) runs D's selection and bound: a call asking for others raises,
     # naming the argument, instead of returning ids for D's.
