@@ -191,7 +191,7 @@ class Decoder {
   void* exchange_buffer() const;
   size_t exchange_buffer_bytes() const;
 
-  // How many of its launches (a call captures one to three) sit in CUDA graphs that are still
+  // How many of its launches (a call captures one or two) sit in CUDA graphs that are still
   // alive, after waiting up to wait_seconds for graphs just destroyed (CUDA releases them on an
   // internal thread; host polling only). While it is above 0 the destructor keeps the
   // workspace, which the graphs' replays use, until the process exits (a leak, never a free

@@ -374,30 +374,34 @@ class Registry:
         and one thread makes a key while the others wanting it wait. On a miss ``check()``,
         when given, runs first (a call's arguments that sized the key), then the capture check
         naming ``what()``."""
-        slot = (id(store), key)
-        while True:
-            with self._lock:
-                obj = store.get(key)
-                if obj is not None and not getattr(obj, "closed", False):
-                    return obj
-                pending = self._making.get(slot)
-                if pending is None:
-                    if check is not None:
-                        check()
-                    _refuse_during_capture(f"creating {what()} (the first call of this shape)")
-                    pending = self._making[slot] = threading.Event()
-                    break
-            pending.wait()  # made, or failed (then this thread tries itself)
-        made = None
+        slot, mine, made = (id(store), key), threading.Event(), None
+        registered = False
         try:
+            while True:
+                with self._lock:
+                    obj = store.get(key)
+                    if obj is not None and not getattr(obj, "closed", False):
+                        return obj
+                    pending = self._making.get(slot)
+                    if pending is None:
+                        if check is not None:
+                            check()
+                        _refuse_during_capture(f"creating {what()} (the first call of this "
+                                               f"shape)")
+                        registered = True  # first: the finally below then always cleans up
+                        self._making[slot] = mine
+                        break
+                pending.wait()  # made, or failed (then this thread tries itself)
             made = make()
             return made
         finally:
-            with self._lock:
-                if made is not None:
-                    store[key] = made
-                del self._making[slot]
-            pending.set()
+            if registered:  # also on an interrupt (KeyboardInterrupt): no waiter stays blocked
+                with self._lock:
+                    if made is not None:
+                        store[key] = made
+                    if self._making.get(slot) is mine:
+                        del self._making[slot]
+                mine.set()
 
     def decoder(self, *, device: int, heads: int, max_tokens: int, max_seq_len: int, topk: int,
                 init_blocks: int, local_blocks: int, cache_dtype: str = "bf16",
@@ -463,23 +467,25 @@ class Registry:
         # close, no rank drops anything else either, and the registries stay alike. Moving them
         # after the collective closes changes no rank's sequence of collectives.
         error = self._close_and_forget(collective)
+        held = 0
         if error is None:
             with self._lock:
                 dropped = list(self._decoders.values()) + list(self._prefillers.values())
                 self._decoders.clear()
                 self._prefillers.clear()
+            # After the grace their destructors give graphs just deleted (CUDA releases them on
+            # an internal thread).
             held = sum(1 for obj in dropped
-                       if getattr(obj, "launches_in_live_graphs", lambda: 0)() > 0)
+                       if getattr(obj, "launches_in_live_graphs", lambda _: 0)(0.1) > 0)
             del dropped  # their workspaces go now, but for those that live graphs still use
-            if held:
-                warnings.warn(f"Registry.clear(): {held} decoder(s) / prefiller(s) dropped while "
-                              f"CUDA graphs that captured their calls are alive: their "
-                              f"workspaces, which the graphs' replays use, are kept until the "
-                              f"process exits (delete the graphs before clear())",
-                              RuntimeWarning, stacklevel=2)
             error = self._close_and_forget(others)
         if error is not None:
             raise error
+        if held:  # last: a warning raised as an error must not cut the closes short
+            warnings.warn(f"Registry.clear(): {held} decoder(s) / prefiller(s) dropped while "
+                          f"CUDA graphs that captured their calls are alive: their workspaces, "
+                          f"which the graphs' replays use, are kept until the process exits "
+                          f"(delete the graphs before clear())", RuntimeWarning, stacklevel=2)
 
     def _close_and_forget(self, entries: list) -> Optional[BaseException]:
         """close() each shared ``(key, instance)`` and drop it from the registry once closed;

@@ -372,7 +372,7 @@ void bind_decoder(nb::module_& m) {
             return d.decoder->launches_in_live_graphs(wait_seconds);
           },
           "wait_seconds"_a = 0.0,
-          "How many of its launches (a call captures one to three) sit in live CUDA graphs "
+          "How many of its launches (a call captures one or two) sit in live CUDA graphs "
           "(after waiting up to wait_seconds for graphs just deleted). While above 0, dropping "
           "it keeps its workspace, which their replays use, until the process exits: delete the "
           "graphs first.");

@@ -900,6 +900,39 @@ def test_registry_makes_a_decoder_apart_from_other_shapes_and_once_per_shape(mon
     assert made.count(256) == 2 and len(reg) == 2
 
 
+def test_registry_clear_warns_for_objects_under_live_graphs_after_closing_everything():
+    # A decoder a live graph still uses is dropped with a warning, raised last: under
+    # warnings-as-errors every shared instance is closed before it (a rank that stopped short
+    # would leave its peers in their close's agreement).
+    import warnings
+
+    import cpidx._api as api
+
+    class Held:
+        def launches_in_live_graphs(self, wait_seconds=0.0):
+            return 1
+
+    class Instance:
+        closed = False
+
+        def _closes_collectively(self):
+            return False
+
+        def close(self):
+            self.closed = True
+
+    reg = api.Registry()
+    reg._decoders["a decoder in a graph"] = Held()
+    reg._decoders["a stand-in without a count"] = object()
+    cp = reg._cp["an instance"] = Instance()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match=r"^Registry.clear\(\): 1 decoder\(s\) / "
+                                                 r"prefiller\(s\) dropped while CUDA graphs"):
+            reg.clear()
+    assert cp.closed and len(reg) == 0
+
+
 def test_an_explicit_decoder_must_match_the_call():
     # decode_topk(..., decoder=D) runs D's selection and bound: a call asking for others raises,
     # naming the argument, instead of returning ids for D's.

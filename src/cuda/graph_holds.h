@@ -29,12 +29,13 @@ class GraphHolds {
   Status count_if_captured(cudaStream_t stream) const {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cudaGraph_t graph = nullptr;
-    CPIDX_RETURN_IF_ERROR(cuda_status(
+    // Errors as a launch's (launch_status): reported here, not left pending for the caller.
+    CPIDX_RETURN_IF_ERROR(launch_status(
         cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph), "cudaStreamGetCaptureInfo"));
     if (capture != cudaStreamCaptureStatusActive) return Status::ok();
     auto* held = new std::shared_ptr<std::atomic<long long>>(count_);
     cudaUserObject_t object = nullptr;
-    Status st = cuda_status(
+    Status st = launch_status(
         cudaUserObjectCreate(&object, held, &release, 1, cudaUserObjectNoDestructorSync),
         "cudaUserObjectCreate");
     if (!st.is_ok()) {
@@ -42,7 +43,7 @@ class GraphHolds {
       return st;
     }
     ++*count_;
-    st = cuda_status(
+    st = launch_status(
         cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove),
         "cudaGraphRetainUserObject");
     if (!st.is_ok()) cudaUserObjectRelease(object, 1);  // runs release()
