@@ -32,6 +32,7 @@ struct PyDecoder {
   Place place;
 
   const DecodeConfig& cfg() const { return decoder->config(); }
+  const Decoder& object() const { return *decoder; }
 
   void decode(const InArray& index_query, const InArray& index_cache, const InArray& block_table,
               const InArray& seq_lens, int query_len, const OutArray& out, double scale,
@@ -138,12 +139,24 @@ struct PyDecoder {
   }
 };
 
+// launches_in_live_graphs of a Decoder or Prefiller binding (its C++ object's).
+template <typename Py>
+long long live_graph_launches(const Py& py, double wait_seconds) {
+  nb::gil_scoped_release release;  // may poll up to wait_seconds
+  return py.object().launches_in_live_graphs(wait_seconds);
+}
+constexpr const char* kLiveGraphLaunchesDoc =
+    "How many of its launches (a call captures one or two) sit in live CUDA graphs (after "
+    "waiting up to wait_seconds for graphs just deleted). While above 0, dropping it keeps its "
+    "workspace, which their replays use, until the process exits: delete the graphs first.";
+
 // The GPU prefill indexer of one (device, heads, maxima): workspace at construction.
 struct PyPrefiller {
   std::unique_ptr<Prefiller> prefiller;
   Place place;
 
   const PrefillConfig& cfg() const { return prefiller->config(); }
+  const Prefiller& object() const { return *prefiller; }
 
   void prefill(const InArray& index_query, const InArray& index_cache, const InArray& block_table,
                const InArray& cu_seqlens_q, const InArray& context_lens, const InArray& seq_lens,
@@ -217,16 +230,8 @@ void bind_prefiller(nb::module_& m) {
             check_status(p.prefiller->clear_error_flag(as_stream(stream)));
           },
           "stream"_a = 0)
-      .def(
-          "launches_in_live_graphs",
-          [](const PyPrefiller& p, double wait_seconds) {
-            nb::gil_scoped_release release;  // may poll up to wait_seconds
-            return p.prefiller->launches_in_live_graphs(wait_seconds);
-          },
-          "wait_seconds"_a = 0.0,
-          "How many of its launches sit in live CUDA graphs (after waiting up to wait_seconds "
-          "for graphs just deleted). While above 0, dropping it keeps its workspace, which "
-          "their replays use, until the process exits: delete the graphs first.");
+      .def("launches_in_live_graphs", &live_graph_launches<PyPrefiller>, "wait_seconds"_a = 0.0,
+           kLiveGraphLaunchesDoc);
 }
 
 void bind_decoder(nb::module_& m) {
@@ -365,17 +370,8 @@ void bind_decoder(nb::module_& m) {
             check_status(d.decoder->clear_error_flag(as_stream(stream)));
           },
           "stream"_a = 0)
-      .def(
-          "launches_in_live_graphs",
-          [](const PyDecoder& d, double wait_seconds) {
-            nb::gil_scoped_release release;  // may poll up to wait_seconds
-            return d.decoder->launches_in_live_graphs(wait_seconds);
-          },
-          "wait_seconds"_a = 0.0,
-          "How many of its launches (a call captures one or two) sit in live CUDA graphs "
-          "(after waiting up to wait_seconds for graphs just deleted). While above 0, dropping "
-          "it keeps its workspace, which their replays use, until the process exits: delete the "
-          "graphs first.");
+      .def("launches_in_live_graphs", &live_graph_launches<PyDecoder>, "wait_seconds"_a = 0.0,
+           kLiveGraphLaunchesDoc);
 }
 
 }  // namespace cpidx::py
