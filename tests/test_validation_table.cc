@@ -6,6 +6,7 @@
 // output (ids, keys, scores, table rows, error flag) still holds its poison.
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -1022,9 +1023,7 @@ std::vector<ConfigCase<Config>> with_shared_config_cases(std::vector<ConfigCase<
       {"topk 65", [](C& c, int&) { c.sel.topk = 65; }, {kUnsup, {"topk", "[1, 64]", "got 65"}}},
       {"init -1", [](C& c, int&) { c.sel.init_blocks = -1; }, {kInv, {"init_blocks", ">= 0"}}},
       {"local -1", [](C& c, int&) { c.sel.local_blocks = -1; }, {kInv, {"local_blocks", ">= 0"}}},
-      {"max_tokens 0",
-       [](C& c, int&) { c.max_tokens = 0; },
-       {kInv, {"max_tokens", ">= 1", "got 0"}}},
+      {"max_tokens 0", [](C& c, int&) { c.max_tokens = 0; }, {kInv, {"max_tokens", "got 0"}}},
       {"max_seq_len 0",
        [](C& c, int&) { c.max_seq_len = 0; },
        {kInv, {"max_seq_len", ">= 1", "got 0"}}},
@@ -1078,6 +1077,17 @@ TEST(ValidationTable, DecoderConfig) {
       {"max_query_len 9",
        [](C& c, int&) { c.max_query_len = 9; },
        {kInv, {"max_query_len", "[1, 8]", "got 9"}}},
+      // Past kMaxTokens the kernels' 32-bit request and row indices would near INT_MAX, with a
+      // workspace some GPUs could still hold (1 head, K = 1: about 16 GiB at 2^31 - 1 rows).
+      {"max_tokens 0 (bounds)",
+       [](C& c, int&) { c.max_tokens = 0; },
+       {kInv, {"max_tokens must be in [1, 1073741824], got 0"}}},
+      {"max_tokens 2^30 + 1",
+       [](C& c, int&) { c.max_tokens = C::kMaxTokens + 1; },
+       {kInv, {"max_tokens must be in [1, 1073741824], got 1073741825"}}},
+      {"max_tokens INT_MAX",
+       [](C& c, int&) { c.max_tokens = INT_MAX; },
+       {kInv, {"max_tokens must be in [1, 1073741824], got 2147483647"}}},
   };
   expect_configs_refused<cpidx::Decoder>(with_shared_config_cases(cases));
   C config;
