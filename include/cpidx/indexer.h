@@ -191,11 +191,11 @@ class Decoder {
   void* exchange_buffer() const;
   size_t exchange_buffer_bytes() const;
 
-  // How many of its launches (a call captures one or two) sit in CUDA graphs that are still
-  // alive, after waiting up to wait_seconds for graphs just destroyed (CUDA releases them on an
-  // internal thread; host polling only). While it is above 0 the destructor keeps the
-  // workspace, which the graphs' replays use, until the process exits (a leak, never a free
-  // under a graph): destroy the graphs first.
+  // How many of its launches sit in CUDA graphs that are still alive, one per captured call
+  // (decode, shard_keys, merge, cp_decode, clear_error_flag), after waiting up to wait_seconds
+  // for graphs just destroyed (CUDA releases them on an internal thread; host polling only).
+  // While it is above 0 the destructor keeps the workspace, which the graphs' replays use, until
+  // the process exits (a leak, never a free under a graph): destroy the graphs first.
   long long launches_in_live_graphs(double wait_seconds = 0) const;
 
  private:

@@ -146,7 +146,7 @@ long long live_graph_launches(const Py& py, double wait_seconds) {
   return py.object().launches_in_live_graphs(wait_seconds);
 }
 constexpr const char* kLiveGraphLaunchesDoc =
-    "How many of its launches (a call captures one or two) sit in live CUDA graphs (after "
+    "How many of its launches (one per captured call) sit in live CUDA graphs (after "
     "waiting up to wait_seconds for graphs just deleted). While above 0, dropping it keeps its "
     "workspace, which their replays use, until the process exits: delete the graphs first.";
 

@@ -164,11 +164,7 @@ class NcclCommunicator final : public Communicator {
 
   // Gathers held by live CUDA graphs (nccl_gathers_in_live_graphs).
   long long gathers_in_live_graphs(double wait_seconds) const {
-    if (wait_seconds > 0 && holds_.count() > 0) {
-      // A graph still running keeps its references until it ends.
-      on_device_best_effort(device_, [] { cudaDeviceSynchronize(); });
-    }
-    return holds_.wait_for_release(wait_seconds);
+    return holds_.wait_for_release_on(device_, wait_seconds);
   }
 
   Status barrier() override {

@@ -619,16 +619,7 @@ class PeerCommunicator final : public Communicator {
 
   // Gathers held by live CUDA graphs (peer_gathers_in_live_graphs).
   long long gathers_in_live_graphs(double wait_seconds) const {
-    if (wait_seconds > 0 && parts_.holds.count() > 0) {
-      // A graph still running keeps its references until it ends.
-      int prev = 0;
-      if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(parts_.device) == cudaSuccess) {
-        cudaDeviceSynchronize();
-        cudaSetDevice(prev);
-      }
-      cudaGetLastError();
-    }
-    return parts_.holds.wait_for_release(wait_seconds);
+    return parts_.holds.wait_for_release_on(parts_.device, wait_seconds);
   }
 
  private:

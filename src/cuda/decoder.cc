@@ -79,7 +79,8 @@ struct Decoder::Impl {
   DecodeWorkspaceLayout layout;
   int device = 0;
   uint8_t* workspace = nullptr;
-  // Launches held by live CUDA graphs, whose replays use the workspace (launches_in_live_graphs).
+  // Calls held by live CUDA graphs, whose replays use the workspace (launches_in_live_graphs):
+  // each public call that launches counts itself once, after its checks, before its first launch.
   cuda_host::GraphHolds holds;
 
   template <typename T>
@@ -172,7 +173,6 @@ struct Decoder::Impl {
   // Scoring and selection: the scoring kernel, then select_topk (the split path's selection, or
   // the fused path's merge of requests that span CTAs).
   Status launch_scoring(const cuda::ScoreTopkParams& p, DType dtype, cudaStream_t stream) const {
-    CPIDX_RETURN_IF_ERROR(holds.count_if_captured(stream));
     CPIDX_LAUNCH_TRY(cuda::launch_score_topk(p, dtype, launch, stream));
     CPIDX_LAUNCH_TRY(cuda::launch_select_topk(p, launch, stream));
     return Status::ok();
@@ -207,7 +207,6 @@ struct Decoder::Impl {
     m.query_len = batch.query_len;
     m.max_seq_len = cfg.max_seq_len;
     m.pdl = cfg.programmatic_launch;
-    CPIDX_RETURN_IF_ERROR(holds.count_if_captured(stream));
     CPIDX_LAUNCH_TRY(cuda::launch_merge_topk(m, stream));
     return Status::ok();
   }
@@ -336,6 +335,7 @@ Status Decoder::decode(const DecodeInputs& in, const TopkOutput& out,
                                                         << in.num_heads);
   CPIDX_RETURN_IF_ERROR(impl_->check_inputs(in, in.num_heads));
   CPIDX_RETURN_IF_ERROR(impl_->check_outputs(out, in.num_heads, in, table));
+  CPIDX_RETURN_IF_ERROR(impl_->holds.count_if_captured(stream));
   return impl_->launch_plain(in, out, table, stream);
 }
 
@@ -353,6 +353,7 @@ Status Decoder::shard_keys(const DecodeInputs& in, Key* keys, cudaStream_t strea
   cuda::ScoreTopkParams p =
       impl_->score_params(in, impl_->cfg.world_size, impl_->cfg.rank);
   p.keys = keys;
+  CPIDX_RETURN_IF_ERROR(impl_->holds.count_if_captured(stream));
   return impl_->launch_scoring(p, in.cache.dtype, stream);
 }
 
@@ -374,6 +375,7 @@ Status Decoder::merge(const Key* gathered, const DecodeInputs& batch, const Topk
                                        << impl_->cfg.max_tokens << ")");
   CPIDX_RETURN_IF_ERROR(
       impl_->check_outputs(out, impl_->geo.local_heads, batch, table, gathered));
+  CPIDX_RETURN_IF_ERROR(impl_->holds.count_if_captured(stream));
   return impl_->launch_merge(gathered, nullptr, batch, out, table, stream);
 }
 
@@ -432,6 +434,7 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
     CPIDX_RETURN_IF_ERROR(ref::detail::agree_on_settings(comm, T, local, im.cfg.sel));
   }
   CPIDX_RETURN_IF_ERROR(valid);
+  CPIDX_RETURN_IF_ERROR(im.holds.count_if_captured(stream));  // before its first launch
   if (P == 1) return im.launch_plain(local, out, table, stream);  // validated above (L == T)
 
   // 1. Gather the local queries [n, L, D] of every rank: straight from the caller's tensor when

@@ -73,6 +73,21 @@ class GraphHolds {
     return count_->load();
   }
 
+  // wait_for_release for a caller that may make CUDA calls (never a destructor): while the count
+  // is above 0 it first synchronises `device` (a graph still running keeps its references until
+  // it ends), best effort, the caller's device restored and no error left pending.
+  long long wait_for_release_on(int device, double seconds) const {
+    if (seconds > 0 && count() > 0) {
+      int prev = 0;
+      if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device) == cudaSuccess) {
+        cudaDeviceSynchronize();
+        cudaSetDevice(prev);
+      }
+      cudaGetLastError();
+    }
+    return wait_for_release(seconds);
+  }
+
   // How long a destructor waits for graphs destroyed just before it.
   static constexpr double kDestroyGraceSeconds = 0.1;
 
