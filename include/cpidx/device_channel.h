@@ -26,6 +26,7 @@
 //    behind (it skipped a step) learns of it too.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace cpidx {
@@ -41,5 +42,12 @@ struct DeviceChannel {
   unsigned long long timeout_ns = 0;
   int rank = 0, world = 0;       // world == 0: no channel
 };
+
+// 64-bit words of a rank's channel lines ([2][world][capacity][2] above). Rank q's error word
+// starts the line after them, at buffers[q] + channel_words(world, capacity): where the peer
+// communicator places it and where the kernels raise it.
+constexpr size_t channel_words(int world, int64_t capacity) {
+  return size_t{2} * static_cast<size_t>(world) * static_cast<size_t>(capacity) * 2;
+}
 
 }  // namespace cpidx

@@ -195,7 +195,8 @@ struct BufferShape {
 // ceil(max_bytes / 8), so any payload all_gather accepts also fits the channel.
 size_t channel_capacity(size_t max_bytes) { return cdiv(max_bytes, 8); }
 size_t channel_bytes(size_t max_bytes, int world) {
-  return 2 * static_cast<size_t>(world) * channel_capacity(max_bytes) * 16;
+  return channel_words(world, static_cast<int64_t>(channel_capacity(max_bytes))) *
+         sizeof(unsigned long long);
 }
 // The error word follows the channel in the same buffer (its own 16-byte line), so that a peer
 // that times out can raise it (ll::alarm_peer): the byte offset of the line in every buffer.

@@ -42,9 +42,7 @@ __device__ __forceinline__ void channel_clean(const DeviceChannel& c, uint32_t u
 // Rank q's error word as mapped on this GPU: the 16-byte line after its channel lines
 // (DeviceChannel::error is this rank's).
 __device__ __forceinline__ int32_t* channel_error(const DeviceChannel& c, int q) {
-  // Past both parities' slots: [2][world][capacity] lines of two u64 each.
-  return reinterpret_cast<int32_t*>(c.buffers[q] +
-                                    size_t{2} * c.world * static_cast<size_t>(c.capacity) * 2);
+  return reinterpret_cast<int32_t*>(c.buffers[q] + channel_words(c.world, c.capacity));
 }
 
 // A waiter of this rank timed out: every peer's error word is raised too, so that a rank that
