@@ -295,6 +295,51 @@ def test_registry_clear_under_a_live_graph_keeps_the_workspace_and_warns():
     reg.clear()  # nothing left, nothing to warn about
 
 
+def test_launches_in_live_graphs_counts_each_captured_call_once():
+    # Each public call captured counts once while its graph lives, whatever number of kernels it
+    # launches (cp_decode: the query pack, the scoring and the merge; merge alone; shard_keys),
+    # and nothing once the graph is gone.
+    rng = np.random.default_rng(35)
+    b = random_decode(rng, 4, 1, [4000, 700, 1], max_seq_len=4096)
+    q, k, bt, sl = to_dev(b)
+    dec = cpidx.Decoder(total_heads=4, world_size=1, rank=0, max_tokens=b.rows, max_seq_len=4096,
+                        topk=16, init_blocks=0, local_blocks=1, device=0)
+    out = torch.zeros((4, b.rows, 16), dtype=torch.int32, device=DEV)
+    keys = torch.zeros((1, 4, b.rows, 16), dtype=torch.int64, device=DEV)
+    calls = [lambda s: dec.decode(q, k, bt, sl, 1, out, scale=b.scale, stream=s),
+             lambda s: dec.shard_keys(q, k, bt, sl, 1, keys[0], scale=b.scale, stream=s),
+             lambda s: dec.merge(keys, sl, 1, out, stream=s)]
+    peer = boot = None
+    if cpidx.has_peer:
+        (boot,) = cpidx._C._thread_communicators(1)
+        peer = cpidx._C.make_peer_communicator(boot, 0, 1 << 20)
+        calls.append(lambda s: dec.cp_decode(peer, q, k, bt, sl, 1, out, scale=b.scale,
+                                             stream=s))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:  # eager: nothing counted
+            call(side.cuda_stream)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert dec.launches_in_live_graphs() == 0
+    graphs = []
+    for i, call in enumerate(calls):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(torch.cuda.current_stream().cuda_stream)
+        graphs.append(graph)
+        assert dec.launches_in_live_graphs() == i + 1, f"call {i}"
+    for graph in graphs:
+        graph.replay()
+    torch.cuda.synchronize()
+    del graph, graphs
+    assert dec.launches_in_live_graphs(5.0) == 0
+    if peer is not None:
+        peer.close()
+        boot.close()
+
+
 def test_objects_collected_inside_a_capture_leave_it_valid():
     # An engine may drop objects while it captures (the collector runs inside torch.cuda.graph,
     # whose capture mode is global): their teardown must not invalidate the capture.
