@@ -24,9 +24,13 @@ Run on a GPU machine with the package importable (scripts/device_python.sh insta
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -76,7 +80,7 @@ def gpu_us(graph: torch.cuda.CUDAGraph, n: int, reps: int) -> float:
     return statistics.median(per_call)
 
 
-def measure(reqs: int, seq_len: int, n: int, reps: int) -> list:
+def measure(reqs: int, seq_len: int, n: int, reps: int, profile: Optional[list]) -> list:
     x = make_inputs(reqs, seq_len, torch.Generator(device="cuda").manual_seed(reqs * 7 + seq_len))
     q, k, bt, sl, out, msl = x["q"], x["k"], x["bt"], x["sl"], x["out"], x["max_seq_len"]
     scale = 128 ** -0.5
@@ -125,6 +129,21 @@ def measure(reqs: int, seq_len: int, n: int, reps: int) -> list:
     def raw_stream():
         torch._C._cuda_getCurrentRawStream(0)
 
+    def one_device():
+        _api._check_one_device(q, index_cache=k, block_table=bt, seq_lens=sl, out=out,
+                               attention_block_table=None, sparse_block_table_out=None,
+                               sparse_context_lens_out=None)
+
+    def op_takes():
+        _api._op_takes(None, q, k, bt, sl, out, None, None, None)
+
+    def bump_versions():
+        _api._bump_versions(out, None, None, None)
+
+    def decode_now():  # the eager implementation alone: registry, device, stream, binding
+        _api._decode_now(q, k, bt, sl, 1, out, scale=scale, topk=TOPK, init_blocks=0,
+                         local_blocks=1, max_seq_len=msl)
+
     # Every route gives the same ids (the check that the timed calls compute the step).
     functional()
     want = out.clone()
@@ -149,6 +168,16 @@ def measure(reqs: int, seq_len: int, n: int, reps: int) -> list:
 
     rows = []
     shape = f"{reqs} x {seq_len // 1024}K"
+    if profile is not None:  # where the functional route's host time goes, by function
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20 * n):
+            functional()
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        profile.append(f"== {shape}: {20 * n} functional calls, by own time\n{text.getvalue()}")
     step_gpu = gpu_us(graph, n, reps)
     for name, call in (("functional", functional), ("torch_op", torch_op), ("decoder", decoder),
                        ("graph_replay", graph.replay), ("torch_zero_", zero),
@@ -158,7 +187,11 @@ def measure(reqs: int, seq_len: int, n: int, reps: int) -> list:
                        ("piece: registry.decoder", registry_lookup),
                        ("piece: is_compiling", is_compiling),
                        ("piece: current_device", current_device),
-                       ("piece: raw stream", raw_stream)):
+                       ("piece: raw stream", raw_stream),
+                       ("piece: _check_one_device", one_device),
+                       ("piece: _op_takes", op_takes),
+                       ("piece: _bump_versions", bump_versions),
+                       ("piece: _decode_now", decode_now)):
         for _ in range(3):
             call()  # warm
         rows.append(dict(shape=shape, route=name, host_us=round(host_us(call, n, reps), 2),
@@ -171,10 +204,16 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--calls", type=int, default=200, help="calls a round (default 200)")
     ap.add_argument("--reps", type=int, default=7, help="rounds (default 7)")
+    ap.add_argument("--profile", help="write a cProfile of the functional route here (its "
+                    "calls run under the profiler, apart from the timed rounds)")
     args = ap.parse_args()
     rows = []
+    profile = [] if args.profile else None
     for reqs, seq_len in ((1, 8192), (8, 65536)):
-        rows += measure(reqs, seq_len, args.calls, args.reps)
+        rows += measure(reqs, seq_len, args.calls, args.reps, profile)
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write("\n".join(profile))
     print(f"{'shape':>10} {'route':>26} {'host us':>8} {'GPU us':>7}")
     for r in rows:
         print(f"{r['shape']:>10} {r['route']:>26} {r['host_us']:8.2f} {r['step_gpu_us']:7.2f}")

@@ -113,25 +113,30 @@ def _as_bits(t: Any) -> Any:
     return t
 
 
-def _dl(x: Any) -> Any:
+def _dl_with(tensor: Any, to_dlpack: Any, x: Any) -> Any:
     """A torch tensor as a DLPack capsule for the binding, which imports it as is: given the
     tensor, nanobind calls torch's Python-level ``Tensor.__dlpack__`` (~3 us a tensor on the CI
     machine's CPU, against ~0.4 us for ``torch.utils.dlpack.to_dlpack``; torch versions whose
     ``stream`` argument defaults to None also make the legacy default stream wait for the
     current one there, per tensor). Anything else (None, numbers, numpy arrays, a tensor DLPack
-    cannot carry) goes as it is, so the binding's own checks see it as before."""
-    torch = _torch_module()
-    if torch is None or type(x) is not torch.Tensor:
+    cannot carry) goes as it is, so the binding's own checks see it as before. ``tensor`` and
+    ``to_dlpack``: torch's, looked up once for a call's arguments."""
+    if type(x) is not tensor:
         return x
     try:
-        return torch.utils.dlpack.to_dlpack(x)
+        return to_dlpack(x)
     except (RuntimeError, BufferError, TypeError):  # the binding names it, as before
         return x
 
 
 def _native(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn`` (a binding) called with its torch tensor arguments as DLPack capsules (_dl)."""
-    return fn(*[_dl(a) for a in args], **{name: _dl(a) for name, a in kwargs.items()})
+    """``fn`` (a binding) called with its torch tensor arguments as DLPack capsules (_dl_with)."""
+    torch = _torch_module()
+    if torch is None:
+        return fn(*args, **kwargs)
+    tensor, to_dlpack = torch.Tensor, torch.utils.dlpack.to_dlpack
+    return fn(*[_dl_with(tensor, to_dlpack, a) for a in args],
+              **{name: _dl_with(tensor, to_dlpack, a) for name, a in kwargs.items()})
 
 
 def _with_capsules(method: Any) -> Any:
@@ -192,8 +197,9 @@ def _check_one_device(index_query: Any, **tensors: Any) -> None:
     op's fake (nothing written, no error); the binding names other mixes, but only once reached.
     The error flag is checked by its own rule (_check_error_flag), also before the op."""
     want = index_query.device
+    tensor = _torch_module().Tensor  # imported: index_query is a tensor
     for name, t in tensors.items():
-        if _is_torch(t) and t.device != want:  # in the binding's words
+        if isinstance(t, tensor) and t.device != want:  # in the binding's words
             raise ValueError(f"{name}: expected a CUDA tensor on {want}, got {t.device}"
                              if want.type == "cuda" else
                              f"{name}: expected a host array (numpy or a CPU tensor), got "
@@ -286,27 +292,39 @@ def _op_takes(error_flag: Any, index_query: Any, *tensors: Any) -> bool:
     plain eager call on CUDA or CPU tensors runs the same implementation directly
     (_bump_versions stands in for the op's own bookkeeping). The ops take a tensor flag or
     none; another one goes to the eager path, which names it."""
-    if error_flag is not None and not _is_torch(error_flag):
-        return False
     torch = _torch_module()
+    plain = torch.Tensor
+    if error_flag is not None and not isinstance(error_flag, plain):
+        return False
     if torch.compiler.is_compiling():  # first: dynamo traces no call below
         return True
-    if type(index_query) is not torch.Tensor or index_query.device.type not in ("cuda", "cpu"):
+    if type(index_query) is not plain or not (index_query.is_cuda or index_query.is_cpu):
         return True
-    plain = torch.Tensor
-    if any(isinstance(t, plain) and type(t) is not plain for t in (error_flag,) + tensors):
+    for t in tensors:
+        if t is not None and type(t) is not plain and isinstance(t, plain):
+            return True
+    if error_flag is not None and type(error_flag) is not plain:
         return True
-    redirected = (getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)() > 0 or
-                  getattr(torch._C, "_are_functorch_transforms_active", lambda: False)())
-    return torch.jit.is_tracing() or redirected
+    dispatch_stack, transforms = _redirect_probes(torch)
+    return dispatch_stack() > 0 or transforms() or torch.jit.is_tracing()
+
+
+@functools.lru_cache(maxsize=None)
+def _redirect_probes(torch: Any) -> tuple:
+    """torch's probes of a dispatch mode and of a torch.func transform (looked up once; a torch
+    without one reports "redirected" or "not", as the op then stays safe)."""
+    return (getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1),
+            getattr(torch._C, "_are_functorch_transforms_active", lambda: False))
 
 
 def _bump_versions(*tensors: Any) -> None:
     """What the op's mutates_args does for the tensors a direct eager call wrote: their version
     counters move, so that autograd refuses a tensor saved for backward and since overwritten."""
     torch = _torch_module()
+    if torch is None:  # host arrays: nothing to bump
+        return
     for t in tensors:  # one at a time: a list is taken only from torch 2.5
-        if _is_torch(t):
+        if t is not None and isinstance(t, torch.Tensor):
             torch.autograd.graph.increment_version(t)
 
 
@@ -374,6 +392,9 @@ class Registry:
         and one thread makes a key while the others wanting it wait. On a miss ``check()``,
         when given, runs first (a call's arguments that sized the key), then the capture check
         naming ``what()``."""
+        obj = store.get(key)  # a hit, the common case, without the lock (one dict read)
+        if obj is not None and not getattr(obj, "closed", False):
+            return obj
         slot, mine, made = (id(store), key), threading.Event(), None
         registered = False
         try:
@@ -624,10 +645,12 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
                 error_flag: Any = None) -> None:
     """The eager implementation behind decode_topk and its torch op."""
     _check_error_flag(error_flag, index_query)
-    table = dict(attention_block_table=attention_block_table,
-                 sparse_block_table_out=sparse_block_table_out,
-                 sparse_context_lens_out=sparse_context_lens_out,
-                 block_page_stride=block_page_stride)
+    table = {} if attention_block_table is None and sparse_block_table_out is None and \
+        sparse_context_lens_out is None and block_page_stride is None else dict(
+            attention_block_table=attention_block_table,
+            sparse_block_table_out=sparse_block_table_out,
+            sparse_context_lens_out=sparse_context_lens_out,
+            block_page_stride=block_page_stride)  # none given: the binding's defaults, the same
     if _is_cuda(index_query):
         if decoder is not None:
             _check_decoder_matches(decoder, topk=topk, init_blocks=init_blocks,

@@ -231,7 +231,10 @@ def test_tensors_reach_the_binding_as_dlpack_capsules():
     # torch's Python-level __dlpack__ (which nanobind calls on a tensor) is skipped: a plain
     # tensor goes to the binding as a capsule; what DLPack cannot carry goes as it is, so the
     # binding's own check reports it as before.
-    from cpidx._api import _dl, _native
+    from cpidx._api import _dl_with, _native
+
+    def _dl(x):
+        return _dl_with(torch.Tensor, torch.utils.dlpack.to_dlpack, x)
 
     t = torch.arange(6, dtype=torch.int32).view(2, 3)[:, 1:]  # strided, with an offset
     assert type(_dl(t)).__name__ == "PyCapsule"
