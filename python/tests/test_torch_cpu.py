@@ -246,6 +246,11 @@ def test_tensors_reach_the_binding_as_dlpack_capsules():
     args, kwargs = _native(lambda *a, **k: (a, k), t, arr, out=t, scale=0.5)
     assert [type(a).__name__ for a in args] == ["PyCapsule", "ndarray"]
     assert type(kwargs["out"]).__name__ == "PyCapsule" and kwargs["scale"] == 0.5
+    # One that DLPack refuses (a sparse tensor) goes as it is, the others still as capsules.
+    sparse = torch.zeros(2).to_sparse()
+    args, kwargs = _native(lambda *a, **k: (a, k), t, sparse, out=t, flag=sparse)
+    assert type(args[0]).__name__ == "PyCapsule" and args[1] is sparse
+    assert type(kwargs["out"]).__name__ == "PyCapsule" and kwargs["flag"] is sparse
     # The binding still names a refused tensor argument.
     b = random_decode(np.random.default_rng(5), 2, 1, [300], max_seq_len=512)
     q, k, bt, sl = as_torch(b)
