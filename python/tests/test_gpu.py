@@ -296,9 +296,10 @@ def test_registry_clear_under_a_live_graph_keeps_the_workspace_and_warns():
 
 
 def test_launches_in_live_graphs_counts_each_captured_call_once():
-    # Each public call captured counts once while its graph lives, whatever number of kernels it
-    # launches (cp_decode: the query pack, the scoring and the merge; merge alone; shard_keys),
-    # and nothing once the graph is gone.
+    # Each public call captured counts once while its graph lives, and nothing once its graph is
+    # gone: decode, shard_keys, merge and (with a peer communicator) cp_decode of a one-rank
+    # Decoder, one graph each. (At one rank cp_decode is the plain decode; at two, a step's query
+    # pack, scoring and merge count once: test_peer_gathers_in_live_graphs_are_counted_...)
     rng = np.random.default_rng(35)
     b = random_decode(rng, 4, 1, [4000, 700, 1], max_seq_len=4096)
     q, k, bt, sl = to_dev(b)
@@ -315,29 +316,31 @@ def test_launches_in_live_graphs_counts_each_captured_call_once():
         peer = cpidx._C.make_peer_communicator(boot, 0, 1 << 20)
         calls.append(lambda s: dec.cp_decode(peer, q, k, bt, sl, 1, out, scale=b.scale,
                                              stream=s))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:  # eager: nothing counted
-            call(side.cuda_stream)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    assert dec.launches_in_live_graphs() == 0
-    graphs = []
-    for i, call in enumerate(calls):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call(torch.cuda.current_stream().cuda_stream)
-        graphs.append(graph)
-        assert dec.launches_in_live_graphs() == i + 1, f"call {i}"
-    for graph in graphs:
-        graph.replay()
-    torch.cuda.synchronize()
-    del graph, graphs
-    assert dec.launches_in_live_graphs(5.0) == 0
-    if peer is not None:
-        peer.close()
-        boot.close()
+    try:  # the communicators closed whatever happens
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for call in calls:  # eager: nothing counted
+                call(side.cuda_stream)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        assert dec.launches_in_live_graphs() == 0
+        graphs = []
+        for i, call in enumerate(calls):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call(torch.cuda.current_stream().cuda_stream)
+            graphs.append(graph)
+            assert dec.launches_in_live_graphs() == i + 1, f"call {i}"
+        for graph in graphs:
+            graph.replay()
+        torch.cuda.synchronize()
+        del graph, graphs
+        assert dec.launches_in_live_graphs(5.0) == 0
+    finally:
+        if peer is not None:
+            peer.close()
+            boot.close()
 
 
 def test_objects_collected_inside_a_capture_leave_it_valid():
@@ -823,7 +826,7 @@ def test_peer_gathers_in_live_graphs_are_counted_and_close_keeps_their_buffers()
     b = random_decode(rng, 2, 1, [900, 40, 300], max_seq_len=1024)
     q, k, bt, sl = to_dev(b)
     boots = cpidx._C._thread_communicators(2)
-    peers, graphs, errors = [None, None], [None, None], []
+    peers, graphs, errors, counts = [None, None], [None, None], [], [None, None]
     ready = threading.Barrier(2)
 
     def rank(r):
@@ -844,6 +847,7 @@ def test_peer_gathers_in_live_graphs_are_counted_and_close_keeps_their_buffers()
                               stream=stream.cuda_stream)
                 graph.capture_end()
             graphs[r] = (graph, dec, out)
+            counts[r] = dec.launches_in_live_graphs()  # the step's pack, scoring, merge: one call
         except BaseException as e:  # noqa: BLE001 - reported below (pytest's Failed included)
             errors.append(e)
             ready.abort()
@@ -855,6 +859,7 @@ def test_peer_gathers_in_live_graphs_are_counted_and_close_keeps_their_buffers()
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors
+    assert counts == [1, 1]  # each rank's Decoder: its one captured cp_decode call
     for r in range(2):
         assert peers[r]._gathers_in_live_graphs() == 2  # one query gather a step, both ranks'
         assert "2 of its gathers are in CUDA graphs that are still alive" in \
