@@ -32,9 +32,7 @@ NcclUniqueId nccl_unique_id(Status* status);
 // rank calls it). `host_channel`, if given, is a host-memory communicator of the same ranks (MPI,
 // threads) that check_agree() uses; it is not owned and must outlive the returned communicator.
 // With a host channel, a rank whose arguments are refused makes every rank fail instead of
-// leaving them waiting in ncclCommInitRank, and so does a rank whose ncclCommInitRank fails
-// after its peers' returned (they abort theirs rather than wait for it in their first
-// collective). The caller's current device is restored.
+// leaving them waiting in ncclCommInitRank. The caller's current device is restored.
 // On failure returns nullptr and sets *status; *status is ok otherwise.
 std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int world, int rank,
                                                      int device, Status* status,
@@ -43,7 +41,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
 // The same, bootstrapped over `host` (a host-memory communicator of the ranks: MPI, threads),
 // which becomes the host channel: collective over `host`; rank 0 makes the unique id and `host`
 // hands it out. Every rank fails together, naming the reason, when one cannot go on (its id,
-// device or arguments refused, its ncclCommInitRank failed). `host` must outlive the result.
+// device or arguments refused). `host` must outlive the result.
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, int device,
                                                      Status* status);
 

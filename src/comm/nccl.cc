@@ -17,7 +17,6 @@
 
 #include "cpidx/comm_nccl.h"
 #include "../cuda/graph_holds.h"
-#include "nccl_testing.h"
 
 namespace cpidx {
 namespace {
@@ -210,16 +209,6 @@ class NcclCommunicator final : public Communicator {
 // What the ranks of make_nccl_communicator agree on through their host channel.
 constexpr const char* kWorldAgreement =
     "NCCL communicator world size (-1: a rank refused its arguments)";
-constexpr const char* kInitAgreement = "ncclCommInitRank succeeded (1) or failed (0)";
-
-// comm_testing::fail_next_nccl_init_on_rank's rank (-1: none).
-std::atomic<int> g_fail_init_rank{-1};
-
-// Whether a test asked this rank's ncclCommInitRank to be taken as failed (once).
-bool injected_init_failure(int rank) {
-  int want = rank;
-  return g_fail_init_rank.load() == rank && g_fail_init_rank.compare_exchange_strong(want, -1);
-}
 
 // Sets *status (when given) and returns what the factories return on failure.
 template <typename T>
@@ -284,25 +273,8 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
   ncclUniqueId uid;
   std::memcpy(uid.internal, id.data(), NCCL_UNIQUE_ID_BYTES);
   ncclComm_t comm = nullptr;
-  Status st =
+  const Status st =
       nccl_check(ncclCommInitRank(&comm, world, uid, rank), "ncclCommInitRank", comm, rank, world);
-  if (st.is_ok() && injected_init_failure(rank)) {
-    ncclCommAbort(comm);
-    comm = nullptr;
-    st = comm_error("ncclCommInitRank failed on rank " + std::to_string(rank) + " of " +
-                    std::to_string(world) + ": injected by a test");
-  }
-  // ncclCommInitRank can fail on one rank after its peers' returned (out of memory, say): they
-  // would wait for it in their first collective. With a host channel every rank learns it here,
-  // and those whose communicator was made abort it (abort waits for no peer).
-  if (host_channel != nullptr) {
-    const Status agree = host_channel->check_agree(st.is_ok() ? 1 : 0, kInitAgreement);
-    if (st.is_ok() && !agree.is_ok()) {
-      ncclCommAbort(comm);
-      comm = nullptr;
-      st = agree;
-    }
-  }
   restore();
   if (!st.is_ok()) return fail(status, st, std::unique_ptr<Communicator>());
   return std::make_unique<NcclCommunicator>(comm, /*owns=*/true, rank, world, device, host_channel,
@@ -395,10 +367,6 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_communicators_single_proces
   }
   return comms;
 }
-
-namespace comm_testing {
-void fail_next_nccl_init_on_rank(int rank) { g_fail_init_rank.store(rank); }
-}  // namespace comm_testing
 
 long long nccl_gathers_in_live_graphs(Communicator& comm, double wait_seconds) {
   const auto* nccl = dynamic_cast<const NcclCommunicator*>(&comm);
