@@ -29,6 +29,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cpidx/contract.h"  // CPIDX_HD
+
 namespace cpidx {
 
 struct DeviceChannel {
@@ -46,7 +48,7 @@ struct DeviceChannel {
 // 64-bit words of a rank's channel lines ([2][world][capacity][2] above). Rank q's error word
 // starts the line after them, at buffers[q] + channel_words(world, capacity): where the peer
 // communicator places it and where the kernels raise it.
-constexpr size_t channel_words(int world, int64_t capacity) {
+constexpr CPIDX_HD size_t channel_words(int world, int64_t capacity) {
   return size_t{2} * static_cast<size_t>(world) * static_cast<size_t>(capacity) * 2;
 }
 
