@@ -135,7 +135,7 @@ def _native(fn: Any, *args: Any, **kwargs: Any) -> Any:
     if torch is None:
         return fn(*args, **kwargs)
     tensor, to_dlpack = torch.Tensor, torch.utils.dlpack.to_dlpack
-    try:  # inline, no call an argument (most calls): bench/host_overhead.py
+    try:  # inline, without a function call an argument (the common case)
         args = [to_dlpack(a) if type(a) is tensor else a for a in args]
         kwargs = {name: to_dlpack(a) if type(a) is tensor else a for name, a in kwargs.items()}
     except (RuntimeError, BufferError, TypeError):  # one DLPack cannot carry goes as it is
