@@ -97,16 +97,6 @@ Status check_host_channel(const Communicator* host, int world, int rank) {
   return Status::ok();
 }
 
-// Runs f() with `device` current, then makes the caller's device current again; skipped when
-// the device cannot be made current (best effort: destructors and queries that do not fail).
-template <typename F>
-void on_device_best_effort(int device, F&& f) {
-  int prev = 0;
-  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) return;
-  f();
-  cudaSetDevice(prev);
-}
-
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, bool owns, int rank, int world, int device,
@@ -121,7 +111,7 @@ class NcclCommunicator final : public Communicator {
 
   ~NcclCommunicator() override {
     if (barrier_stream_ != nullptr || barrier_scratch_ != nullptr) {
-      on_device_best_effort(device_, [&] {
+      cuda_host::on_device_best_effort(device_, [&] {
         if (barrier_stream_ != nullptr) cudaStreamDestroy(barrier_stream_);
         if (barrier_scratch_ != nullptr) cudaFree(barrier_scratch_);
       });

@@ -78,11 +78,7 @@ class GraphHolds {
   // it ends), best effort, the caller's device restored and no error left pending.
   long long wait_for_release_on(int device, double seconds) const {
     if (seconds > 0 && count() > 0) {
-      int prev = 0;
-      if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(device) == cudaSuccess) {
-        cudaDeviceSynchronize();
-        cudaSetDevice(prev);
-      }
+      on_device_best_effort(device, [] { cudaDeviceSynchronize(); });
       cudaGetLastError();
     }
     return wait_for_release(seconds);

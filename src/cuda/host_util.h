@@ -197,6 +197,16 @@ Status on_device(int device, F&& setup) {
   return st;
 }
 
+// Runs f() with `device` current, then makes the caller's device current again; skipped when
+// the device cannot be made current (best effort: destructors and queries that do not fail).
+template <typename F>
+void on_device_best_effort(int device, F&& f) {
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) return;
+  f();
+  cudaSetDevice(prev);
+}
+
 }  // namespace cuda_host
 }  // namespace cpidx
 

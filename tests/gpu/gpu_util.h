@@ -109,7 +109,7 @@ class CapturedGraph {
 // into the freed workspace would).
 class LaterAllocations {
  public:
-  explicit LaterAllocations(int count = 8, size_t bytes = size_t{8} << 20) : bytes_(bytes) {
+  LaterAllocations(int count, size_t bytes) : bytes_(bytes) {
     for (int i = 0; i < count; ++i) {
       blocks_.push_back(std::make_unique<DeviceVec<uint8_t>>(bytes));
       cudaMemset(blocks_.back()->ptr, 0xA5, bytes);
