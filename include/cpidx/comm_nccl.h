@@ -28,22 +28,32 @@ using NcclUniqueId = std::array<char, 128>;
 // torch.distributed, a file). On failure returns zeros and sets *status (kCommError).
 NcclUniqueId nccl_unique_id(Status* status);
 
-// Rank `rank` of `world` over `id`, on CUDA device `device` (ncclCommInitRank: collective, every
-// rank calls it). `host_channel`, if given, is a host-memory communicator of the same ranks (MPI,
-// threads) that check_agree() uses; it is not owned and must outlive the returned communicator.
-// With a host channel, a rank whose arguments are refused makes every rank fail instead of
-// leaving them waiting in ncclCommInitRank. The caller's current device is restored.
-// On failure returns nullptr and sets *status; *status is ok otherwise.
-std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int world, int rank,
-                                                     int device, Status* status,
-                                                     Communicator* host_channel = nullptr);
+// How long make_nccl_communicator waits, by default, for every rank to join: 10 minutes, the
+// default collective timeout of torch.distributed.
+inline constexpr double kNcclInitTimeoutSeconds = 600.0;
+
+// Rank `rank` of `world` over `id`, on CUDA device `device` (ncclCommInitRankConfig: collective,
+// every rank calls it). `host_channel`, if given, is a host-memory communicator of the same ranks
+// (MPI, threads) that check_agree() uses; it is not owned and must outlive the returned
+// communicator. With a host channel, a rank whose arguments are refused makes every rank fail
+// at once instead of leaving them waiting in the init.
+// `init_timeout_seconds` (> 0; infinity for no deadline) bounds the wait for the other ranks:
+// past it, the init is aborted and kCommError returned, so a rank that never joins (it failed
+// before the init without a host channel to tell, or its process is gone) cannot hold its peers
+// forever. The same bound applies, on the host, to each later call's enqueue (below). The
+// caller's current device is restored. On failure returns nullptr and sets *status; *status is
+// ok otherwise.
+std::unique_ptr<Communicator> make_nccl_communicator(
+    const NcclUniqueId& id, int world, int rank, int device, Status* status,
+    Communicator* host_channel = nullptr, double init_timeout_seconds = kNcclInitTimeoutSeconds);
 
 // The same, bootstrapped over `host` (a host-memory communicator of the ranks: MPI, threads),
 // which becomes the host channel: collective over `host`; rank 0 makes the unique id and `host`
 // hands it out. Every rank fails together, naming the reason, when one cannot go on (its id,
 // device or arguments refused). `host` must outlive the result.
-std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, int device,
-                                                     Status* status);
+std::unique_ptr<Communicator> make_nccl_communicator(
+    Communicator& host, int device, Status* status,
+    double init_timeout_seconds = kNcclInitTimeoutSeconds);
 
 // Wraps an existing ncclComm_t (passed as void*), for example one owned by an engine. The
 // communicator is used, never destroyed: its owner keeps it alive while the wrapper lives.
@@ -85,5 +95,13 @@ std::string nccl_version_text();
 //  - barrier() is a host barrier through the host channel; without one, a one-int ncclAllReduce
 //    on an internal stream followed by a wait for that stream.
 //  - Every NCCL failure is kCommError with ncclGetErrorString and ncclGetLastError.
+//  - The communicators of make_nccl_communicator are NCCL non-blocking ones (so that their init
+//    can have a deadline); their calls still return only once enqueued, as blocking ones'. A
+//    call whose enqueue must first connect to the peers runs it on NCCL's thread, polled here for
+//    at most init_timeout_seconds: past it (a peer gone) the communicator is aborted and every
+//    later call refused (kCommError). NCCL_COMM_BLOCKING=1 in the environment makes them
+//    blocking, without these deadlines. Adopted communicators keep their owner's mode, polled
+//    without a deadline when non-blocking. Do not call them inside an ncclGroupStart/End of the
+//    caller's (NCCL refuses to mix blocking and non-blocking communicators in one group).
 
 }  // namespace cpidx

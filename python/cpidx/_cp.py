@@ -43,6 +43,10 @@ _AGREED_SETTINGS = _PER_CALL_SETTINGS + ("topk", "init_blocks", "local_blocks", 
 # How long a host group this library makes waits for a rank: to be made, and in each all-reduce
 # (torch's default for its gloo groups: a rank may reach close() long after the others).
 HOST_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+# How long a rank's NCCL communicator waits at construction for the other ranks to join its init
+# (the C++ default, kNcclInitTimeoutSeconds): a rank that fails after the construction's
+# all_gather of verdicts, or whose process is gone, costs the others this, not a wait forever.
+NCCL_INIT_TIMEOUT = datetime.timedelta(minutes=10)
 
 # Every constructed instance by its ``handle`` (torch.ops.cpidx.cp_decode takes the handle); an
 # instance leaves when it is garbage-collected.
@@ -215,6 +219,9 @@ class IndexerCPDecode:
     ``cp.check_agreement`` says what applies: ``"every step"``, ``"captures"`` or ``None``.
     ``close()`` agrees through the host group whatever ``check_agreement`` says (below); over
     an NCCL-only group ``check_agreement=False`` makes none, so ``close()`` does not agree.
+
+    The NCCL communicator's init waits at most ``cpidx._cp.NCCL_INIT_TIMEOUT`` (10 min) for
+    every rank: past it, the ranks that joined raise RuntimeError ("a rank never joined").
 
     A peer exchange never hangs: a rank whose peer stops sending gives up after the
     communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in every rank's error
@@ -439,7 +446,9 @@ class IndexerCPDecode:
             self._host = _make_host_group(device_group, token)
         self._warn_if_unchecked(warn_unchecked, group)
         if library:
-            nccl = _C.make_nccl_communicator(uid, self.world_size, self.rank, self.device.index)
+            nccl = _C.make_nccl_communicator(
+                uid, self.world_size, self.rank, self.device.index,
+                init_timeout_seconds=NCCL_INIT_TIMEOUT.total_seconds())
             self._owned.append(nccl)
             self._comm, self.exchange = nccl, "nccl"
             if exchange in ("auto", "peer") and _C.has_peer:

@@ -275,7 +275,7 @@ void bind_comm(nb::module_& m) {
       "A fresh NCCL unique id (128 bytes) for rank 0 to broadcast.");
   m.def(
       "make_nccl_communicator",
-      [](nb::bytes id_bytes, int world_size, int rank, int device) {
+      [](nb::bytes id_bytes, int world_size, int rank, int device, double init_timeout_seconds) {
         NcclUniqueId id{};
         if (id_bytes.size() != id.size()) {
           throw nb::value_error(("id: expected " + std::to_string(id.size()) + " bytes, got " +
@@ -286,14 +286,17 @@ void bind_comm(nb::module_& m) {
         std::unique_ptr<Communicator> comm;
         {
           nb::gil_scoped_release release;  // every rank blocks here until all have joined
-          comm = make_nccl_communicator(id, world_size, rank, device, &st);
+          comm = make_nccl_communicator(id, world_size, rank, device, &st, nullptr,
+                                        init_timeout_seconds);
         }
         check_status(st);
         return owned(std::move(comm), "nccl");
       },
       "id"_a, "world_size"_a, "rank"_a, "device"_a,
+      "init_timeout_seconds"_a = kNcclInitTimeoutSeconds,
       "An NCCL communicator (device memory, stream-ordered, graph-capturable) joined by every "
-      "rank with the same id.");
+      "rank with the same id. A rank that has not joined within init_timeout_seconds (> 0, "
+      "inf: no deadline) makes the others raise RuntimeError instead of waiting forever.");
   m.def("nccl_version", &nccl_version_text, "NCCL library and header versions, for reports.");
 #else
   m.attr("has_nccl") = false;

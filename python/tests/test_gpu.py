@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -792,6 +793,25 @@ def test_peer_communicator_names_bad_arguments():
     with pytest.raises(ValueError, match="timeout_seconds"):
         cpidx._C.make_peer_communicator(boot, 0, 4096, timeout_seconds=0.0)
     boot.close()
+
+
+needs_nccl = pytest.mark.skipif(not cpidx.has_nccl, reason="the NCCL communicator is not built")
+
+
+@needs_nccl
+def test_nccl_init_of_a_rank_whose_peer_never_joins_raises_after_its_timeout():
+    uid = cpidx._C.nccl_unique_id()
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="init_timeout_seconds must be > 0"):
+            cpidx._C.make_nccl_communicator(uid, 1, 0, 0, init_timeout_seconds=bad)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="a rank never joined"):
+        cpidx._C.make_nccl_communicator(uid, 2, 0, 0, init_timeout_seconds=0.5)
+    assert time.monotonic() - t0 >= 0.5  # the deadline ended it, not an early failure
+    # A world of one on the same device afterwards: the aborted init left it usable.
+    comm = cpidx._C.make_nccl_communicator(cpidx._C.nccl_unique_id(), 1, 0, 0)
+    assert (comm.kind, comm.rank, comm.world_size) == ("nccl", 0, 1)
+    comm.close()
 
 
 @needs_peer

@@ -6,6 +6,10 @@
 // gathers held by live CUDA graphs are counted. Every test skips cleanly without its GPUs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <functional>
 #include <random>
 #include <string>
@@ -450,6 +454,188 @@ TEST(NcclOverHost, DestroyedUnderALiveGraphReturnsAndTheGraphStillRuns) {
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
   EXPECT_EQ(cudaFree(buf), cudaSuccess);
+}
+
+// No GPU needed: init_timeout_seconds must be > 0 (NaN refused too), checked before any device
+// or NCCL call, and named; through the host-bootstrapped factory every rank fails with it.
+TEST(NcclOverHost, RefusesAnInitTimeoutThatIsNotPositive) {
+  for (double bad : {0.0, -1.0, std::nan("")}) {
+    Status st;
+    EXPECT_EQ(cpidx::make_nccl_communicator(cpidx::NcclUniqueId{}, 1, 0, 0, &st, nullptr, bad),
+              nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad << ": " << st.to_string();
+    EXPECT_NE(st.message().find("init_timeout_seconds must be > 0"), std::string::npos)
+        << st.message();
+  }
+  std::vector<std::unique_ptr<Communicator>> hosts = cpidx::make_thread_communicators(kWorld);
+  std::vector<Status> st(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      const auto i = static_cast<size_t>(r);
+      EXPECT_EQ(cpidx::make_nccl_communicator(*hosts[i], 0, &st[i], r == 0 ? -2.0 : 5.0),
+                nullptr);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_FALSE(st[static_cast<size_t>(r)].is_ok()) << "rank " << r;
+  }
+  if (device_count() > 0) {  // else every rank's device query fails on its own first
+    EXPECT_NE(st[0].message().find("init_timeout_seconds"), std::string::npos) << st[0].message();
+    EXPECT_NE(st[1].message().find("NCCL communicator world size"), std::string::npos)
+        << st[1].message();
+  }
+}
+
+// One GPU: rank 0 of a world of 2 whose rank 1 never calls the init (a rank that failed before
+// it with no host channel to tell, or whose process is gone) gets kCommError naming the deadline
+// once init_timeout_seconds pass, instead of waiting in the init forever; the aborted init
+// leaves the device usable, and a world of one made the same way gathers, eagerly and in a
+// replayed CUDA graph, and barriers (its calls on a non-blocking communicator polled to their
+// end).
+TEST(NcclOverHost, ARankThatNeverJoinsCostsItsPeersTheInitTimeout) {
+  if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  Status st;
+  const cpidx::NcclUniqueId id = cpidx::nccl_unique_id(&st);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(cpidx::make_nccl_communicator(id, 2, 0, 0, &st, nullptr, 1.0), nullptr);
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(st.code(), StatusCode::kCommError) << st.to_string();
+  EXPECT_NE(st.message().find("did not complete in time within init_timeout_seconds = 1"),
+            std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("a rank never joined"), std::string::npos) << st.message();
+  EXPECT_GE(waited, 1.0);  // not a timing check: the deadline, not an early failure, ended it
+  std::printf("[ info ] the init of a world of 2 with one rank returned after %.2f s\n", waited);
+
+  const cpidx::NcclUniqueId one = cpidx::nccl_unique_id(&st);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  std::unique_ptr<Communicator> comm = cpidx::make_nccl_communicator(one, 1, 0, 0, &st);
+  ASSERT_NE(comm, nullptr) << st.to_string();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  constexpr int kBytes = 4096;
+  std::vector<unsigned char> host(2 * kBytes);
+  std::mt19937 rng(7);
+  for (auto& b : host) b = static_cast<unsigned char>(rng());
+  unsigned char* buf = nullptr;
+  ASSERT_EQ(cudaMalloc(&buf, 2 * kBytes), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  auto gathered_equals_sent = [&](const char* what) {
+    std::vector<unsigned char> back(2 * kBytes);
+    ASSERT_EQ(cudaMemcpy(back.data(), buf, back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_TRUE(std::equal(back.begin(), back.begin() + kBytes, back.begin() + kBytes)) << what;
+    EXPECT_TRUE(std::equal(back.begin(), back.begin() + kBytes, host.begin())) << what;
+  };
+  ASSERT_EQ(cudaMemcpy(buf, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_TRUE(comm->all_gather(buf, buf + kBytes, kBytes, stream).is_ok());
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  gathered_equals_sent("eager");
+
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  EXPECT_TRUE(comm->all_gather(buf, buf + kBytes, kBytes, stream).is_ok());
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (auto& b : host) b = static_cast<unsigned char>(rng());  // new bytes for the replay
+  ASSERT_EQ(cudaMemcpy(buf, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  gathered_equals_sent("replayed");
+  EXPECT_TRUE(comm->barrier().is_ok());
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cpidx::nccl_gathers_in_live_graphs(*comm, 5.0), 0);
+  comm.reset();
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  EXPECT_EQ(cudaFree(buf), cudaSuccess);
+}
+
+// One GPU, two ranks on it (threads): NCCL may refuse a GPU shared by two ranks. Either way both
+// ranks return with the same verdict (neither waits for the other); when NCCL takes them, their
+// first gather connects the ranks (ncclInProgress, polled to its end) and both gathers, eager
+// and replayed from a CUDA graph, deliver every rank's bytes.
+TEST(NcclOverHost, TwoRanksOnOneGpuReturnOneVerdictAndGatherWhenMade) {
+  if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  Status id_status;
+  const cpidx::NcclUniqueId id = cpidx::nccl_unique_id(&id_status);
+  ASSERT_TRUE(id_status.is_ok()) << id_status.to_string();
+  constexpr int kBytes = 2048;
+  std::vector<Status> st(kWorld);
+  std::vector<std::unique_ptr<Communicator>> made(kWorld);
+  std::vector<std::vector<unsigned char>> got(kWorld), sent(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      const auto i = static_cast<size_t>(r);
+      made[i] = cpidx::make_nccl_communicator(id, kWorld, r, 0, &st[i], nullptr, 60.0);
+      if (made[i] == nullptr) return;
+      cudaSetDevice(0);
+      sent[i].resize(kBytes);
+      for (int b = 0; b < kBytes; ++b) sent[i][b] = static_cast<unsigned char>(r * 131 + b * 7);
+      unsigned char* buf = nullptr;
+      cudaStream_t stream = nullptr;
+      if (cudaMalloc(&buf, (kWorld + 1) * kBytes) != cudaSuccess ||
+          cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+        st[i] = Status(StatusCode::kCudaError, "allocation");
+        return;
+      }
+      cudaMemcpy(buf, sent[i].data(), kBytes, cudaMemcpyHostToDevice);
+      cudaMemsetAsync(buf + kBytes, 0xEE, kWorld * kBytes, stream);
+      st[i] = made[i]->all_gather(buf, buf + kBytes, kBytes, stream);  // connects
+      cudaStreamSynchronize(stream);
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      if (st[i].is_ok()) {
+        cudaMemsetAsync(buf + kBytes, 0xEE, kWorld * kBytes, stream);  // only the replay fills
+        cudaStreamSynchronize(stream);
+        cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+        st[i] = made[i]->all_gather(buf, buf + kBytes, kBytes, stream);
+        cudaStreamEndCapture(stream, &graph);
+        cudaGraphInstantiate(&exec, graph, 0);
+        cudaGraphLaunch(exec, stream);
+        cudaStreamSynchronize(stream);
+      }
+      got[i].resize(kWorld * kBytes);
+      cudaMemcpy(got[i].data(), buf + kBytes, got[i].size(), cudaMemcpyDeviceToHost);
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+      cudaFree(buf);
+    });
+  }
+  for (auto& t : threads) t.join();
+  const bool both_made = made[0] != nullptr && made[1] != nullptr;
+  EXPECT_EQ(made[0] != nullptr, made[1] != nullptr) << st[0].to_string() << " / "
+                                                    << st[1].to_string();
+  std::printf("[ info ] two ranks on one GPU: %s\n",
+              both_made ? "made" : st[0].to_string().c_str());
+  if (both_made) {
+    for (int r = 0; r < kWorld; ++r) {
+      const auto i = static_cast<size_t>(r);
+      ASSERT_TRUE(st[i].is_ok()) << "rank " << r << ": " << st[i].to_string();
+      for (int q = 0; q < kWorld; ++q) {
+        EXPECT_TRUE(std::equal(sent[static_cast<size_t>(q)].begin(),
+                               sent[static_cast<size_t>(q)].end(),
+                               got[i].begin() + static_cast<std::ptrdiff_t>(q) * kBytes))
+            << "rank " << r << " slot " << q;
+      }
+    }
+  } else {
+    for (int r = 0; r < kWorld; ++r) {
+      EXPECT_FALSE(st[static_cast<size_t>(r)].message().empty()) << "rank " << r;
+    }
+  }
+  // Destroyed from one thread each: NCCL's destroy of ranks in one process may wait for them all.
+  threads.clear();
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] { made[static_cast<size_t>(r)].reset(); });
+  }
+  for (auto& t : threads) t.join();
 }
 
 // A device communicator cannot bootstrap NCCL (its all_gather takes device memory).
