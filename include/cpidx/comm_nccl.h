@@ -32,17 +32,17 @@ NcclUniqueId nccl_unique_id(Status* status);
 // default collective timeout of torch.distributed.
 inline constexpr double kNcclInitTimeoutSeconds = 600.0;
 
-// Rank `rank` of `world` over `id`, on CUDA device `device` (ncclCommInitRankConfig: collective,
-// every rank calls it). `host_channel`, if given, is a host-memory communicator of the same ranks
+// Rank `rank` of `world` over `id`, on CUDA device `device` (ncclCommInitRank: collective, every
+// rank calls it). `host_channel`, if given, is a host-memory communicator of the same ranks
 // (MPI, threads) that check_agree() uses; it is not owned and must outlive the returned
 // communicator. With a host channel, a rank whose arguments are refused makes every rank fail
 // at once instead of leaving them waiting in the init.
 // `init_timeout_seconds` (> 0; infinity for no deadline) bounds the wait for the other ranks:
-// past it, the init is aborted and kCommError returned, so a rank that never joins (it failed
-// before the init without a host channel to tell, or its process is gone) cannot hold its peers
-// forever. The same bound applies, on the host, to each later call's enqueue (below). The
-// caller's current device is restored. On failure returns nullptr and sets *status; *status is
-// ok otherwise.
+// past it kCommError is returned, so a rank that never joins (it failed before the init without
+// a host channel to tell, or its process is gone) cannot hold its peers forever. The init itself
+// runs on a thread of its own, which is then left to end on its own (NCCL's blocking init cannot
+// be interrupted) and aborts what it makes if it ever completes. The caller's current device is
+// restored. On failure returns nullptr and sets *status; *status is ok otherwise.
 std::unique_ptr<Communicator> make_nccl_communicator(
     const NcclUniqueId& id, int world, int rank, int device, Status* status,
     Communicator* host_channel = nullptr, double init_timeout_seconds = kNcclInitTimeoutSeconds);
@@ -95,13 +95,8 @@ std::string nccl_version_text();
 //  - barrier() is a host barrier through the host channel; without one, a one-int ncclAllReduce
 //    on an internal stream followed by a wait for that stream.
 //  - Every NCCL failure is kCommError with ncclGetErrorString and ncclGetLastError.
-//  - The communicators of make_nccl_communicator are NCCL non-blocking ones (so that their init
-//    can have a deadline); their calls still return only once enqueued, as blocking ones'. A
-//    call whose enqueue must first connect to the peers runs it on NCCL's thread, polled here for
-//    at most init_timeout_seconds: past it (a peer gone) the communicator is aborted and every
-//    later call refused (kCommError). NCCL_COMM_BLOCKING=1 in the environment makes them
-//    blocking, without these deadlines. Adopted communicators keep their owner's mode, polled
-//    without a deadline when non-blocking. Do not call them inside an ncclGroupStart/End of the
-//    caller's (NCCL refuses to mix blocking and non-blocking communicators in one group).
+//  - Only the init has a deadline. A rank whose init failed after its peers' completed, or a
+//    peer gone after the init, leaves the others in their next collective, as with any NCCL
+//    communicator.
 
 }  // namespace cpidx

@@ -1,21 +1,19 @@
 // src/comm/nccl.cc: the NCCL Communicator (device buffers, stream-ordered, graph-capturable).
 // all_gather is one ncclAllGather of bytes; check_agree goes through an optional host channel.
 // Every NCCL and CUDA failure is returned as a Status naming the call, never fatal.
-// The communicators made here are non-blocking (ncclConfig_t::blocking = 0) so that their init
-// can be given a deadline: each NCCL call that answers ncclInProgress is polled to its end
-// before this file returns, so callers see blocking semantics.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -57,37 +55,62 @@ Status nccl_check(ncclResult_t r, const char* call, ncclComm_t comm, int rank, i
 }
 
 using cuda_host::cuda_status;
-using Clock = std::chrono::steady_clock;
-constexpr double kNoDeadline = std::numeric_limits<double>::infinity();
 
-// When a wait of `seconds` from now ends; time_point::max() for "never" (infinite, or so long
-// that the sum would overflow the clock).
-Clock::time_point deadline_after(double seconds) {
-  if (!(seconds < 1e9)) return Clock::time_point::max();
-  return Clock::now() +
-         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-// Waits for the operation an NCCL call on a non-blocking communicator started (`r`
-// ncclInProgress) to end, polling ncclCommGetAsyncError, and returns its outcome as
-// nccl_check would. Past `deadline` it returns kCommError with *timed_out set and leaves the
-// operation running: the caller aborts the communicator. A blocking communicator's calls
-// (NCCL_COMM_BLOCKING=1, or an adopted one) never answer ncclInProgress: no poll.
-Status nccl_finish(ncclComm_t comm, ncclResult_t r, const char* call, int rank, int world,
-                   Clock::time_point deadline, bool* timed_out) {
-  *timed_out = false;
-  while (r == ncclInProgress) {
-    if (Clock::now() >= deadline) {
-      *timed_out = true;
-      return comm_error(std::string(call) + " on rank " + std::to_string(rank) + " of " +
-                        std::to_string(world) + " did not complete in time");
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
-    r = q != ncclSuccess ? q : state;
+// ncclCommInitRank on a thread of its own, waited for up to `timeout_seconds` (> 0; infinity:
+// no deadline). A blocking init cannot be interrupted. A non-blocking one could be aborted, but
+// its communicator's calls would then be launched from NCCL's own thread, one thread per gather
+// in the NCCL sources read. So past the deadline the caller returns kCommError and the thread
+// is left to end on its own: if its init completes or fails later, the thread aborts what it
+// made (the shared state outlives whichever of the two ends first).
+Status init_with_deadline(const ncclUniqueId& uid, int world, int rank, int device,
+                          double timeout_seconds, ncclComm_t* out) {
+  struct Job {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false, abandoned = false;
+    ncclComm_t comm = nullptr;
+    Status status;
+  };
+  auto job = std::make_shared<Job>();
+  try {
+    std::thread([job, uid, world, rank, device] {
+      ncclComm_t comm = nullptr;
+      // The init's context is the device's (the caller switched to it and checked it).
+      Status st = cuda_status(cudaSetDevice(device), "cudaSetDevice (NCCL init thread)");
+      // ncclGetLastError is read on this thread, inside nccl_check: NCCL keeps it per thread.
+      if (st.is_ok()) {
+        st = nccl_check(ncclCommInitRank(&comm, world, uid, rank), "ncclCommInitRank", comm,
+                        rank, world);
+      }
+      std::lock_guard<std::mutex> lock(job->mutex);
+      if (job->abandoned) {
+        if (comm != nullptr) ncclCommAbort(comm);  // local: no peer is waited for
+        return;
+      }
+      job->comm = st.is_ok() ? comm : nullptr;
+      if (!st.is_ok() && comm != nullptr) ncclCommAbort(comm);
+      job->status = std::move(st);
+      job->done = true;
+      job->cv.notify_all();
+    }).detach();
+  } catch (const std::system_error& e) {
+    return comm_error(std::string("could not start the NCCL init thread: ") + e.what());
   }
-  return nccl_check(r, call, comm, rank, world);
+  std::unique_lock<std::mutex> lock(job->mutex);
+  const auto finished = [&] { return job->done; };
+  if (!(timeout_seconds < 1e9)) {  // infinity, or a wait that would overflow the clock
+    job->cv.wait(lock, finished);
+  } else if (!job->cv.wait_for(lock, std::chrono::duration<double>(timeout_seconds), finished)) {
+    job->abandoned = true;
+    ::cpidx::detail::Message os;
+    os << "ncclCommInitRank on rank " << rank << " of " << world
+       << " did not complete within init_timeout_seconds = " << timeout_seconds
+       << ": a rank never joined (its own error says why, or its process is gone); the init is "
+          "left to its thread, which aborts what it makes";
+    return comm_error(os.str());
+  }
+  *out = job->comm;
+  return job->status;
 }
 
 // The library found at run time must be at least kMinNccl; the message names both versions
@@ -137,11 +160,9 @@ Status check_host_channel(const Communicator* host, int world, int rank) {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, bool owns, int rank, int world, int device,
-                   Communicator* host, std::unique_ptr<Communicator> owned_host,
-                   double timeout_seconds = kNoDeadline)
+                   Communicator* host, std::unique_ptr<Communicator> owned_host)
       : comm_(comm),
         owns_(owns),
-        timeout_seconds_(timeout_seconds),
         rank_(rank),
         world_(world),
         device_(device),
@@ -160,7 +181,7 @@ class NcclCommunicator final : public Communicator {
     // graph forever, so the communicator is left to the process instead. Graphs destroyed just
     // before may still be releasing theirs on a CUDA thread: a short wait, and no CUDA call (a
     // destructor may run while another thread captures a graph).
-    if (owns_ && !abandoned_ &&
+    if (owns_ && comm_ != nullptr &&
         holds_.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) == 0) {
       ncclCommDestroy(comm_);
     }
@@ -177,10 +198,9 @@ class NcclCommunicator final : public Communicator {
                 "all_gather: send and recv must be non-null device pointers");
     // NCCL counts such graphs too, and its destroy waits for them; this count lets an owner
     // refuse instead (nccl_gathers_in_live_graphs).
-    CPIDX_RETURN_IF_ERROR(usable());
     CPIDX_RETURN_IF_ERROR(holds_.count_if_captured(stream));
-    return finish(ncclAllGather(send, recv, bytes_per_rank, ncclUint8, comm_, stream),
-                  "ncclAllGather");
+    return nccl_check(ncclAllGather(send, recv, bytes_per_rank, ncclUint8, comm_, stream),
+                      "ncclAllGather", comm_, rank_, world_);
   }
 
   Status check_agree(long long value, const char* what) override {
@@ -220,47 +240,14 @@ class NcclCommunicator final : public Communicator {
       CPIDX_RETURN_IF_ERROR(
           cuda_status(cudaMemset(barrier_scratch_, 0, sizeof(int)), "cudaMemset"));
     }
-    CPIDX_RETURN_IF_ERROR(usable());
-    CPIDX_RETURN_IF_ERROR(finish(ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32,
-                                               ncclSum, comm_, barrier_stream_),
-                                 "ncclAllReduce (barrier)"));
+    CPIDX_RETURN_IF_ERROR(nccl_check(ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32,
+                                                   ncclSum, comm_, barrier_stream_),
+                                     "ncclAllReduce (barrier)", comm_, rank_, world_));
     return cuda_status(cudaStreamSynchronize(barrier_stream_), "cudaStreamSynchronize (barrier)");
-  }
-
-  Status usable() const {
-    if (!abandoned_) return Status::ok();
-    return comm_error("the NCCL communicator of rank " + std::to_string(rank_) + " of " +
-                      std::to_string(world_) +
-                      " is unusable: an earlier call did not complete in time; make a new one");
-  }
-
-  // A call's enqueue runs on NCCL's own thread when it must first connect to its peers
-  // (ncclInProgress): polled to its end, for at most the communicator's timeout. A peer that
-  // is gone never connects: the communicator is then refused from here on (usable()) and
-  // aborted, unless a live CUDA graph holds one of its gathers (its replays use it: then it is
-  // left to the process, as the destructor leaves it). Adopted communicators have no deadline:
-  // aborting one is its owner's call.
-  Status finish(ncclResult_t r, const char* call) {
-    bool timed_out = false;
-    Status st = nccl_finish(comm_, r, call, rank_, world_, deadline_after(timeout_seconds_),
-                            &timed_out);
-    if (timed_out) {
-      abandoned_ = true;
-      const bool held = holds_.count() > 0;
-      if (!held && owns_) ncclCommAbort(comm_);
-      detail::Message os;
-      os << st.message() << " within " << timeout_seconds_ << " s (a peer may be gone); the "
-         << "communicator was "
-         << (held ? "left to the process (a live CUDA graph holds its gathers)" : "aborted");
-      st = comm_error(os.str());
-    }
-    return st;
   }
 
   ncclComm_t comm_;
   bool owns_;
-  double timeout_seconds_;  // the deadline of each call's completion on the host
-  bool abandoned_ = false;  // a call timed out: later calls refused, never destroyed
   int rank_, world_, device_;
   Communicator* host_;                        // not owned unless it is owned_host_
   std::unique_ptr<Communicator> owned_host_;  // the single-process factory's thread channel
@@ -340,31 +327,12 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
 
   ncclUniqueId uid;
   std::memcpy(uid.internal, id.data(), NCCL_UNIQUE_ID_BYTES);
-  // Non-blocking, so that a rank that never joins (it failed before, or its process is gone)
-  // costs its peers init_timeout_seconds rather than a wait in ncclCommInitRank forever.
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
   ncclComm_t comm = nullptr;
-  const Clock::time_point deadline = deadline_after(init_timeout_seconds);
-  bool timed_out = false;
-  Status st = nccl_finish(comm, ncclCommInitRankConfig(&comm, world, uid, rank, &config),
-                          "ncclCommInitRankConfig", rank, world, deadline, &timed_out);
-  if (!st.is_ok()) {
-    // NCCL's own failures leave a communicator to abort as well (null when the call refused
-    // its arguments at once: then a no-op).
-    ncclCommAbort(comm);
-    if (timed_out) {
-      ::cpidx::detail::Message os;
-      os << st.message() << " within init_timeout_seconds = " << init_timeout_seconds
-         << ": a rank never joined (its own error says why, or its process is gone); the "
-            "communicator was aborted";
-      st = comm_error(os.str());
-    }
-  }
+  const Status st = init_with_deadline(uid, world, rank, device, init_timeout_seconds, &comm);
   restore();
   if (!st.is_ok()) return fail(status, st, std::unique_ptr<Communicator>());
   return std::make_unique<NcclCommunicator>(comm, /*owns=*/true, rank, world, device, host_channel,
-                                            nullptr, init_timeout_seconds);
+                                            nullptr);
 }
 
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, int device,

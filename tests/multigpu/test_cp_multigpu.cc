@@ -490,10 +490,9 @@ TEST(NcclOverHost, RefusesAnInitTimeoutThatIsNotPositive) {
 
 // One GPU: rank 0 of a world of 2 whose rank 1 never calls the init (a rank that failed before
 // it with no host channel to tell, or whose process is gone) gets kCommError naming the deadline
-// once init_timeout_seconds pass, instead of waiting in the init forever; the aborted init
-// leaves the device usable, and a world of one made the same way gathers, eagerly and in a
-// replayed CUDA graph, and barriers (its calls on a non-blocking communicator polled to their
-// end).
+// once init_timeout_seconds pass, instead of waiting in the init forever. The init left waiting
+// on its thread does not stand in the way of the next: a world of one made the same way (its
+// init on a thread too) gathers, eagerly and in a replayed CUDA graph, and barriers.
 TEST(NcclOverHost, ARankThatNeverJoinsCostsItsPeersTheInitTimeout) {
   if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
   Status st;
@@ -504,7 +503,7 @@ TEST(NcclOverHost, ARankThatNeverJoinsCostsItsPeersTheInitTimeout) {
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(st.code(), StatusCode::kCommError) << st.to_string();
-  EXPECT_NE(st.message().find("did not complete in time within init_timeout_seconds = 1"),
+  EXPECT_NE(st.message().find("did not complete within init_timeout_seconds = 1"),
             std::string::npos)
       << st.message();
   EXPECT_NE(st.message().find("a rank never joined"), std::string::npos) << st.message();
@@ -553,89 +552,6 @@ TEST(NcclOverHost, ARankThatNeverJoinsCostsItsPeersTheInitTimeout) {
   comm.reset();
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
   EXPECT_EQ(cudaFree(buf), cudaSuccess);
-}
-
-// One GPU, two ranks on it (threads): NCCL may refuse a GPU shared by two ranks. Either way both
-// ranks return with the same verdict (neither waits for the other); when NCCL takes them, their
-// first gather connects the ranks (ncclInProgress, polled to its end) and both gathers, eager
-// and replayed from a CUDA graph, deliver every rank's bytes.
-TEST(NcclOverHost, TwoRanksOnOneGpuReturnOneVerdictAndGatherWhenMade) {
-  if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
-  Status id_status;
-  const cpidx::NcclUniqueId id = cpidx::nccl_unique_id(&id_status);
-  ASSERT_TRUE(id_status.is_ok()) << id_status.to_string();
-  constexpr int kBytes = 2048;
-  std::vector<Status> st(kWorld);
-  std::vector<std::unique_ptr<Communicator>> made(kWorld);
-  std::vector<std::vector<unsigned char>> got(kWorld), sent(kWorld);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] {
-      const auto i = static_cast<size_t>(r);
-      made[i] = cpidx::make_nccl_communicator(id, kWorld, r, 0, &st[i], nullptr, 60.0);
-      if (made[i] == nullptr) return;
-      cudaSetDevice(0);
-      sent[i].resize(kBytes);
-      for (int b = 0; b < kBytes; ++b) sent[i][b] = static_cast<unsigned char>(r * 131 + b * 7);
-      unsigned char* buf = nullptr;
-      cudaStream_t stream = nullptr;
-      if (cudaMalloc(&buf, (kWorld + 1) * kBytes) != cudaSuccess ||
-          cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
-        st[i] = Status(StatusCode::kCudaError, "allocation");
-        return;
-      }
-      cudaMemcpy(buf, sent[i].data(), kBytes, cudaMemcpyHostToDevice);
-      cudaMemsetAsync(buf + kBytes, 0xEE, kWorld * kBytes, stream);
-      st[i] = made[i]->all_gather(buf, buf + kBytes, kBytes, stream);  // connects
-      cudaStreamSynchronize(stream);
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      if (st[i].is_ok()) {
-        cudaMemsetAsync(buf + kBytes, 0xEE, kWorld * kBytes, stream);  // only the replay fills
-        cudaStreamSynchronize(stream);
-        cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
-        st[i] = made[i]->all_gather(buf, buf + kBytes, kBytes, stream);
-        cudaStreamEndCapture(stream, &graph);
-        cudaGraphInstantiate(&exec, graph, 0);
-        cudaGraphLaunch(exec, stream);
-        cudaStreamSynchronize(stream);
-      }
-      got[i].resize(kWorld * kBytes);
-      cudaMemcpy(got[i].data(), buf + kBytes, got[i].size(), cudaMemcpyDeviceToHost);
-      if (exec != nullptr) cudaGraphExecDestroy(exec);
-      if (graph != nullptr) cudaGraphDestroy(graph);
-      cudaStreamDestroy(stream);
-      cudaFree(buf);
-    });
-  }
-  for (auto& t : threads) t.join();
-  const bool both_made = made[0] != nullptr && made[1] != nullptr;
-  EXPECT_EQ(made[0] != nullptr, made[1] != nullptr) << st[0].to_string() << " / "
-                                                    << st[1].to_string();
-  std::printf("[ info ] two ranks on one GPU: %s\n",
-              both_made ? "made" : st[0].to_string().c_str());
-  if (both_made) {
-    for (int r = 0; r < kWorld; ++r) {
-      const auto i = static_cast<size_t>(r);
-      ASSERT_TRUE(st[i].is_ok()) << "rank " << r << ": " << st[i].to_string();
-      for (int q = 0; q < kWorld; ++q) {
-        EXPECT_TRUE(std::equal(sent[static_cast<size_t>(q)].begin(),
-                               sent[static_cast<size_t>(q)].end(),
-                               got[i].begin() + static_cast<std::ptrdiff_t>(q) * kBytes))
-            << "rank " << r << " slot " << q;
-      }
-    }
-  } else {
-    for (int r = 0; r < kWorld; ++r) {
-      EXPECT_FALSE(st[static_cast<size_t>(r)].message().empty()) << "rank " << r;
-    }
-  }
-  // Destroyed from one thread each: NCCL's destroy of ranks in one process may wait for them all.
-  threads.clear();
-  for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] { made[static_cast<size_t>(r)].reset(); });
-  }
-  for (auto& t : threads) t.join();
 }
 
 // A device communicator cannot bootstrap NCCL (its all_gather takes device memory).
