@@ -804,9 +804,20 @@ def test_nccl_init_of_a_rank_whose_peer_never_joins_raises_after_its_timeout():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="init_timeout_seconds must be > 0"):
             cpidx._C.make_nccl_communicator(uid, 1, 0, 0, init_timeout_seconds=bad)
+    raised = []
+
+    def init_alone():  # rank 0 of 2; rank 1 never calls
+        try:
+            cpidx._C.make_nccl_communicator(uid, 2, 0, 0, init_timeout_seconds=0.5)
+        except RuntimeError as e:
+            raised.append(str(e))
+
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="a rank never joined"):
-        cpidx._C.make_nccl_communicator(uid, 2, 0, 0, init_timeout_seconds=0.5)
+    caller = threading.Thread(target=init_alone, daemon=True)  # a broken deadline fails, not hangs
+    caller.start()
+    caller.join(timeout=120)
+    assert not caller.is_alive(), "the init outlived its deadline by 2 minutes"
+    assert len(raised) == 1 and "a rank never joined" in raised[0], raised
     assert time.monotonic() - t0 >= 0.5  # the deadline ended it, not an early failure
     # A world of one on the same device afterwards: the aborted init left it usable.
     comm = cpidx._C.make_nccl_communicator(cpidx._C.nccl_unique_id(), 1, 0, 0)

@@ -56,12 +56,14 @@ Status nccl_check(ncclResult_t r, const char* call, ncclComm_t comm, int rank, i
 
 using cuda_host::cuda_status;
 
-// ncclCommInitRank on a thread of its own, waited for up to `timeout_seconds` (> 0; infinity:
-// no deadline). A blocking init cannot be interrupted. A non-blocking one could be aborted, but
-// its communicator's calls would then be launched from NCCL's own thread, one thread per gather
-// in the NCCL sources read. So past the deadline the caller returns kCommError and the thread
-// is left to end on its own: if its init completes or fails later, the thread aborts what it
-// made (the shared state outlives whichever of the two ends first).
+// ncclCommInitRank on a thread of its own, waited for up to `timeout_seconds` (> 0; infinity or
+// 1e9 and above: no deadline). A blocking init cannot be interrupted. A non-blocking one could
+// be aborted, but every group of calls on such a communicator would then be launched from a
+// thread NCCL starts for it (NCCL's recent group.cc; 2.20 did so only when connecting). So past
+// the deadline the caller returns kCommError and the thread is left to end on its own: if its
+// init completes later, the thread aborts what it made (the shared state outlives whichever of
+// the two ends first). Each abandoned init keeps its thread, its sockets and rank 0's bootstrap
+// root until it ends or the process exits.
 Status init_with_deadline(const ncclUniqueId& uid, int world, int rank, int device,
                           double timeout_seconds, ncclComm_t* out) {
   struct Job {
@@ -75,20 +77,24 @@ Status init_with_deadline(const ncclUniqueId& uid, int world, int rank, int devi
   try {
     std::thread([job, uid, world, rank, device] {
       ncclComm_t comm = nullptr;
-      // The init's context is the device's (the caller switched to it and checked it).
-      Status st = cuda_status(cudaSetDevice(device), "cudaSetDevice (NCCL init thread)");
-      // ncclGetLastError is read on this thread, inside nccl_check: NCCL keeps it per thread.
-      if (st.is_ok()) {
-        st = nccl_check(ncclCommInitRank(&comm, world, uid, rank), "ncclCommInitRank", comm,
-                        rank, world);
+      Status st;
+      try {
+        // ncclCommInitRank takes the current device, per thread: the caller's, checked there.
+        st = cuda_status(cudaSetDevice(device), "cudaSetDevice (NCCL init thread)");
+        if (st.is_ok()) {
+          const ncclResult_t r = ncclCommInitRank(&comm, world, uid, rank);
+          // A failed blocking init frees its communicator and leaves comm null.
+          st = nccl_check(r, "ncclCommInitRank", comm, rank, world);
+        }
+      } catch (...) {  // a message that could not be built: nothing may escape a thread
+        st = Status(StatusCode::kInternal, "ncclCommInitRank's thread failed to report");
       }
       std::lock_guard<std::mutex> lock(job->mutex);
       if (job->abandoned) {
         if (comm != nullptr) ncclCommAbort(comm);  // local: no peer is waited for
         return;
       }
-      job->comm = st.is_ok() ? comm : nullptr;
-      if (!st.is_ok() && comm != nullptr) ncclCommAbort(comm);
+      job->comm = comm;
       job->status = std::move(st);
       job->done = true;
       job->cv.notify_all();
@@ -105,8 +111,8 @@ Status init_with_deadline(const ncclUniqueId& uid, int world, int rank, int devi
     ::cpidx::detail::Message os;
     os << "ncclCommInitRank on rank " << rank << " of " << world
        << " did not complete within init_timeout_seconds = " << timeout_seconds
-       << ": a rank never joined (its own error says why, or its process is gone); the init is "
-          "left to its thread, which aborts what it makes";
+       << ": a rank never joined (its own error says why, or its process is gone), or the init "
+          "is slower than that; the init is left to its thread, which aborts what it makes";
     return comm_error(os.str());
   }
   *out = job->comm;
@@ -259,6 +265,15 @@ class NcclCommunicator final : public Communicator {
 // What the ranks of make_nccl_communicator agree on through their host channel.
 constexpr const char* kWorldAgreement =
     "NCCL communicator world size (-1: a rank refused its arguments)";
+constexpr const char* kInitAgreement =
+    "NCCL communicator init outcome (1: made, -1: failed or past init_timeout_seconds)";
+
+Status check_init_timeout(double seconds) {
+  CPIDX_CHECK(seconds > 0,  // NaN fails too
+              "make_nccl_communicator: init_timeout_seconds must be > 0 (infinity: no deadline), "
+              "got " << seconds);
+  return Status::ok();
+}
 
 // Sets *status (when given) and returns what the factories return on failure.
 template <typename T>
@@ -290,10 +305,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
     CPIDX_CHECK(world >= 1, "make_nccl_communicator: world must be >= 1, got " << world);
     CPIDX_CHECK(rank >= 0 && rank < world,
                 "make_nccl_communicator: rank must be in [0, " << world << "), got " << rank);
-    CPIDX_CHECK(init_timeout_seconds > 0,  // NaN fails too
-                "make_nccl_communicator: init_timeout_seconds must be > 0 (infinity: no "
-                "deadline), got "
-                    << init_timeout_seconds);
+    CPIDX_RETURN_IF_ERROR(check_init_timeout(init_timeout_seconds));
     int count = 0;
     CPIDX_RETURN_IF_ERROR(cuda_status(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
     CPIDX_CHECK(device >= 0 && device < count,
@@ -328,7 +340,20 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
   ncclUniqueId uid;
   std::memcpy(uid.internal, id.data(), NCCL_UNIQUE_ID_BYTES);
   ncclComm_t comm = nullptr;
-  const Status st = init_with_deadline(uid, world, rank, device, init_timeout_seconds, &comm);
+  Status st = init_with_deadline(uid, world, rank, device, init_timeout_seconds, &comm);
+  // Ranks can end the init differently: one past its deadline while the others complete (the
+  // deadlines differ, or the init ran close to them), or one failing after its peers were
+  // done. Through the host channel they agree on the outcomes, and those whose communicator
+  // was made abort it (local, where destroy would wait for the peers), so that no rank keeps a
+  // communicator whose first collective would wait for a rank without one. Every rank reaches
+  // this agreement: each init ends by its deadline.
+  if (host_channel != nullptr) {
+    Status agree = host_channel->check_agree(st.is_ok() ? 1 : -1, kInitAgreement);
+    if (st.is_ok() && !agree.is_ok()) {
+      ncclCommAbort(comm);
+      st = std::move(agree);
+    }
+  }
   restore();
   if (!st.is_ok()) return fail(status, st, std::unique_ptr<Communicator>());
   return std::make_unique<NcclCommunicator>(comm, /*owns=*/true, rank, world, device, host_channel,
@@ -345,7 +370,11 @@ std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host, int dev
   // Rank 0's id reaches every rank through a host all_gather (the other ranks' bytes unused).
   Status id_status;
   NcclUniqueId mine{};
-  if (host.rank() == 0) mine = nccl_unique_id(&id_status);
+  if (host.rank() == 0) {
+    // A refused timeout before the id: each id starts a bootstrap root that waits for the ranks.
+    id_status = check_init_timeout(init_timeout_seconds);
+    if (id_status.is_ok()) mine = nccl_unique_id(&id_status);
+  }
   std::vector<char> gathered(mine.size() * static_cast<size_t>(host.world_size()));
   Status st = host.all_gather(mine.data(), gathered.data(), mine.size(), nullptr);
   if (!st.is_ok()) return fail(status, st, std::unique_ptr<Communicator>());

@@ -554,6 +554,39 @@ TEST(NcclOverHost, ARankThatNeverJoinsCostsItsPeersTheInitTimeout) {
   EXPECT_EQ(cudaFree(buf), cudaSuccess);
 }
 
+// One GPU, two ranks with a host channel whose inits end differently: rank 0's deadline (1 ms)
+// passes long before any init could complete, rank 1's (60 s) does not. Rank 0's init is left
+// to its thread, still joining, so rank 1's init goes on with it (and ends as NCCL ends two
+// ranks on one GPU: made, or refused). Either way neither rank keeps a communicator: through the
+// host channel they agree on the outcomes, and a rank whose init was made aborts it. Nothing
+// waits past rank 1's deadline, and the abandoned thread ends on its own.
+TEST(NcclOverHost, RanksWhoseInitsEndDifferentlyBothFail) {
+  if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  Status id_status;
+  const cpidx::NcclUniqueId id = cpidx::nccl_unique_id(&id_status);
+  ASSERT_TRUE(id_status.is_ok()) << id_status.to_string();
+  std::vector<std::unique_ptr<Communicator>> hosts = cpidx::make_thread_communicators(kWorld);
+  std::vector<Status> st(kWorld);
+  std::vector<std::unique_ptr<Communicator>> made(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      const auto i = static_cast<size_t>(r);
+      made[i] = cpidx::make_nccl_communicator(id, kWorld, r, 0, &st[i], hosts[i].get(),
+                                              r == 0 ? 0.001 : 60.0);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(made[0], nullptr);
+  EXPECT_EQ(made[1], nullptr);
+  EXPECT_EQ(st[0].code(), StatusCode::kCommError) << st[0].to_string();
+  EXPECT_NE(st[0].message().find("did not complete within init_timeout_seconds = 0.001"),
+            std::string::npos)
+      << st[0].message();
+  EXPECT_FALSE(st[1].is_ok());
+  std::printf("[ info ] rank 1: %s\n", st[1].to_string().c_str());
+}
+
 // A device communicator cannot bootstrap NCCL (its all_gather takes device memory).
 TEST(NcclOverHost, RefusesADeviceMemoryHost) {
   class DeviceSpaceComm final : public Communicator {
