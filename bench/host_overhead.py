@@ -11,6 +11,8 @@ same inputs and output:
 * ``decoder``: ``Decoder.decode`` of an explicit ``cpidx.Decoder`` (the binding's method, its
   tensors handed over as DLPack capsules);
 * ``graph_replay``: ``torch.cuda.CUDAGraph.replay`` of one captured functional call;
+* ``cp_one_rank``: one step of a one-rank ``cpidx.IndexerCPDecode`` (no group: the context-
+  parallel class's host side around the same plain decode);
 * ``torch_zero_``: ``out.zero_()``, one torch kernel launch, for scale;
 * ``piece: ...``: parts of the functional route's host side (and cheaper candidates), alone.
 
@@ -101,6 +103,13 @@ def measure(reqs: int, seq_len: int, n: int, reps: int, profile: Optional[list])
     def zero():
         out.zero_()
 
+    cp = cpidx.IndexerCPDecode(total_heads=HEADS, rank=0, world_size=1, max_tokens=reqs,
+                               max_seq_len=msl, topk=TOPK, init_blocks=0, local_blocks=1,
+                               group=None, device=q.device)
+
+    def cp_one_rank():
+        cp(q, k, bt, sl, 1, out, scale=scale)
+
     # The pieces of the functional route's host side, each alone.
     from cpidx import _api
 
@@ -147,7 +156,7 @@ def measure(reqs: int, seq_len: int, n: int, reps: int, profile: Optional[list])
     # Every route gives the same ids (the check that the timed calls compute the step).
     functional()
     want = out.clone()
-    for route in (torch_op, decoder):
+    for route in (torch_op, decoder, cp_one_rank):
         out.fill_(-7)
         route()
         torch.cuda.synchronize()
@@ -168,16 +177,18 @@ def measure(reqs: int, seq_len: int, n: int, reps: int, profile: Optional[list])
 
     rows = []
     shape = f"{reqs} x {seq_len // 1024}K"
-    if profile is not None:  # where the functional route's host time goes, by function
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(20 * n):
-            functional()
-        prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-        profile.append(f"== {shape}: {20 * n} functional calls, by own time\n{text.getvalue()}")
+    if profile is not None:  # where the routes' host time goes, by function
+        for routine in (functional, cp_one_rank):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(20 * n):
+                routine()
+            prof.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            profile.append(f"== {shape}: {20 * n} {routine.__name__} calls, by own time\n"
+                           f"{text.getvalue()}")
     step_gpu = gpu_us(graph, n, reps)
     for name, call in (("functional", functional), ("torch_op", torch_op), ("decoder", decoder),
                        ("graph_replay", graph.replay), ("torch_zero_", zero),
@@ -191,11 +202,12 @@ def measure(reqs: int, seq_len: int, n: int, reps: int, profile: Optional[list])
                        ("piece: _check_one_device", one_device),
                        ("piece: _op_takes", op_takes),
                        ("piece: _bump_versions", bump_versions),
-                       ("piece: _decode_now", decode_now)):
+                       ("piece: _decode_now", decode_now), ("cp_one_rank", cp_one_rank)):
         for _ in range(3):
             call()  # warm
         rows.append(dict(shape=shape, route=name, host_us=round(host_us(call, n, reps), 2),
                          step_gpu_us=round(step_gpu, 2)))
+    cp.close()
     return rows
 
 
@@ -204,8 +216,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--calls", type=int, default=200, help="calls a round (default 200)")
     ap.add_argument("--reps", type=int, default=7, help="rounds (default 7)")
-    ap.add_argument("--profile", help="write a cProfile of the functional route here (its "
-                    "calls run under the profiler, apart from the timed rounds)")
+    ap.add_argument("--profile", help="write a cProfile of the functional and cp_one_rank routes "
+                    "here (their calls run under the profiler, apart from the timed rounds)")
     args = ap.parse_args()
     rows = []
     profile = [] if args.profile else None
