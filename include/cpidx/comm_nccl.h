@@ -36,9 +36,7 @@ inline constexpr double kNcclInitTimeoutSeconds = 600.0;
 // rank calls it). `host_channel`, if given, is a host-memory communicator of the same ranks
 // (MPI, threads) that check_agree() uses; it is not owned and must outlive the returned
 // communicator. With a host channel, a rank whose arguments are refused makes every rank fail
-// at once instead of leaving them waiting in the init, and after the init the ranks agree on
-// its outcome: where one failed (or passed its deadline) and others completed, those abort
-// theirs and every rank fails.
+// at once instead of leaving them waiting in the init.
 // `init_timeout_seconds` (> 0; infinity for no deadline) bounds the wait for the other ranks:
 // past it kCommError is returned, so a rank that never joins (it failed before the init without
 // a host channel to tell, or its process is gone) cannot hold its peers forever. The init itself
@@ -97,8 +95,9 @@ std::string nccl_version_text();
 //  - barrier() is a host barrier through the host channel; without one, a one-int ncclAllReduce
 //    on an internal stream followed by a wait for that stream.
 //  - Every NCCL failure is kCommError with ncclGetErrorString and ncclGetLastError.
-//  - Only the init has a deadline. Without a host channel, a rank whose init failed after its
-//    peers' completed, or a peer gone after the init, leaves the others in their next
-//    collective, as with any NCCL communicator.
+//  - Only the init has a deadline, and ranks whose inits end differently are not told: a rank
+//    whose init failed (or passed its deadline) after its peers' completed, or a peer gone
+//    after the init, leaves the others in their next collective, as with any NCCL
+//    communicator.
 
 }  // namespace cpidx

@@ -44,9 +44,11 @@ _AGREED_SETTINGS = _PER_CALL_SETTINGS + ("topk", "init_blocks", "local_blocks", 
 # (torch's default for its gloo groups: a rank may reach close() long after the others).
 HOST_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # How long a rank's NCCL communicator waits at construction for the other ranks to join its init
-# (the C++ default, kNcclInitTimeoutSeconds): a rank that fails after the construction's
-# all_gather of verdicts, or whose process is gone, costs the others this, not a wait forever.
-NCCL_INIT_TIMEOUT = datetime.timedelta(minutes=10)
+# (the library's default, 10 min; None without the NCCL communicator built): a rank that fails
+# after the construction's all_gather of verdicts, or whose process is gone, costs the others
+# this, not a wait forever.
+NCCL_INIT_TIMEOUT = (datetime.timedelta(seconds=_C.nccl_init_timeout_seconds)
+                     if _C.has_nccl else None)
 
 # Every constructed instance by its ``handle`` (torch.ops.cpidx.cp_decode takes the handle); an
 # instance leaves when it is garbage-collected.
@@ -221,7 +223,7 @@ class IndexerCPDecode:
     an NCCL-only group ``check_agreement=False`` makes none, so ``close()`` does not agree.
 
     The NCCL communicator's init waits at most ``cpidx._cp.NCCL_INIT_TIMEOUT`` (10 min) for
-    every rank: past it, the ranks that joined raise RuntimeError ("a rank never joined").
+    every rank: past it, the ranks still waiting raise RuntimeError ("a rank never joined").
 
     A peer exchange never hangs: a rank whose peer stops sending gives up after the
     communicator's timeout (5 s) and raises ``cpidx.PEER_ERROR_TIMEOUT`` in every rank's error

@@ -298,6 +298,7 @@ void bind_comm(nb::module_& m) {
       "rank with the same id. A rank that has not joined within init_timeout_seconds (> 0, "
       "inf: no deadline) makes the others raise RuntimeError instead of waiting forever.");
   m.def("nccl_version", &nccl_version_text, "NCCL library and header versions, for reports.");
+  m.attr("nccl_init_timeout_seconds") = kNcclInitTimeoutSeconds;
 #else
   m.attr("has_nccl") = false;
 #endif

@@ -823,6 +823,7 @@ def test_nccl_init_of_a_rank_whose_peer_never_joins_raises_after_its_timeout():
     comm = cpidx._C.make_nccl_communicator(cpidx._C.nccl_unique_id(), 1, 0, 0)
     assert (comm.kind, comm.rank, comm.world_size) == ("nccl", 0, 1)
     comm.close()
+    assert cpidx._cp.NCCL_INIT_TIMEOUT.total_seconds() == cpidx._C.nccl_init_timeout_seconds
 
 
 @needs_peer
