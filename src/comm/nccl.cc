@@ -339,10 +339,10 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int
   ncclUniqueId uid;
   std::memcpy(uid.internal, id.data(), NCCL_UNIQUE_ID_BYTES);
   ncclComm_t comm = nullptr;
-  // No agreement on the init's outcome after it (the eleventh session's, reverted, and this
-  // session's, taken out after review): a rank whose init failed early would wait in it until
-  // its peers' inits end, up to their deadline, instead of returning at once so that its
-  // launcher ends the job. Ranks whose inits end differently are not told (docs/reliability.md).
+  // No agreement on the init's outcome after it: a rank whose init failed early would wait in
+  // it until its peers' inits end, up to their deadline, instead of returning at once so that
+  // its launcher ends the job. Ranks whose inits end differently are therefore not told
+  // (docs/reliability.md).
   const Status st = init_with_deadline(uid, world, rank, device, init_timeout_seconds, &comm);
   restore();
   if (!st.is_ok()) return fail(status, st, std::unique_ptr<Communicator>());

@@ -561,7 +561,7 @@ TEST(NcclOverHost, ARankThatNeverJoinsCostsItsPeersTheInitTimeout) {
 // 1's (60 s) does not. Rank 0's init is left to its thread, still joining, and rank 1's init
 // goes on with it: NCCL refuses two ranks on one GPU, so both end, rank 1 with NCCL's error
 // (were they made, rank 0's thread would abort its communicator). Nothing waits past rank 1's
-// deadline, and the process goes on after the abandoned thread ends.
+// deadline, and the abandoned thread is left to end on its own.
 TEST(NcclOverHost, AnInitPastItsDeadlineIsLeftToEndWithItsPeers) {
   if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
   Status id_status;
