@@ -435,10 +435,10 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_communicators_single_proces
   Comms comms;
   comms.reserve(devices.size());
   for (int r = 0; r < world; ++r) {
-    Communicator* host = hosts[static_cast<size_t>(r)].get();
-    comms.push_back(std::make_unique<NcclCommunicator>(raw[static_cast<size_t>(r)], true, r,
-                                                       world, devices[static_cast<size_t>(r)],
-                                                       host, std::move(hosts[static_cast<size_t>(r)])));
+    const auto i = static_cast<size_t>(r);
+    Communicator* host = hosts[i].get();
+    comms.push_back(std::make_unique<NcclCommunicator>(raw[i], true, r, world, devices[i], host,
+                                                       std::move(hosts[i])));
   }
   return comms;
 }
