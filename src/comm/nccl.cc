@@ -10,10 +10,10 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <exception>
 #include <thread>
 #include <utility>
 #include <vector>
