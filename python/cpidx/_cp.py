@@ -577,11 +577,13 @@ class IndexerCPDecode:
             agree = self.check_agreement == "every step" or (
                 self.check_agreement == "captures" and self._cuda and
                 torch.cuda.is_current_stream_capturing())
-            # The library's cp_decode checks its own arguments before its first collective; the
-            # other paths (and an agreement) need them checked here, all of them (~10-15 us).
+            # The library's cp_decode checks its own arguments before its first collective (a
+            # world of one on the GPU too: its plain decode); the other paths (and an agreement)
+            # need them checked here, all of them (~10-15 us).
+            by_library = self._comm is not None or (self.world_size == 1 and self._cuda)
             n, refused = self._check_step(local_q, kv_cache, block_table, seq_lens, query_len,
                                           out, scale, table, error_flag,
-                                          full=agree or self._comm is None)
+                                          full=agree or not by_library)
             if agree:
                 self._agree(n, refused, query_len, scale)
             elif refused is not None:
@@ -606,9 +608,10 @@ class IndexerCPDecode:
                 self._host_errors |= bits
 
         if self.world_size == 1:
-            if self._cuda:
-                self._decoder.decode(local_q, kv_cache, block_table, seq_lens, query_len, out,
-                                     scale=scale, error_flag=error_flag, stream=stream, **table)
+            if self._cuda:  # no communicator: the plain decode, checked as cp_decode's
+                self._decoder.cp_decode(None, local_q, kv_cache, block_table, seq_lens,
+                                        query_len, out, scale=scale, error_flag=error_flag,
+                                        stream=stream, **table)
             else:
                 host_bits(_native(
                     _C.ref_decode_topk, local_q, kv_cache, block_table, seq_lens, query_len,

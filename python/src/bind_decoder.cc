@@ -115,7 +115,7 @@ struct PyDecoder {
     check_status(decoder->check_cp_decode(s.b.in, s.o, s.t.enabled() ? &s.t : nullptr));
   }
 
-  void cp_decode(PyCommunicator& comm, const InArray& local_q, const InArray& kv_cache,
+  void cp_decode(PyCommunicator* comm, const InArray& local_q, const InArray& kv_cache,
                  const InArray& block_table, const InArray& seq_lens, int query_len,
                  const OutArray& out, double scale,
                  const std::optional<InArray>& attention_block_table,
@@ -127,13 +127,29 @@ struct PyDecoder {
                        attention_block_table, sparse_block_table_out, sparse_context_lens_out,
                        block_page_stride);
     s.b.in.error_flag = error_flag_arg(error_flag, place);
+    const SparseTableOutput* table = s.t.enabled() ? &s.t : nullptr;
+    if (comm == nullptr) {
+      // A world of one without a communicator: what Decoder::cp_decode runs at P = 1, the plain
+      // decode of every head, with its checks (decode's equal check_cp_decode's once the heads
+      // are this rank's; otherwise check_cp_decode says what is wrong, as cp_decode would).
+      if (cfg().world_size != 1) {
+        throw nb::value_error(("comm: required for a world of " +
+                               std::to_string(cfg().world_size) +
+                               " ranks; None runs a world of one")
+                                  .c_str());
+      }
+      if (s.b.in.num_heads != decoder->geometry().local_heads) {
+        check_status(decoder->check_cp_decode(s.b.in, s.o, table));
+      }
+      check_status(decoder->decode(s.b.in, s.o, table, as_stream(stream)));
+      return;
+    }
     Status st;
     {
-      PyCommunicator::Use use(comm, "comm");  // not closed by another thread under the call
+      PyCommunicator::Use use(*comm, "comm");  // not closed by another thread under the call
       // Host communicators may block in the collective: let other Python threads run.
       nb::gil_scoped_release release;
-      st = decoder->cp_decode(use.comm(), s.b.in, s.o, s.t.enabled() ? &s.t : nullptr,
-                              as_stream(stream));
+      st = decoder->cp_decode(use.comm(), s.b.in, s.o, table, as_stream(stream));
     }
     check_status(st);
   }
@@ -340,13 +356,14 @@ void bind_decoder(nb::module_& m) {
            "sparse_block_table_out"_a = nb::none(), "sparse_context_lens_out"_a = nb::none(),
            "block_page_stride"_a = nb::none(), "stream"_a = 0,
            "Merge gathered keys [world, total_heads, n, topk] into ids [local_heads, n, topk].")
-      .def("cp_decode", &PyDecoder::cp_decode, "comm"_a, "local_q"_a, "kv_cache"_a,
+      .def("cp_decode", &PyDecoder::cp_decode, "comm"_a.none(), "local_q"_a, "kv_cache"_a,
            "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
            "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),
            "sparse_context_lens_out"_a = nb::none(), "block_page_stride"_a = nb::none(),
            "error_flag"_a = nb::none(), "stream"_a = 0,
            "The whole context-parallel step over a device communicator: ids [local_heads, n, "
-           "topk] (error_flag: as for decode; this rank's bits, its shard's pages).")
+           "topk] (error_flag: as for decode; this rank's bits, its shard's pages). comm None: "
+           "a world of one (world_size 1), the plain decode of every head.")
       .def("check_cp_decode", &PyDecoder::check_cp_decode, "local_q"_a, "kv_cache"_a,
            "block_table"_a, "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a,
            "attention_block_table"_a = nb::none(), "sparse_block_table_out"_a = nb::none(),

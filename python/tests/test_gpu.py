@@ -655,6 +655,48 @@ def test_the_registry_and_indexer_cp_decode_make_the_public_classes():
     reg.clear()
 
 
+def test_one_rank_step_checks_its_arguments_once_and_names_them():
+    # A world of one on the GPU goes to the library in one call (Decoder.cp_decode without a
+    # communicator: the plain decode, checked as cp_decode checks): its own arguments' names,
+    # no kernel for a refused step, the plain decode's ids for a good one.
+    b = random_decode(np.random.default_rng(18), 4, 2, [300, 900, 1], max_seq_len=1024)
+    q, k, bt, sl = to_dev(b)
+    cp = cpidx.IndexerCPDecode(total_heads=4, rank=0, world_size=1, max_tokens=8,
+                               max_seq_len=1024, topk=16, init_blocks=1, local_blocks=1,
+                               group=None, device=DEV)
+    out = torch.full((4, b.rows, 16), -7, dtype=torch.int32, device=DEV)
+    for args, err, match in [((q.float(), k, bt, sl), TypeError, "^local_q: "),
+                             ((q[:, :2], k, bt, sl), ValueError, "^local_q: expected shape"),
+                             ((q, k[:, :64], bt, sl), ValueError, "^kv_cache: "),
+                             ((q, k.float(), bt, sl), TypeError, "^kv_cache: "),
+                             ((q, k, bt.long(), sl), TypeError, "^block_table: expected int32"),
+                             ((q, k, bt, sl.long()), TypeError, "^seq_lens: expected int32"),
+                             ((q, k, bt, sl[:2]), ValueError,
+                              "^local_q, seq_lens: local_q has 6 rows")]:
+        with pytest.raises(err, match=match):
+            cp(*args, 2, out, scale=b.scale)
+    with pytest.raises(ValueError, match="^out: "):
+        cp(q, k, bt, sl, 2, out[:2], scale=b.scale)
+    torch.cuda.synchronize()
+    assert bool((out == -7).all())  # no kernel ran
+    cp(q, k, bt, sl, 2, out, scale=b.scale)
+    want = torch.full_like(out, -9)
+    cpidx.decode_topk(q, k, bt, sl, 2, want, scale=b.scale, topk=16, init_blocks=1,
+                      local_blocks=1, max_seq_len=1024)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    np.testing.assert_array_equal(out.cpu().numpy(), host_ids(b, 16, 1, 1))
+    cp.close()
+    # The Decoder's call without a communicator: a world of one only.
+    two = cpidx.Decoder(total_heads=4, world_size=2, rank=0, max_tokens=8, max_seq_len=1024,
+                        topk=16, init_blocks=1, local_blocks=1, device=0)
+    half = torch.full((2, b.rows, 16), -7, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="^comm: required for a world of 2 ranks"):
+        two.cp_decode(None, q[:, :2].contiguous(), k, bt, sl, 2, half, scale=b.scale)
+    torch.cuda.synchronize()
+    assert bool((half == -7).all())
+
+
 def random_prefill(rng, heads, q_lens, context_lens, max_seq_len):
     """A packed prefill batch of small-integer values (exact dots, many ties) over a shuffled
     paged cache; returns host arrays and their CUDA copies."""
