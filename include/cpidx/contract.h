@@ -22,6 +22,8 @@ constexpr int kHeadDim = 128;     // D: index head dim (the only compiled value)
 constexpr int kMaxTopK = 64;      // K: blocks selected per (head, row), 1..kMaxTopK
 constexpr int kMaxQueryLen = 8;   // Q: decode query tokens per request, 1..kMaxQueryLen
 constexpr int kMaxHeads = 8;      // T: index heads, 1..kMaxHeads
+constexpr int kMaxWorldSize = 8;  // P: context-parallel ranks of the GPU decode (the CPU
+                                  // reference takes any P)
 // The sparse table (section 6) names 16-token pages: this many to a 128-token block.
 constexpr int kPagesPerBlock = kBlockSize / 16;
 

@@ -19,6 +19,8 @@ HEAD_DIM = 128  # index head dim (the only compiled value)
 MAX_TOPK = 64
 MAX_QUERY_LEN = 8
 MAX_HEADS = 8  # index heads T
+MAX_WORLD_SIZE = 8  # context-parallel ranks P of the GPU decode (and of IndexerCPDecode)
+MAX_TOKENS = 2**30  # a Decoder's max_tokens (DecodeConfig::kMaxTokens)
 # Bits of an error flag (``error_flag=``, ``Decoder.error_flag()``): values the device clamped
 # instead of reading out of bounds (CONTRACT.md section 8).
 # A length out of [0, max_seq_len] (decode seq_lens; prefill seq_lens, context_lens, and a
@@ -144,12 +146,17 @@ def _native(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def _with_capsules(method: Any) -> Any:
+def _with_capsules(method: Any, streamed: bool = True) -> Any:
     """A binding method whose torch tensor arguments go as DLPack capsules (as ``_native``):
     the public classes' methods, so that a caller of ``Decoder.decode`` pays no more host time
-    a tensor than the functional API does (bench/host_overhead.py)."""
+    a tensor than the functional API does (bench/host_overhead.py). ``streamed``: the method
+    takes ``stream=``, which defaults to torch's current stream on the object's device (the
+    binding's own default, 0, is the legacy stream, which torch's side and capture streams do
+    not wait for: a call inside ``torch.cuda.graph`` would run at once, outside the graph)."""
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if streamed and kwargs.get("stream") is None and _torch_module() is not None:
+            kwargs["stream"] = _current_stream(self.device)
         return _native(method, self, *args, **kwargs)  # self is no tensor: it goes as it is
     return call
 
@@ -161,13 +168,15 @@ class Decoder(_C.Decoder):
     shard_keys = _with_capsules(_C.Decoder.shard_keys)
     merge = _with_capsules(_C.Decoder.merge)
     cp_decode = _with_capsules(_C.Decoder.cp_decode)
-    check_cp_decode = _with_capsules(_C.Decoder.check_cp_decode)
+    check_cp_decode = _with_capsules(_C.Decoder.check_cp_decode, streamed=False)
+    clear_error_flag = _with_capsules(_C.Decoder.clear_error_flag)
 
 
 class Prefiller(_C.Prefiller):
     __doc__ = _C.Prefiller.__doc__
     __module__ = "cpidx"
     prefill = _with_capsules(_C.Prefiller.prefill)
+    clear_error_flag = _with_capsules(_C.Prefiller.clear_error_flag)
 
 
 def _cache_dtype_name(cache: Any) -> str:

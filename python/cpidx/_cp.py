@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOPK, Decoder, HostGroupError,
-                   _as_bits, _cache_dtype_name, _capture_refusal, _check_error_flag,
-                   _check_host_arrays, _current_stream, _device_current, _native,
-                   _or_host_error_bits, _refuse_during_capture, registry)
+from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOKENS, MAX_TOPK, MAX_WORLD_SIZE,
+                   Decoder, HostGroupError, _as_bits, _cache_dtype_name, _capture_refusal,
+                   _check_error_flag, _check_host_arrays, _current_stream, _device_current,
+                   _native, _or_host_error_bits, _refuse_during_capture, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
@@ -282,6 +282,8 @@ class IndexerCPDecode:
                              f"{world_size}")
         if total_heads > MAX_HEADS:
             raise ValueError(f"total_heads: expected 1 to {MAX_HEADS}, got {total_heads}")
+        if world_size > MAX_WORLD_SIZE:  # the GPU decode's bound; a CPU instance keeps it too
+            raise ValueError(f"world_size: expected 1 to {MAX_WORLD_SIZE}, got {world_size}")
         if total_heads >= world_size:
             if total_heads % world_size:
                 raise ValueError(f"index heads must divide evenly across TP ranks: total_heads "
@@ -301,8 +303,8 @@ class IndexerCPDecode:
         for name, value in (("init_blocks", init_blocks), ("local_blocks", local_blocks)):
             if value < 0:  # else every step would refuse it (the CUDA Decoder refuses it here)
                 raise ValueError(f"{name}: expected >= 0, got {value}")
-        if not 1 <= max_tokens <= 2**31 - 1:  # the library's Decoder takes an int
-            raise ValueError(f"max_tokens: expected 1 to 2^31-1, got {max_tokens}")
+        if not 1 <= max_tokens <= MAX_TOKENS:  # the library's Decoder's bound, on either device
+            raise ValueError(f"max_tokens: expected 1 to 2^30, got {max_tokens}")
         if not 1 <= max_query_len <= MAX_QUERY_LEN:
             raise ValueError(f"max_query_len: expected 1 to {MAX_QUERY_LEN}, got {max_query_len}")
         if not 1 <= max_seq_len <= 2**31 - 1:

@@ -180,6 +180,12 @@ struct PyPrefiller {
                uintptr_t stream) {
     PrefillInputs in = prefill_inputs(index_query, index_cache, block_table, cu_seqlens_q,
                                       context_lens, seq_lens, scale, cfg().max_seq_len, place);
+    if (in.num_tokens > cfg().max_tokens) {  // the library names num_tokens, not an argument
+      throw nb::value_error(("index_query: " + std::to_string(in.num_tokens) +
+                             " tokens exceed the Prefiller's max_tokens (" +
+                             std::to_string(cfg().max_tokens) + ")")
+                                .c_str());
+    }
     in.error_flag = error_flag_arg(error_flag, place);
     const TopkOutput o = topk_output(out, in.num_heads, in.num_tokens, cfg().sel.topk, place);
     check_status(prefiller->prefill(in, o, as_stream(stream)));

@@ -697,6 +697,44 @@ def test_one_rank_step_checks_its_arguments_once_and_names_them():
     assert bool((half == -7).all())
 
 
+def test_methods_without_a_stream_run_on_the_current_one_and_are_captured():
+    # Decoder.decode and Prefiller.prefill called without stream= inside torch.cuda.graph are
+    # captured (they run on the capture's stream, not on the legacy stream 0 at once), and a
+    # replay writes the eager ids again.
+    rng = np.random.default_rng(19)
+    b = random_decode(rng, 4, 1, [3000, 700], max_seq_len=4096)
+    q, k, bt, sl = to_dev(b)
+    dec = cpidx.Decoder(total_heads=4, world_size=1, rank=0, max_tokens=b.rows, max_seq_len=4096,
+                        topk=16, init_blocks=0, local_blocks=1, device=0)
+    host, dev, tokens = random_prefill(rng, 2, [64, 64], [500, 2000], 4096)
+    pre = cpidx.Prefiller(num_heads=2, max_tokens=tokens, max_seq_len=4096, topk=16,
+                          init_blocks=0, local_blocks=1, device=0)
+    args = [dev[k] for k in ("index_query", "index_cache", "block_table", "cu_seqlens_q",
+                             "context_lens", "seq_lens")]
+    out = torch.full((4, b.rows, 16), -7, dtype=torch.int32, device=DEV)
+    pre_out = torch.full((2, tokens, 16), -7, dtype=torch.int32, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, eager on a side stream
+        dec.decode(q, k, bt, sl, 1, out, scale=b.scale)
+        pre.prefill(*args, pre_out, scale=0.5)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    want, pre_want = out.clone(), pre_out.clone()
+    np.testing.assert_array_equal(want.cpu().numpy(), host_ids(b, 16, 0, 1))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.decode(q, k, bt, sl, 1, out, scale=b.scale)
+        pre.prefill(*args, pre_out, scale=0.5)
+    assert dec.launches_in_live_graphs() == 1 and pre.launches_in_live_graphs() == 1
+    out.fill_(-7)
+    pre_out.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(pre_out, pre_want)
+    del graph
+
+
 def random_prefill(rng, heads, q_lens, context_lens, max_seq_len):
     """A packed prefill batch of small-integer values (exact dots, many ties) over a shuffled
     paged cache; returns host arrays and their CUDA copies."""
@@ -777,7 +815,8 @@ def test_prefiller_names_bad_arguments():
     args["context_lens"] = dev["context_lens"].cpu()
     with pytest.raises(ValueError, match="context_lens"):
         pre.prefill(*args.values(), out, scale=1.0)
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(ValueError, match=r"^index_query: 64 tokens exceed the Prefiller's "
+                                         r"max_tokens \(16\)$"):
         big = torch.zeros((2, 64, 4), dtype=torch.int32, device=DEV)
         q = torch.zeros((64, 2, 128), dtype=torch.bfloat16, device=DEV)
         cu = torch.tensor([0, 64], dtype=torch.int32, device=DEV)

@@ -414,6 +414,34 @@ def test_a_tensor_on_another_device_is_named_before_the_op_runs_its_fake():
     assert (out != -7).any()
 
 
+def test_public_methods_without_a_stream_take_torchs_current_stream(monkeypatch):
+    # Decoder / Prefiller methods called without stream= run on torch's current stream of the
+    # object's device (inside torch.cuda.graph: the capture's), not on the binding's default,
+    # the legacy stream 0, which torch's side and capture streams do not wait for.
+    from cpidx import _api
+    seen = []
+
+    def method(self, *args, stream=0, **kwargs):
+        seen.append(stream)
+
+    class Obj:
+        device = 3
+
+    monkeypatch.setattr(_api, "_current_stream", lambda device: 1000 + device)
+    wrapped = _api._with_capsules(method)
+    wrapped(Obj())
+    wrapped(Obj(), stream=7)
+    wrapped(Obj(), stream=None)
+    wrapped(Obj(), stream=0)  # asked for by name: the legacy stream it is
+    _api._with_capsules(method, streamed=False)(Obj())
+    assert seen == [1003, 7, 1003, 0, 0]
+    for cls, names in ((cpidx.Decoder, ("decode", "shard_keys", "merge", "cp_decode",
+                                        "clear_error_flag")),
+                       (cpidx.Prefiller, ("prefill", "clear_error_flag"))):
+        for name in names:
+            assert getattr(cls, name).__wrapped__ is getattr(cls.__mro__[1], name), name
+
+
 def test_gpu_calls_check_the_query_before_making_a_decoder(monkeypatch):
     # On CUDA tensors the registry's Decoder / Prefiller is made from index_query's heads (it
     # allocates and synchronises): a bad query must be named as the binding names it, before
@@ -622,8 +650,10 @@ def test_cp_decode_names_bad_constructor_and_step_arguments():
                                               r"got 'meta'$"),
             (dict(device="bogus"), ValueError, r"^device: expected 'cpu', 'cuda' or 'cuda:N', "
                                                r"got 'bogus'"),
-            (dict(max_tokens=2**31), ValueError, r"^max_tokens: expected 1 to 2\^31-1, got "),
-            (dict(max_tokens=0), ValueError, r"^max_tokens: expected 1 to 2\^31-1, got 0$"),
+            (dict(max_tokens=2**30 + 1), ValueError, r"^max_tokens: expected 1 to 2\^30, got "),
+            (dict(max_tokens=0), ValueError, r"^max_tokens: expected 1 to 2\^30, got 0$"),
+            (dict(total_heads=4, world_size=16), ValueError,
+             r"^world_size: expected 1 to 8, got 16$"),
             (dict(host_group=5), TypeError, r"^host_group: expected a torch.distributed "
                                             r"ProcessGroup \(gloo\) or None, got int$"),
             (dict(world_size=2, group=5), TypeError, r"^group: expected a torch.distributed "

@@ -263,7 +263,8 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   CPIDX_CHECK(c.max_seq_len >= 1, "max_seq_len must be >= 1, got " << c.max_seq_len);
   CPIDX_CHECK(c.max_query_len >= 1 && c.max_query_len <= kMaxQueryLen,
               "max_query_len must be in [1, " << kMaxQueryLen << "], got " << c.max_query_len);
-  CPIDX_CHECK(c.world_size <= 8, "world_size must be <= 8, got " << c.world_size);
+  CPIDX_CHECK(c.world_size <= kMaxWorldSize,
+              "world_size must be <= " << kMaxWorldSize << ", got " << c.world_size);
   CPIDX_CHECK(c.scoring_ctas_per_sm >= 0 && c.scoring_ctas_per_sm <= 4,
               "scoring_ctas_per_sm must be 0 (automatic), 1, 2, 3 or 4, got "
                   << c.scoring_ctas_per_sm);

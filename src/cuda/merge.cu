@@ -13,7 +13,7 @@ namespace cuda {
 namespace {
 
 constexpr int kMergeWarps = 4;
-constexpr int kMaxCand = 8 * kMaxTopK;  // world <= 8 ranks x K keys
+constexpr int kMaxCand = kMaxWorldSize * kMaxTopK;  // world <= 8 ranks x K keys
 
 // One warp: (owned head j, row)'s P * K candidate keys (gathered, or polled from the channel),
 // ranked to the top K, written as ids (+ the sparse-table row).
