@@ -93,6 +93,12 @@ struct DecodeConfig {
   // polls them, so the key gather runs no kernel of its own. false: all_gather, then merge (the
   // only route for other communicators, or payloads above the channel's capacity).
   bool fused_exchange = true;
+  // The workspace holds cp_decode's gather buffers (this rank's queries packed, every rank's
+  // queries, the shard's keys and every rank's keys): (P + 1) * max_tokens * (L * 256 + T * K *
+  // 8) bytes at P > 1, 0.3 GB a rank at T = P = 8, K = 64, max_tokens 8192. false: for a caller
+  // that runs the exchange itself (shard_keys, its own gather, merge) with buffers of its own;
+  // such a Decoder's cp_decode refuses.
+  bool exchange_buffers = true;
 };
 
 // Launch facts chosen at construction (for reports and benchmarks).

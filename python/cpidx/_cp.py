@@ -353,8 +353,14 @@ class IndexerCPDecode:
         # With peers, its failure is told to them in the construction's collective below, so
         # that every rank raises instead of the others waiting there until the group's timeout.
         local_failure: Optional[BaseException] = None
+        # The library runs the exchange (NCCL, or the peer communicator over it) unless this is
+        # the torch exchange, whose steps gather through buffers of their own: its Decoder then
+        # reserves none of cp_decode's (exchange_buffers).
+        self._library_exchange = self._cuda and exchange != "torch" and _C.has_nccl
+        torch_exchange = world_size > 1 and not isinstance(group, _C.Communicator) and \
+            not self._library_exchange
         try:
-            self._decoder = self._make_decoder(head_dim)
+            self._decoder = self._make_decoder(head_dim, exchange_buffers=not torch_exchange)
         except Exception as e:  # noqa: BLE001 - raised after the peers heard of it
             if world_size == 1:
                 raise
@@ -380,7 +386,7 @@ class IndexerCPDecode:
         _BY_HANDLE[self.handle] = self
 
     # ---- construction helpers -------------------------------------------------------------
-    def _make_decoder(self, head_dim: int) -> Any:
+    def _make_decoder(self, head_dim: int, exchange_buffers: bool) -> Any:
         """This rank's CUDA Decoder (None on the CPU, where steps run on the reference)."""
         if not self._cuda:
             return None
@@ -388,7 +394,8 @@ class IndexerCPDecode:
                        max_tokens=self.max_tokens, max_seq_len=self.max_seq_len, topk=self.topk,
                        init_blocks=self.init_blocks, local_blocks=self.local_blocks,
                        device=self.device.index, max_query_len=self.max_query_len,
-                       cache_dtype=self.cache_dtype, head_dim=head_dim)
+                       cache_dtype=self.cache_dtype, head_dim=head_dim,
+                       exchange_buffers=exchange_buffers)
 
     def _setup_exchange(self, group: Any, exchange: str, make_host: bool, host_group: Any,
                         warn_unchecked: bool, local_failure: Optional[BaseException]) -> None:
@@ -423,7 +430,7 @@ class IndexerCPDecode:
             raise ValueError(f"group: rank {dist.get_rank(device_group)} of "
                              f"{dist.get_world_size(device_group)}, expected rank {self.rank} "
                              f"of {self.world_size}")
-        library = self._cuda and exchange != "torch" and _C.has_nccl
+        library = self._library_exchange  # as the Decoder was made for
         if exchange == "nccl" and not library:
             raise ValueError("exchange: 'nccl' needs a cpidx build with the NCCL communicator "
                              "(cpidx.has_nccl is False)")

@@ -270,7 +270,8 @@ void bind_decoder(nb::module_& m) {
           "__init__",
           [](PyDecoder* self, int total_heads, int world_size, int rank, int max_tokens,
              int64_t max_seq_len, int topk, int init_blocks, int local_blocks, int device,
-             int max_query_len, const std::string& cache_dtype, int head_dim) {
+             int max_query_len, const std::string& cache_dtype, int head_dim,
+             bool exchange_buffers) {
             DecodeConfig c;
             c.total_heads = total_heads;
             c.world_size = world_size;
@@ -285,6 +286,7 @@ void bind_decoder(nb::module_& m) {
             c.sel = selection(topk, init_blocks, local_blocks);
             c.cache_dtype = cache_dtype_of(cache_dtype);
             c.head_dim = head_dim;
+            c.exchange_buffers = exchange_buffers;
             std::unique_ptr<Decoder> d;
             Status st;
             {
@@ -296,7 +298,8 @@ void bind_decoder(nb::module_& m) {
           },
           nb::kw_only(), "total_heads"_a, "world_size"_a, "rank"_a, "max_tokens"_a,
           "max_seq_len"_a, "topk"_a, "init_blocks"_a, "local_blocks"_a, "device"_a,
-          "max_query_len"_a = kMaxQueryLen, "cache_dtype"_a = "bf16", "head_dim"_a = kHeadDim)
+          "max_query_len"_a = kMaxQueryLen, "cache_dtype"_a = "bf16", "head_dim"_a = kHeadDim,
+          "exchange_buffers"_a = true)
       .def_prop_ro("device", [](const PyDecoder& d) { return d.place.device; })
       .def_prop_ro("total_heads", [](const PyDecoder& d) { return d.cfg().total_heads; })
       .def_prop_ro("world_size", [](const PyDecoder& d) { return d.cfg().world_size; })
@@ -312,6 +315,8 @@ void bind_decoder(nb::module_& m) {
       .def_prop_ro("local_blocks", [](const PyDecoder& d) { return d.cfg().sel.local_blocks; })
       .def_prop_ro("cache_dtype",
                    [](const PyDecoder& d) { return std::string(to_string(d.cfg().cache_dtype)); })
+      .def_prop_ro("exchange_buffers",
+                   [](const PyDecoder& d) { return d.cfg().exchange_buffers; })
       .def_prop_ro("workspace_bytes",
                    [](const PyDecoder& d) { return d.decoder->plan().workspace_bytes; })
       .def_prop_ro("grid", [](const PyDecoder& d) { return d.decoder->plan().grid; })

@@ -695,6 +695,12 @@ def test_one_rank_step_checks_its_arguments_once_and_names_them():
         two.cp_decode(None, q[:, :2].contiguous(), k, bt, sl, 2, half, scale=b.scale)
     torch.cuda.synchronize()
     assert bool((half == -7).all())
+    # Without cp_decode's gather buffers (the torch exchange's Decoder): a smaller workspace.
+    lean = cpidx.Decoder(total_heads=4, world_size=2, rank=0, max_tokens=8, max_seq_len=1024,
+                         topk=16, init_blocks=1, local_blocks=1, device=0,
+                         exchange_buffers=False)
+    assert two.exchange_buffers and not lean.exchange_buffers
+    assert lean.workspace_bytes < two.workspace_bytes
 
 
 def test_methods_without_a_stream_run_on_the_current_one_and_are_captured():

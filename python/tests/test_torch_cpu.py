@@ -1142,7 +1142,8 @@ def _rank1_cannot_set_up_rank(rank, world, port, results):
     with process_group(rank, world, port, "gloo", timeout=datetime.timedelta(seconds=10)):
         make = cp_module.IndexerCPDecode._make_decoder
 
-        def cannot_make(self, head_dim):
+        def cannot_make(self, head_dim, exchange_buffers):
+            seen["exchange_buffers"] = exchange_buffers  # the torch exchange: its own buffers
             raise RuntimeError("cudaMalloc: out of memory")
 
         kw = dict(total_heads=2, rank=rank, world_size=world, max_tokens=8, max_seq_len=1024,
@@ -1217,6 +1218,7 @@ def test_a_rank_that_cannot_set_up_fails_every_rank_at_once():
         for r in (r0, r1):
             assert r[how + " seconds"] < 5, r  # not the group's 10 s timeout
     assert r0["then"] is False and r1["then"] is False
+    assert r1["exchange_buffers"] is False  # gloo: the torch exchange, with buffers of its own
 
 
 def _unchecked_warning_rank(rank, world, port, results):

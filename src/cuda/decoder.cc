@@ -41,7 +41,7 @@ DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& c, int grid) {
   // H <= T, Q <= max_query_len and Q x num_reqs <= max_tokens, no call needs more than this.
   w.partial = take(T * (static_cast<size_t>(c.max_query_len) * grid + n) * K * sizeof(Key));
   w.error_flag = take(sizeof(int32_t));
-  const bool cp = P > 1;
+  const bool cp = P > 1 && c.exchange_buffers;
   w.q_send = take(cp ? n * L * kHeadDim * 2 : 0);
   w.q_recv = take(cp ? P * n * L * kHeadDim * 2 : 0);
   w.keys_send = take(cp ? T * n * K * sizeof(Key) : 0);
@@ -402,6 +402,9 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
     channel = nullptr;
   }
   const Status valid = [&]() -> Status {
+    CPIDX_CHECK(P == 1 || im.cfg.exchange_buffers,
+                "cp_decode needs the Decoder's gather buffers: this one was created with "
+                "exchange_buffers = false (for shard_keys and merge alone)");
     CPIDX_CHECK(comm.world_size() == P && comm.rank() == im.cfg.rank,
                 "communicator (rank " << comm.rank() << " of " << comm.world_size()
                                       << ") does not match the Decoder (rank " << im.cfg.rank

@@ -207,6 +207,13 @@ inline int& test_ctas_per_sm() {
   return ctas;
 }
 using UseCtasPerSm = ScopedChoice<int, test_ctas_per_sm>;
+// The helpers' DecodeConfig::exchange_buffers (cp_decode's gather buffers; the library's
+// default, true).
+inline bool& test_exchange_buffers() {
+  static bool reserved = true;
+  return reserved;
+}
+using UseExchangeBuffers = ScopedChoice<bool, test_exchange_buffers>;
 
 inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selection& sel,
                                       int world = 1, int rank = 0, int max_tokens = 0) {
@@ -221,6 +228,7 @@ inline cpidx::DecodeConfig config_for(const DecodeData& d, const cpidx::Selectio
   c.cache_dtype = d.dtype;
   if (test_tight_query_bound()) c.max_query_len = d.query_len;
   c.scoring_ctas_per_sm = test_ctas_per_sm();
+  c.exchange_buffers = test_exchange_buffers();
   // Split forced: every test shape (<= 16M tokens of context per step) fits 2^17 pages.
   c.split_max_pages = test_path() == Path::kFused   ? 0
                       : test_path() == Path::kSplit ? int64_t{1} << 17

@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "cpidx/comm.h"
 #include "cpidx/prefill.h"
 #include "cpidx/workspace.h"
 #include "cuda/kernels.h"
@@ -289,6 +290,43 @@ TEST(GpuDecode, ContextParallelSimulatedEqualsPlainBitwise) {
     EXPECT_EQ(gpu_cp_simulated(d1, sel_of(16), 4), plain1) << path_name(path);
     EXPECT_EQ(gpu_cp_simulated(d2, sel_of(16), 8), plain2) << path_name(path);
   }
+}
+
+// A Decoder made without cp_decode's gather buffers (for a caller that runs the exchange itself,
+// as Python's torch exchange does) runs shard_keys and merge to the plain decode's ids on a
+// smaller workspace, and its cp_decode refuses before anything runs, naming the setting.
+TEST(GpuDecode, WithoutExchangeBuffersShardKeysAndMergeStillEqualPlain) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(23);
+  DecodeData d = random_decode(660, 4, 2, lengths(rng, 5, 40000, true), 40000);
+  const Selection sel = sel_of(16);
+  const std::vector<int32_t> plain = gpu_decode(d, sel);
+  {
+    UseExchangeBuffers none(false);
+    for (int P : {2, 4}) EXPECT_EQ(gpu_cp_simulated(d, sel, P), plain) << "P=" << P;
+  }
+  cpidx::DecodeConfig with = config_for(d, sel, 2, 0);
+  with.check_agreement = false;  // the refusal below comes before any collective either way
+  cpidx::DecodeConfig without = with;
+  without.exchange_buffers = false;
+  std::unique_ptr<cpidx::Decoder> full, lean;
+  ASSERT_TRUE(cpidx::Decoder::create(with, 0, &full).is_ok());
+  ASSERT_TRUE(cpidx::Decoder::create(without, 0, &lean).is_ok());
+  const cpidx::DecodeWorkspaceLayout w = cpidx::decode_workspace_layout(with, full->plan().grid);
+  EXPECT_EQ(full->plan().workspace_bytes - lean->plan().workspace_bytes, w.split_keys - w.q_send)
+      << "full " << full->plan().workspace_bytes << ", lean " << lean->plan().workspace_bytes;
+  auto comms = cpidx::make_thread_communicators(2);
+  DeviceBatch b(d);
+  const int64_t n = d.rows();
+  DeviceVec<int32_t> ids(static_cast<size_t>(2 * n * sel.topk));
+  ids.poison();
+  const cpidx::Status st = lean->cp_decode(*comms[0], b.inputs(0, 2),
+                                           cpidx::TopkOutput{ids.ptr, n * sel.topk, sel.topk},
+                                           nullptr, nullptr);
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("exchange_buffers = false"), std::string::npos) << st.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int32_t v : ids.download()) ASSERT_EQ(v, cpidx_test::kPoison);  // nothing ran
 }
 
 // ---- Golden cases --------------------------------------------------------------------------
@@ -934,6 +972,34 @@ TEST(DecodeWorkspace, SplitLimitsStopAtTheReachablePages) {
                         sizeof(cpidx::Key);
     EXPECT_GE(w.steal_words - w.split_keys, keys) << what;
     EXPECT_LT(w.steal_words - w.split_keys, keys + 256) << what;
+  }
+}
+
+// Host only: cp_decode's four gather regions are in the workspace at P > 1 unless
+// exchange_buffers is false, and never at P = 1; the rest of the layout is the same.
+TEST(DecodeWorkspace, GatherBuffersOnlyWhereCpDecodeRuns) {
+  cpidx::DecodeConfig c;
+  c.total_heads = 8;
+  c.world_size = 8;
+  c.max_tokens = 8192;
+  c.max_seq_len = 1 << 20;
+  c.sel = Selection{64, 1, 1};
+  const cpidx::DecodeWorkspaceLayout full = cpidx::decode_workspace_layout(c, 264);
+  // (P + 1) x max_tokens x (L x 256 B of queries + T x K x 8 B of keys), L = 1 here.
+  const size_t gathers = size_t{9} * 8192 * (256 + 8 * 64 * 8);
+  EXPECT_GE(full.split_keys - full.q_send, gathers);
+  EXPECT_LT(full.split_keys - full.q_send, gathers + 4 * 256);
+  c.exchange_buffers = false;
+  const cpidx::DecodeWorkspaceLayout lean = cpidx::decode_workspace_layout(c, 264);
+  EXPECT_EQ(lean.q_send, lean.split_keys);  // all four empty
+  EXPECT_EQ(full.total - lean.total, full.split_keys - full.q_send);
+  EXPECT_EQ(full.steal_words - full.split_keys, lean.steal_words - lean.split_keys);
+  c.world_size = 1;
+  for (bool reserve : {true, false}) {
+    c.exchange_buffers = reserve;
+    const cpidx::DecodeWorkspaceLayout one = cpidx::decode_workspace_layout(c, 264);
+    EXPECT_EQ(one.q_send, one.split_keys) << reserve;
+    EXPECT_EQ(one.total, lean.total) << reserve;
   }
 }
 
