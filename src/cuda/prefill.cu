@@ -10,6 +10,7 @@
 #include "host_util.h"
 #include "prefill_device.cuh"
 #include "prefill_kernels.h"
+#include "prefill_layout.h"
 
 namespace cpidx {
 namespace cuda {
@@ -159,14 +160,17 @@ __device__ __forceinline__ void load_queries(const PrefillParams& p, const Prefi
 // chunks) then hit all 32 banks once.
 __device__ __forceinline__ int swizzled(int r, int c) { return r * kRowBytes16 + ((c ^ ((r & 1) << 2)) << 4); }
 
-// The mma.sync kernel's compute-page layout, for the page helpers below.
+// The mma.sync kernel's compute-page layout, for the page helpers below: 16-byte chunks c of
+// dims [8 c, 8 c + 8) (its k-steps take the decode kernel's dims as they are, load_queries).
 struct MmaPageLayout {
   static constexpr int kThreads = kPrefillThreads;
+  static constexpr bool kPieces = false;
   __device__ static int at(int r, int c) { return swizzled(r, c); }
 };
 
 // One page's copies into a stage: bf16 goes straight to the compute layout, fp8 lands raw (and
-// is widened later). Layout: at(row, chunk) and the CTA's kThreads.
+// is widened later). Layout: the CTA's kThreads, and at(row, chunk) of 16-byte chunks or, with
+// kPieces, piece(row, piece) of 8-byte pieces.
 template <DType kDType, typename Layout>
 __device__ __forceinline__ void issue_page(const PrefillParams& p, const int32_t* bt_row,
                                            int64_t block, uint8_t* stage, int32_t* err) {
@@ -174,9 +178,25 @@ __device__ __forceinline__ void issue_page(const PrefillParams& p, const int32_t
   const int64_t page = clamp_page(bt_row[block], p.num_pages, err);
   const uint8_t* src = static_cast<const uint8_t*>(p.cache) + page * PB::kPage;
   static_assert(kDType != DType::kBF16 || PB::kRow == 16 * 16, "a bf16 row is 16 chunks");
-  for (int q = threadIdx.x; q < PB::kChunks; q += Layout::kThreads) {
-    uint8_t* dst = kDType == DType::kBF16 ? stage + Layout::at(q >> 4, q & 15) : stage + q * 16;
-    cp_async16(dst, src + q * 16);
+  if constexpr (kDType != DType::kBF16) {
+    for (int q = threadIdx.x; q < PB::kChunks; q += Layout::kThreads) {
+      cp_async16(stage + q * 16, src + q * 16);
+    }
+  } else if constexpr (Layout::kPieces) {
+    // 32 pieces of 4 dims a row, a thread's piece the same in every row it copies: rows 16 apart
+    // (512 threads), so the same place in their 8-row swizzle atoms, 16 rows x 128 B further.
+    constexpr int kRowsAPass = Layout::kThreads / 32;
+    static_assert(kRowsAPass % 8 == 0, "a thread's rows must share their place in the atom");
+    uint8_t* dst = stage + Layout::piece(threadIdx.x >> 5, threadIdx.x & 31);
+    src += threadIdx.x * 8;
+#pragma unroll
+    for (int i = 0; i < PB::kChunks * 2 / Layout::kThreads; ++i) {
+      cp_async8(dst + i * kRowsAPass * 128, src + i * Layout::kThreads * 8);
+    }
+  } else {
+    for (int q = threadIdx.x; q < PB::kChunks; q += Layout::kThreads) {
+      cp_async16(stage + Layout::at(q >> 4, q & 15), src + q * 16);
+    }
   }
 }
 
@@ -186,9 +206,18 @@ __device__ __forceinline__ void widen_page(const uint8_t* raw, uint8_t* out) {
   for (int q = threadIdx.x; q < PageBytes<DType::kFP8E4M3>::kChunks; q += Layout::kThreads) {
     const int r = q >> 3, c = q & 7;
     const uint4 v = *reinterpret_cast<const uint4*>(raw + q * 16);
-    *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c)) = fp8x8_to_bf16x8(make_uint2(v.x, v.y));
-    *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c + 1)) =
-        fp8x8_to_bf16x8(make_uint2(v.z, v.w));
+    const uint4 lo = fp8x8_to_bf16x8(make_uint2(v.x, v.y));
+    const uint4 hi = fp8x8_to_bf16x8(make_uint2(v.z, v.w));
+    if constexpr (Layout::kPieces) {
+      // Dims [16 c, 16 c + 16) are pieces 4 c .. 4 c + 3; pieces 4 c and 4 c + 2 (and 4 c + 1,
+      // 4 c + 3) sit side by side in one 16-byte chunk of the layout: two stores, as before.
+      *reinterpret_cast<uint4*>(out + Layout::piece(r, 4 * c)) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      *reinterpret_cast<uint4*>(out + Layout::piece(r, 4 * c + 1)) =
+          make_uint4(lo.z, lo.w, hi.z, hi.w);
+    } else {
+      *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c + 1)) = hi;
+    }
   }
 }
 
@@ -348,15 +377,6 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
 // and 16 w + g + 8 (g = lane / 4); of each quad, lane c4 = 0 owns the first row's list, c4 = 1
 // the second's. Pages land (bf16) or are widened (fp8) into the 128-byte swizzle layout below.
 constexpr int kWgThreads = 512;
-constexpr int kSw128Half = kBlockSize * 128;  // 64 dims of every key of a page: 16 KB
-
-// Compute-page layout of key row r (0..127), 16-byte chunk c (dims [8c, 8c+8), 0..15): two
-// K-major halves of 64 dims, each 128 rows x 128 bytes in 8-row atoms of 1024 bytes, chunk
-// (c & 7) of row r at (c & 7) ^ (r & 7): the address function of the 128-byte swizzle, which
-// the tensor cores apply to the descriptor's addresses (the page is 1024-byte aligned).
-__device__ __forceinline__ int sw128(int r, int c) {
-  return (c >> 3) * kSw128Half + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-}
 
 // Shared memory of the wgmma kernel, from a 1024-byte aligned base (`total` includes the slack
 // to reach it): the stage ring, the bf16 compute page (fp8 only), the lists [K][kPrefillRows].
@@ -371,15 +391,18 @@ struct WgmmaSmem {
   }
 };
 
-// The wgmma kernel's compute-page layout.
+// The wgmma kernel's compute-page layout: 8-byte pieces of 4 dims in the decode kernel's k-step
+// grouping (prefill_layout.h).
 struct Sw128PageLayout {
   static constexpr int kThreads = kWgThreads;
-  __device__ static int at(int r, int c) { return sw128(r, c); }
+  static constexpr bool kPieces = true;
+  __device__ static int piece(int r, int d) { return sw128_piece(r, d); }
 };
 
-// A fragments of rows row0 and row0 + 8 in natural dim order: qa[s] feeds k-step s (dims
-// [16 s, 16 s + 16)): {row0 dims 2c4..+1, row0+8 the same, row0 dims 8+2c4..+1, row0+8 the
-// same} of the step. Padding rows are zero.
+// A fragments of rows row0 and row0 + 8 in the layout's slot order: qa[s] feeds k-step s =
+// 2 j + h: {row0 slots 2c4..+1, row0+8 the same, row0 slots 8+2c4..+1, row0+8 the same}, slot
+// 16 s + 2 c4 + e' holding dim 32 j + 8 (c4 >> 1) + 4 h + 2 (c4 & 1) + e', slot + 8 that dim
+// + 16 (Sw128PageLayout). Padding rows are zero.
 __device__ __forceinline__ void load_queries_rs(const PrefillParams& p, const PrefillTile& tile,
                                                 int row0, int c4, uint32_t (&qa)[8][4]) {
 #pragma unroll
@@ -387,11 +410,12 @@ __device__ __forceinline__ void load_queries_rs(const PrefillParams& p, const Pr
     const int row = row0 + 8 * h;
     const int t = row / p.num_heads, head = row % p.num_heads;
     const uint32_t* q = reinterpret_cast<const uint32_t*>(
-        p.query + int64_t{tile.tok0 + t} * p.q_row_stride + head * p.q_head_stride + 2 * c4);
+        p.query + int64_t{tile.tok0 + t} * p.q_row_stride + head * p.q_head_stride);
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
-      qa[s][h] = t < tile.ntok ? __ldg(q + 8 * s) : 0u;
-      qa[s][2 + h] = t < tile.ntok ? __ldg(q + 8 * s + 4) : 0u;
+      const int w = sw128_query_word(s, c4);  // dims 2 w, 2 w + 1
+      qa[s][h] = t < tile.ntok ? __ldg(q + w) : 0u;
+      qa[s][2 + h] = t < tile.ntok ? __ldg(q + w + 8) : 0u;
     }
   }
 }

@@ -1,0 +1,41 @@
+// src/cuda/prefill_layout.h: where the wgmma prefill kernel (prefill.cu) puts a key row's dims
+// in its shared-memory page, on host and device so that CI checks it
+// (tests/gpu/test_prefill_layout.cc).
+#pragma once
+
+#include "cpidx/contract.h"
+
+namespace cpidx {
+namespace cuda {
+
+constexpr int kSw128Half = kBlockSize * 128;  // 64 dims of every key of a page: 16 KB
+
+// Compute-page layout of key row r (0..127), 16-byte chunk c (0..15) of slots [8 c, 8 c + 8):
+// two K-major halves of 64 slots, each 128 rows x 128 bytes in 8-row atoms of 1024 bytes, chunk
+// (c & 7) of row r at (c & 7) ^ (r & 7): the address function of the 128-byte swizzle, which
+// the tensor cores apply to the descriptor's addresses (the page is 1024-byte aligned).
+CPIDX_HD int sw128(int r, int c) {
+  return (c >> 3) * kSw128Half + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+// The kernel's k-step s = 2 j + h reads slots [16 s, 16 s + 16) of each key row. They hold the
+// dims the decode kernel's (and the mma.sync prefill kernel's) k-step (j, h) sums,
+// {32 j + 8 c + 4 h + e : c, e in 0..3}, at slot 16 s + 4 c + e, so that the fp32 sums group the
+// products alike on every GPU path (CONTRACT.md section 4: bit for bit; a k-step's result does
+// not depend on the order of its 16 products, bench/probes/mma_k_order.cu). In 8-byte pieces
+// of 4 dims: dims [4 d, 4 d + 4), d = 8 j + 2 c + h, at slot piece 8 j + 4 h + c. The byte
+// offset of piece d (0..31) of row r in the page.
+CPIDX_HD int sw128_piece(int r, int d) {
+  const int slot = (d & ~7) | ((d & 1) << 2) | ((d >> 1) & 3);
+  return sw128(r, slot >> 1) + (slot & 1) * 8;
+}
+
+// The query fragment of k-step s in that order: lane c4 of a quad holds slots 16 s + 2 c4 and
+// + 1 (the A fragment's k-slots 2 c4, 2 c4 + 1), i.e. dims 2 w and 2 w + 1 of the query row for
+// the w returned; its k-slots 2 c4 + 8, + 9 are dims 2 (w + 8), + 1.
+CPIDX_HD int sw128_query_word(int s, int c4) {
+  return 16 * (s >> 1) + 4 * (c4 >> 1) + 2 * (s & 1) + (c4 & 1);
+}
+
+}  // namespace cuda
+}  // namespace cpidx

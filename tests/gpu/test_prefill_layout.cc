@@ -1,0 +1,91 @@
+// tests/gpu/test_prefill_layout.cc: the wgmma prefill kernel's shared-memory page layout
+// (src/cuda/prefill_layout.h), checked on the host (no GPU needed, so it runs in CI): every
+// 8-byte piece of a key row has its own place in its row of the page, each k-step's 32 bytes
+// hold the dims the decode kernel's k-step sums (CONTRACT.md section 4: the GPU paths bit for
+// bit), the query fragments name the same dims as the key slots they meet, and the shortcuts
+// the kernel's copies and fp8 widening take hold.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <vector>
+
+#include "cuda/prefill_layout.h"
+
+namespace {
+
+using cpidx::cuda::kSw128Half;
+using cpidx::cuda::sw128_piece;
+using cpidx::cuda::sw128_query_word;
+
+// The slot (0..127) of key row r that byte offset `at` of the page holds: the swizzle undone.
+int slot_at(int at, int* row) {
+  const int half = at / kSw128Half, in_half = at % kSw128Half;
+  *row = in_half / 128;
+  const int chunk = ((in_half % 128) / 16) ^ (*row & 7);
+  return (half * 8 + chunk) * 8 + (at % 16) / 2;
+}
+
+// The dim the decode kernel's k-step (j, h) puts in its slot 4 c + e: 32 j + 8 c + 4 h + e.
+int decode_dim(int slot) {
+  const int s = slot / 16, j = s / 2, h = s % 2, c = (slot % 16) / 4, e = slot % 4;
+  return 32 * j + 8 * c + 4 * h + e;
+}
+
+TEST(PrefillLayout, EveryPieceHasItsOwnPlaceInItsRow) {
+  std::set<int> seen;
+  for (int r = 0; r < 128; ++r) {
+    for (int d = 0; d < 32; ++d) {
+      const int at = sw128_piece(r, d);
+      ASSERT_EQ(at % 8, 0) << r << " " << d;
+      ASSERT_GE(at, 0);
+      ASSERT_LT(at, 2 * kSw128Half);
+      ASSERT_TRUE(seen.insert(at).second) << "row " << r << " piece " << d;
+      int row = -1;
+      slot_at(at, &row);
+      ASSERT_EQ(row, r) << "piece " << d;
+    }
+  }
+}
+
+TEST(PrefillLayout, EachKStepHoldsTheDecodeKernelsDims) {
+  for (int r = 0; r < 128; ++r) {
+    for (int d = 0; d < 32; ++d) {
+      int row = -1;
+      const int slot = slot_at(sw128_piece(r, d), &row);
+      for (int e = 0; e < 4; ++e) {  // the piece's 4 dims, in their slots in order
+        ASSERT_EQ(decode_dim(slot + e), 4 * d + e) << "row " << r << " piece " << d;
+      }
+    }
+  }
+}
+
+TEST(PrefillLayout, QueryFragmentsMeetTheirKeySlots) {
+  for (int s = 0; s < 8; ++s) {
+    for (int c4 = 0; c4 < 4; ++c4) {
+      const int w = sw128_query_word(s, c4);
+      for (int e = 0; e < 2; ++e) {
+        EXPECT_EQ(2 * w + e, decode_dim(16 * s + 2 * c4 + e)) << "step " << s << " lane " << c4;
+        EXPECT_EQ(2 * (w + 8) + e, decode_dim(16 * s + 8 + 2 * c4 + e))
+            << "step " << s << " lane " << c4;
+      }
+    }
+  }
+}
+
+TEST(PrefillLayout, TheKernelsShortcutsHold) {
+  for (int r = 0; r < 128; ++r) {
+    for (int c = 0; c < 8; ++c) {  // fp8 widening: dims [16 c, 16 c + 16) in two 16-byte stores
+      EXPECT_EQ(sw128_piece(r, 4 * c) % 16, 0) << r << " " << c;
+      EXPECT_EQ(sw128_piece(r, 4 * c + 2), sw128_piece(r, 4 * c) + 8) << r << " " << c;
+      EXPECT_EQ(sw128_piece(r, 4 * c + 1) % 16, 0) << r << " " << c;
+      EXPECT_EQ(sw128_piece(r, 4 * c + 3), sw128_piece(r, 4 * c + 1) + 8) << r << " " << c;
+    }
+    if (r + 16 < 128) {  // bf16 copies: a thread's rows 16 apart, 16 x 128 bytes apart
+      for (int d = 0; d < 32; ++d) {
+        EXPECT_EQ(sw128_piece(r + 16, d), sw128_piece(r, d) + 16 * 128) << r << " " << d;
+      }
+    }
+  }
+}
+
+}  // namespace
