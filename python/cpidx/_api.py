@@ -146,18 +146,35 @@ def _native(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
+def _default_stream(device: int) -> int:
+    """The stream a public method runs on when given none: torch's current stream on ``device``
+    where torch with CUDA is imported (the binding's own default, 0, is the legacy stream, which
+    torch's side and capture streams do not wait for: a call inside ``torch.cuda.graph`` would
+    run at once, outside the graph), else 0 as before."""
+    torch = _torch_module()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None) if torch is not None else None
+    return raw(device) if raw is not None else 0
+
+
 def _with_capsules(method: Any, streamed: bool = True) -> Any:
     """A binding method whose torch tensor arguments go as DLPack capsules (as ``_native``):
     the public classes' methods, so that a caller of ``Decoder.decode`` pays no more host time
     a tensor than the functional API does (bench/host_overhead.py). ``streamed``: the method
-    takes ``stream=``, which defaults to torch's current stream on the object's device (the
-    binding's own default, 0, is the legacy stream, which torch's side and capture streams do
-    not wait for: a call inside ``torch.cuda.graph`` would run at once, outside the graph)."""
+    takes a keyword-only ``stream=``, which defaults to ``_default_stream``."""
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if streamed and kwargs.get("stream") is None and _torch_module() is not None:
-            kwargs["stream"] = _current_stream(self.device)
+        if streamed and kwargs.get("stream") is None:
+            kwargs["stream"] = _default_stream(self.device)
         return _native(method, self, *args, **kwargs)  # self is no tensor: it goes as it is
+    return call
+
+
+def _clear_on_stream(method: Any) -> Any:
+    """``clear_error_flag(stream=None)`` of the public classes: the stream by position or name,
+    by default ``_default_stream``."""
+    @functools.wraps(method)
+    def call(self: Any, stream: Optional[int] = None) -> Any:
+        return method(self, stream=_default_stream(self.device) if stream is None else stream)
     return call
 
 
@@ -169,14 +186,14 @@ class Decoder(_C.Decoder):
     merge = _with_capsules(_C.Decoder.merge)
     cp_decode = _with_capsules(_C.Decoder.cp_decode)
     check_cp_decode = _with_capsules(_C.Decoder.check_cp_decode, streamed=False)
-    clear_error_flag = _with_capsules(_C.Decoder.clear_error_flag)
+    clear_error_flag = _clear_on_stream(_C.Decoder.clear_error_flag)
 
 
 class Prefiller(_C.Prefiller):
     __doc__ = _C.Prefiller.__doc__
     __module__ = "cpidx"
     prefill = _with_capsules(_C.Prefiller.prefill)
-    clear_error_flag = _with_capsules(_C.Prefiller.clear_error_flag)
+    clear_error_flag = _clear_on_stream(_C.Prefiller.clear_error_flag)
 
 
 def _cache_dtype_name(cache: Any) -> str:

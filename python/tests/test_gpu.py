@@ -655,10 +655,15 @@ def test_the_registry_and_indexer_cp_decode_make_the_public_classes():
     reg.clear()
 
 
-def test_one_rank_step_checks_its_arguments_once_and_names_them():
+def test_one_rank_step_goes_to_the_library_in_one_call_and_names_its_arguments(monkeypatch):
     # A world of one on the GPU goes to the library in one call (Decoder.cp_decode without a
-    # communicator: the plain decode, checked as cp_decode checks): its own arguments' names,
-    # no kernel for a refused step, the plain decode's ids for a good one.
+    # communicator: the plain decode, checked as cp_decode checks; no check_cp_decode call
+    # before it): its own arguments' names, no kernel for a refused step, the plain decode's ids
+    # for a good one.
+    def no_separate_check(*args, **kwargs):
+        raise AssertionError("check_cp_decode called: the step converted its arguments twice")
+
+    monkeypatch.setattr(cpidx.Decoder, "check_cp_decode", no_separate_check)
     b = random_decode(np.random.default_rng(18), 4, 2, [300, 900, 1], max_seq_len=1024)
     q, k, bt, sl = to_dev(b)
     cp = cpidx.IndexerCPDecode(total_heads=4, rank=0, world_size=1, max_tokens=8,

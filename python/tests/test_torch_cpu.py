@@ -418,6 +418,7 @@ def test_public_methods_without_a_stream_take_torchs_current_stream(monkeypatch)
     # Decoder / Prefiller methods called without stream= run on torch's current stream of the
     # object's device (inside torch.cuda.graph: the capture's), not on the binding's default,
     # the legacy stream 0, which torch's side and capture streams do not wait for.
+    # Where torch has no CUDA (this one, or a stand-in without the raw accessor): 0, as before.
     from cpidx import _api
     seen = []
 
@@ -427,14 +428,26 @@ def test_public_methods_without_a_stream_take_torchs_current_stream(monkeypatch)
     class Obj:
         device = 3
 
-    monkeypatch.setattr(_api, "_current_stream", lambda device: 1000 + device)
-    wrapped = _api._with_capsules(method)
+    def clear(self, stream=0):  # the binding's clear_error_flag takes its stream by position too
+        seen.append(stream)
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device,
+                        raising=False)
+    wrapped, cleared = _api._with_capsules(method), _api._clear_on_stream(clear)
     wrapped(Obj())
     wrapped(Obj(), stream=7)
     wrapped(Obj(), stream=None)
     wrapped(Obj(), stream=0)  # asked for by name: the legacy stream it is
     _api._with_capsules(method, streamed=False)(Obj())
-    assert seen == [1003, 7, 1003, 0, 0]
+    cleared(Obj())
+    cleared(Obj(), 9)
+    cleared(Obj(), stream=11)
+    assert seen == [1003, 7, 1003, 0, 0, 1003, 9, 11]
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    seen.clear()
+    wrapped(Obj())
+    cleared(Obj())
+    assert seen == [0, 0]
     for cls, names in ((cpidx.Decoder, ("decode", "shard_keys", "merge", "cp_decode",
                                         "clear_error_flag")),
                        (cpidx.Prefiller, ("prefill", "clear_error_flag"))):

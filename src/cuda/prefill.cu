@@ -495,7 +495,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const uint32_t page_addr = smem_addr(page);
       wgmma_fence_operands(acc);
       wgmma_fence();
-      // k-step s: dims [16 s, 16 s + 16), 32 bytes into the rows of half s / 4.
+      // k-step s: slots [16 s, 16 s + 16) (the decode's dims, prefill_layout.h), 32 bytes into
+      // the rows of half s / 4.
       wgmma_m64n128k16_rs<false>(acc, qa[0], wgmma_desc_sw128(page_addr));
 #pragma unroll
       for (int s = 1; s < 8; ++s) {

@@ -21,8 +21,10 @@ CPIDX_HD int sw128(int r, int c) {
 // The kernel's k-step s = 2 j + h reads slots [16 s, 16 s + 16) of each key row. They hold the
 // dims the decode kernel's (and the mma.sync prefill kernel's) k-step (j, h) sums,
 // {32 j + 8 c + 4 h + e : c, e in 0..3}, at slot 16 s + 4 c + e, so that the fp32 sums group the
-// products alike on every GPU path (CONTRACT.md section 4: bit for bit; a k-step's result does
-// not depend on the order of its 16 products, bench/probes/mma_k_order.cu). In 8-byte pieces
+// products as the decode's do (CONTRACT.md section 4: bit for bit; the fp8 decode's 16-column
+// instance aside, docs/design/prefill.md). Inside a step the slots' order is not the decode's:
+// an mma.sync step's result does not depend on it (bench/probes/mma_k_order.cu); that a wgmma
+// step's does not either is what GpuPrefill.SameIdsAsEachTokensDecode checks. In 8-byte pieces
 // of 4 dims: dims [4 d, 4 d + 4), d = 8 j + 2 c + h, at slot piece 8 j + 4 h + c. The byte
 // offset of piece d (0..31) of row r in the page.
 CPIDX_HD int sw128_piece(int r, int d) {
