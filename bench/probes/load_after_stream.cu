@@ -30,14 +30,7 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                                  \
-  do {                                                                            \
-    cudaError_t e_ = (x);                                                         \
-    if (e_ != cudaSuccess) {                                                      \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      return 1;                                                                   \
-    }                                                                             \
-  } while (0)
+#include "probe_check.h"
 
 constexpr size_t kPage = 32 << 10;
 constexpr int kLoads = 3;  // a chain; the probe runs it twice

@@ -22,14 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      return 1;                                                                        \
-    }                                                                                  \
-  } while (0)
+#include "probe_check.h"
 
 __device__ uint32_t hash(uint64_t x) {
   x ^= x >> 33;
