@@ -19,8 +19,8 @@ HEAD_DIM = 128  # index head dim (the only compiled value)
 MAX_TOPK = 64
 MAX_QUERY_LEN = 8
 MAX_HEADS = 8  # index heads T
-MAX_WORLD_SIZE = 8  # context-parallel ranks P of the GPU decode (and of IndexerCPDecode)
-MAX_TOKENS = 2**30  # a Decoder's max_tokens (DecodeConfig::kMaxTokens)
+MAX_WORLD_SIZE = _C.MAX_WORLD_SIZE  # context-parallel ranks P of the GPU decode (kMaxWorldSize)
+MAX_TOKENS = _C.MAX_TOKENS  # a Decoder's largest max_tokens (DecodeConfig::kMaxTokens)
 # Bits of an error flag (``error_flag=``, ``Decoder.error_flag()``): values the device clamped
 # instead of reading out of bounds (CONTRACT.md section 8).
 # A length out of [0, max_seq_len] (decode seq_lens; prefill seq_lens, context_lens, and a

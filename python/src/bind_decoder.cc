@@ -257,6 +257,7 @@ void bind_prefiller(nb::module_& m) {
 }
 
 void bind_decoder(nb::module_& m) {
+  m.attr("MAX_TOKENS") = DecodeConfig::kMaxTokens;  // a Decoder's largest max_tokens
   using namespace nb::literals;
   m.def("gpu_available", &gpu_available,
         "True when the module was built with CUDA and a device is visible.");

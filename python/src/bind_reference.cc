@@ -151,6 +151,8 @@ void bind_reference(nb::module_& m) {
   // DeviceError bits (cpidx/contract.h): what an error flag holds after clamped device values.
   m.attr("ERR_SEQ_LEN_OUT_OF_RANGE") = static_cast<int>(kErrSeqLenOutOfRange);
   m.attr("ERR_PAGE_OUT_OF_RANGE") = static_cast<int>(kErrPageOutOfRange);
+  // Context-parallel ranks of the GPU decode (cpidx/contract.h; the reference takes any).
+  m.attr("MAX_WORLD_SIZE") = kMaxWorldSize;
   m.def("ref_decode_topk", &ref_decode_topk, "index_query"_a, "index_cache"_a, "block_table"_a,
         "seq_lens"_a, "query_len"_a, "out"_a, nb::kw_only(), "scale"_a, "topk"_a,
         "init_blocks"_a, "local_blocks"_a, "max_seq_len"_a,
