@@ -1,11 +1,12 @@
 // bench/probes/mma_k_order.cu: does the fp32 result of a bf16 tensor-core dot product depend on
 // the order of the products inside one k16 step, or only on which 16 products share a step?
-// A question for CONTRACT.md section 4 (the GPU paths bit for bit): the decode kernel and the
-// mma.sync prefill kernel give k-step (j, half) of a 128-dim dot product the dims
-// {32 j + 8 c + 4 half + e : c, e in 0..3} in their own slot order, the wgmma prefill kernel
-// the dims [16 s, 16 s + 16) in order. If only the grouping counts, a wgmma page laid out in
-// 8-byte pieces (the decode's groups) gives the decode's sums; if the order counts too, it
-// needs the decode's slot order, in 4-byte pieces.
+// A question for CONTRACT.md section 4 (the GPU paths bit for bit): when it was written the
+// decode kernel and the mma.sync prefill kernel gave k-step (j, half) of a 128-dim dot product
+// the dims {32 j + 8 c + 4 half + e : c, e in 0..3} in their own slot order, the wgmma prefill
+// kernel the dims [16 s, 16 s + 16) in order. If only the grouping counts, a wgmma page laid
+// out in 8-byte pieces (the decode's groups) gives the decode's sums; if the order counts too,
+// it needs the decode's slot order, in 4-byte pieces. (Every kernel now shares one grouping,
+// src/cuda/k_steps.h.)
 //
 // Each warp does one trial: rows A [16][32] and columns B [32][8] of random bf16 values (random
 // signs, exponents over +-8 octaves, random mantissas), summed over 32 dims in two

@@ -10,20 +10,21 @@
 #include <type_traits>
 
 #include "cpidx/contract.h"
+#include "k_steps.h"
 #include "kernels.h"
 
 namespace cpidx {
 namespace cuda {
 
-// A page is read by the consumers in 4 column chunks j (32 dims each); lane (g, c4) of a warp
-// holds 8 dims of chunk j of its rows, from dim(j, c4) on, and a load brings kChunksPerLoad of
-// them (the query fragments take the same dims). bf16 rows lie 256 B apart, a whole number of
-// bank rows, so the two rows of one shared-memory phase of a 16-byte load would hit the same
-// banks. Each lane instead loads chunk j ^ swz in its j-th load, with swz = g & kSwizzleMask:
-// the phase's rows read different bank groups (conflict-free), and unswizzle() puts every chunk
-// back in its slot, so the MMAs see exactly the operands (and do exactly the arithmetic) of a
-// straight load. kSwizzleMask 0: loaded straight (fp8; and every dtype above 16 columns,
-// score_topk.cu).
+// A page is read by the consumers in 4 chunks j of 32 dims each; lane (g, c4) of a warp holds 8
+// dims of chunk j of its rows, [dim(j, c4), + 8) = the k-steps' grouping (k_steps.h), and a load
+// brings kChunksPerLoad of them (the query fragments take the same dims). bf16 rows lie 256 B
+// apart, a whole number of bank rows, so the two rows of one shared-memory phase of a 16-byte
+// load would hit the same banks. Each lane instead loads chunk j ^ swz in its j-th load, with
+// swz = g & kSwizzleMask (16 bytes over: the phase's rows read different bank groups,
+// conflict-free), and unswizzle() puts every chunk back in its slot, so the MMAs see exactly the
+// operands (and do exactly the arithmetic) of a straight load. kSwizzleMask 0: loaded straight
+// (fp8; and every dtype above 16 columns, score_topk.cu).
 template <DType kDType, int kChunksPerLoad = 1>
 struct PageTraits;
 template <>
@@ -34,10 +35,13 @@ struct PageTraits<DType::kBF16, 1> {
   static constexpr bool kHalf = false;  // bf16 MMAs on the queries as given
   static constexpr int kChunksPerLoad = 1;
   using Raw = uint4;
-  __host__ __device__ static constexpr int dim(int j, int c4) { return j * 32 + c4 * 8; }
-  // 8 bf16 of token `tok`: chunk l's dims [dim(l, c4), +8) (2 dim(l, c4) bytes in, written out).
+  __host__ __device__ static constexpr int dim(int j, int c4) { return kstep_dim(j, c4); }
+  // Where a query row's dims [8 c, 8 c + 8) are staged in shared memory (in 8-dim chunks), so
+  // that lane c4's of chunk j, dim(j, c4), lie at kstep_dim(j, c4): here as they are.
+  __host__ __device__ static constexpr int query_chunk(int c) { return c; }
+  // 8 bf16 of token `tok`: chunk l's dims [dim(l, c4), +8), 2 dim(l, c4) bytes in.
   __device__ static Raw load(const uint8_t* page, int tok, int l, int c4) {
-    return *reinterpret_cast<const uint4*>(page + tok * kRowBytes + l * 64 + c4 * 16);
+    return *reinterpret_cast<const uint4*>(page + tok * kRowBytes + 2 * dim(l, c4));
   }
   __device__ static uint4 widen(Raw r, int) { return r; }
 };
@@ -60,8 +64,17 @@ struct PageTraits<DType::kFP8E4M3, kChunks> {
   static constexpr int kSwizzleMask = 0;
   static constexpr bool kHalf = true;
   using Raw = std::conditional_t<kChunksPerLoad == 2, uint4, uint2>;
+  // At 8 bytes a load, lanes c4 and c4 ^ 1 trade their odd chunks (a k-step's 16 dims are the
+  // same, k_steps.h): otherwise a lane's chunks 2 l and 2 l + 1 would lie side by side and ptxas
+  // would fuse their loads into one of 16 bytes, whose registers make the 96-register instance
+  // spill (as 16-byte loads did there, v40). The queries are staged with those chunks traded
+  // (query_chunk swaps chunks 8 a + 2 c + 1 and 8 a + 2 (c ^ 1) + 1), so the query fragments
+  // are read from one base.
   __host__ __device__ static constexpr int dim(int j, int c4) {
-    return kChunksPerLoad == 2 ? (j / 2) * 64 + c4 * 16 + (j % 2) * 8 : j * 32 + c4 * 8;
+    return kstep_dim(j, kChunksPerLoad == 1 ? c4 ^ (j & 1) : c4);
+  }
+  __host__ __device__ static constexpr int query_chunk(int c) {
+    return kChunksPerLoad == 1 ? c ^ ((c & 1) << 1) : c;
   }
   // Four e4m3 bytes (little-endian) -> two registers of two fp16 each, order kept.
   __device__ static uint2 cvt4(uint32_t four) {
@@ -72,12 +85,10 @@ struct PageTraits<DType::kFP8E4M3, kChunks> {
         : "r"(four));
     return h;
   }
-  // kChunksPerLoad x 8 e4m3 of token `tok`: load l's chunks' dims (dim(l * kChunksPerLoad, c4),
-  // written out: the compiler's operand order, so the 8-byte instances' PTX, stays as before).
+  // kChunksPerLoad x 8 e4m3 of token `tok`: load l's chunks' dims, from dim(l * kChunksPerLoad,
+  // c4) on (at 16 bytes, chunk 2 l + 1's follow chunk 2 l's).
   __device__ static Raw load(const uint8_t* page, int tok, int l, int c4) {
-    if constexpr (kChunksPerLoad == 1)
-      return *reinterpret_cast<const Raw*>(page + tok * kRowBytes + l * 32 + c4 * 8);
-    return *reinterpret_cast<const Raw*>(page + tok * kRowBytes + l * 64 + c4 * 16);
+    return *reinterpret_cast<const Raw*>(page + tok * kRowBytes + dim(l * kChunksPerLoad, c4));
   }
   // Chunk l * kChunksPerLoad + c of load l, widened to fp16 pairs.
   __device__ static uint4 widen(Raw raw, int c) {

@@ -10,6 +10,7 @@
 #include "host_util.h"
 #include "prefill_device.cuh"
 #include "prefill_kernels.h"
+#include "k_steps.h"
 #include "prefill_layout.h"
 
 namespace cpidx {
@@ -136,9 +137,9 @@ __device__ __forceinline__ void store_split_list(const PrefillParams& p, const P
 }
 
 // The A fragments of this thread's quad rows for all 128 dims: qa[mt][rh][j] holds dims
-// [32 j + 8 c4, +8) of row warp*32 + 16 mt + 8 rh + g. Dims are permuted identically in A and B
-// (k-slot 2c4 <-> dims +0..1, k-slot 2c4+8 <-> dims +2..3 of each half-uint4), so one 16-byte
-// load feeds two k-steps. Padding rows are zero.
+// [kstep_dim(j, c4), +8) of row warp*32 + 16 mt + 8 rh + g (the k-steps' grouping, k_steps.h).
+// Dims are permuted identically in A and B (k-slot 2c4 <-> dims +0..1, k-slot 2c4+8 <-> dims
+// +2..3 of each half-uint4), so one 16-byte load feeds two k-steps. Padding rows are zero.
 __device__ __forceinline__ void load_queries(const PrefillParams& p, const PrefillTile& tile,
                                              int warp, int g, int c4, uint4 (&qa)[2][2][4]) {
 #pragma unroll
@@ -148,20 +149,23 @@ __device__ __forceinline__ void load_queries(const PrefillParams& p, const Prefi
       const int row = warp * 32 + mt * 16 + rh * 8 + g;
       const int t = row / p.num_heads, h = row % p.num_heads;
       const uint4* q = reinterpret_cast<const uint4*>(
-          p.query + int64_t{tile.tok0 + t} * p.q_row_stride + h * p.q_head_stride + c4 * 8);
+          p.query + int64_t{tile.tok0 + t} * p.q_row_stride + h * p.q_head_stride);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) qa[mt][rh][j] = t < tile.ntok ? __ldg(q + 4 * j) : uint4{};
+      for (int j = 0; j < 4; ++j)
+        qa[mt][rh][j] = t < tile.ntok ? __ldg(q + kstep_dim(j, c4) / 8) : uint4{};
     }
   }
 }
 
 // Raw page -> compute-stage layout: key row r, 16-byte chunk c (dims [8c, 8c+8)) lands at chunk
-// c ^ ((r & 1) << 2). A warp's B loads (8 lanes per phase = two adjacent keys x the same 4
-// chunks) then hit all 32 banks once.
-__device__ __forceinline__ int swizzled(int r, int c) { return r * kRowBytes16 + ((c ^ ((r & 1) << 2)) << 4); }
+// c ^ (r & 1). A warp's B loads (8 lanes per phase = two adjacent keys x the 4 chunks
+// kstep_dim(j, c4) / 8 of one j, 32 bytes apart) then hit all 32 banks once.
+__device__ __forceinline__ int swizzled(int r, int c) {
+  return r * kRowBytes16 + ((c ^ (r & 1)) << 4);
+}
 
 // The mma.sync kernel's compute-page layout, for the page helpers below: 16-byte chunks c of
-// dims [8 c, 8 c + 8) (its k-steps take the decode kernel's dims as they are, load_queries).
+// dims [8 c, 8 c + 8) (its k-steps take their dims as they lie, load_queries).
 struct MmaPageLayout {
   static constexpr int kThreads = kPrefillThreads;
   static constexpr bool kPieces = false;
@@ -203,20 +207,38 @@ __device__ __forceinline__ void issue_page(const PrefillParams& p, const int32_t
 // fp8 page (raw) -> bf16 compute page in Layout; each 16-byte fp8 chunk is two bf16 chunks.
 template <typename Layout>
 __device__ __forceinline__ void widen_page(const uint8_t* raw, uint8_t* out) {
-  for (int q = threadIdx.x; q < PageBytes<DType::kFP8E4M3>::kChunks; q += Layout::kThreads) {
-    const int r = q >> 3, c = q & 7;
-    const uint4 v = *reinterpret_cast<const uint4*>(raw + q * 16);
-    const uint4 lo = fp8x8_to_bf16x8(make_uint2(v.x, v.y));
-    const uint4 hi = fp8x8_to_bf16x8(make_uint2(v.z, v.w));
-    if constexpr (Layout::kPieces) {
-      // Dims [16 c, 16 c + 16) are pieces 4 c .. 4 c + 3; pieces 4 c and 4 c + 2 (and 4 c + 1,
-      // 4 c + 3) sit side by side in one 16-byte chunk of the layout: two stores, as before.
-      *reinterpret_cast<uint4*>(out + Layout::piece(r, 4 * c)) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-      *reinterpret_cast<uint4*>(out + Layout::piece(r, 4 * c + 1)) =
-          make_uint4(lo.z, lo.w, hi.z, hi.w);
-    } else {
-      *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c)) = lo;
-      *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c + 1)) = hi;
+  constexpr int kChunks = PageBytes<DType::kFP8E4M3>::kChunks;
+  if constexpr (Layout::kPieces) {
+    // Raw chunks 2 m and 2 m + 1 of row r (dims [32 m, 32 m + 32), pieces 8 m + i, i 0..7) a
+    // thread: pieces 8 m + i and 8 m + i + 4 sit side by side in one 16-byte chunk of the layout
+    // (k-step slots 4 s + c and 4 s + c + 1, prefill_layout.h), so four 16-byte stores. Odd rows
+    // read their second chunk first: a load's 8 lanes of a phase (two rows) then hit 8
+    // different bank groups.
+    for (int q = threadIdx.x; q < kChunks / 2; q += Layout::kThreads) {
+      const int r = q >> 2, m = q & 3, odd = r & 1;
+      const uint4 v0 = *reinterpret_cast<const uint4*>(raw + (2 * q + odd) * 16);
+      const uint4 v1 = *reinterpret_cast<const uint4*>(raw + (2 * q + 1 - odd) * 16);
+      const uint4 a = odd ? v1 : v0, b = odd ? v0 : v1;  // raw chunks 2 m, 2 m + 1
+      const uint4 alo = fp8x8_to_bf16x8(make_uint2(a.x, a.y));
+      const uint4 ahi = fp8x8_to_bf16x8(make_uint2(a.z, a.w));
+      const uint4 blo = fp8x8_to_bf16x8(make_uint2(b.x, b.y));
+      const uint4 bhi = fp8x8_to_bf16x8(make_uint2(b.z, b.w));
+      auto store = [&](int i, uint2 first, uint2 second) {  // pieces 8 m + i, 8 m + i + 4
+        *reinterpret_cast<uint4*>(out + Layout::piece(r, 8 * m + i)) =
+            make_uint4(first.x, first.y, second.x, second.y);
+      };
+      store(0, make_uint2(alo.x, alo.y), make_uint2(blo.x, blo.y));
+      store(1, make_uint2(alo.z, alo.w), make_uint2(blo.z, blo.w));
+      store(2, make_uint2(ahi.x, ahi.y), make_uint2(bhi.x, bhi.y));
+      store(3, make_uint2(ahi.z, ahi.w), make_uint2(bhi.z, bhi.w));
+    }
+  } else {
+    for (int q = threadIdx.x; q < kChunks; q += Layout::kThreads) {
+      const int r = q >> 3, c = q & 7;
+      const uint4 v = *reinterpret_cast<const uint4*>(raw + q * 16);
+      *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c)) = fp8x8_to_bf16x8(make_uint2(v.x, v.y));
+      *reinterpret_cast<uint4*>(out + Layout::at(r, 2 * c + 1)) =
+          fp8x8_to_bf16x8(make_uint2(v.z, v.w));
     }
   }
 }
@@ -227,7 +249,7 @@ __device__ __forceinline__ void widen_page(const uint8_t* raw, uint8_t* out) {
 template <bool kMasked>
 __device__ __forceinline__ void page_max(const uint8_t* page, const uint4 (&qa)[2][2][4], int g,
                                          int c4, const int (&lim)[2][2], float (&rm)[2][2]) {
-  const uint8_t* base = page + g * kRowBytes16 + c4 * 16;
+  const uint8_t* base = page + g * kRowBytes16;
   const int gb = g & 1;  // key rows half*64 + nt*8 + g: the swizzle bit is g's
   // NOTE: not unrolled: the compiler would overlap the two halves and keep 128 accumulators
   // live next to the 64 query registers (spilling past 255 registers).
@@ -242,7 +264,7 @@ __device__ __forceinline__ void page_max(const uint8_t* page, const uint4 (&qa)[
         for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int joff = (j ^ gb) << 6;
+      const int joff = 2 * kstep_dim(j ^ gb, c4);  // where row g's swizzle put chunk j's dims
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const uint4 b =
@@ -400,9 +422,8 @@ struct Sw128PageLayout {
 };
 
 // A fragments of rows row0 and row0 + 8 in the layout's slot order: qa[s] feeds k-step s =
-// 2 j + h: {row0 slots 2c4..+1, row0+8 the same, row0 slots 8+2c4..+1, row0+8 the same}, slot
-// 16 s + 2 c4 + e' holding dim 32 j + 8 (c4 >> 1) + 4 h + 2 (c4 & 1) + e', slot + 8 that dim
-// + 16 (Sw128PageLayout). Padding rows are zero.
+// 2 j + h: {row0 slots 2c4..+1, row0+8 the same, row0 slots 8+2c4..+1, row0+8 the same}, the
+// dims sw128_query_word names (Sw128PageLayout). Padding rows are zero.
 __device__ __forceinline__ void load_queries_rs(const PrefillParams& p, const PrefillTile& tile,
                                                 int row0, int c4, uint32_t (&qa)[8][4]) {
 #pragma unroll
@@ -413,9 +434,8 @@ __device__ __forceinline__ void load_queries_rs(const PrefillParams& p, const Pr
         p.query + int64_t{tile.tok0 + t} * p.q_row_stride + head * p.q_head_stride);
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
-      const int w = sw128_query_word(s, c4);  // dims 2 w, 2 w + 1
-      qa[s][h] = t < tile.ntok ? __ldg(q + w) : 0u;
-      qa[s][2 + h] = t < tile.ntok ? __ldg(q + w + 8) : 0u;
+      qa[s][h] = t < tile.ntok ? __ldg(q + sw128_query_word(s, c4, 0)) : 0u;
+      qa[s][2 + h] = t < tile.ntok ? __ldg(q + sw128_query_word(s, c4, 1)) : 0u;
     }
   }
 }

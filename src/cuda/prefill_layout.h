@@ -4,6 +4,7 @@
 #pragma once
 
 #include "cpidx/contract.h"
+#include "k_steps.h"
 
 namespace cpidx {
 namespace cuda {
@@ -19,24 +20,24 @@ CPIDX_HD int sw128(int r, int c) {
 }
 
 // The kernel's k-step s = 2 j + h reads slots [16 s, 16 s + 16) of each key row. They hold the
-// dims the decode kernel's (and the mma.sync prefill kernel's) k-step (j, h) sums,
-// {32 j + 8 c + 4 h + e : c, e in 0..3}, at slot 16 s + 4 c + e, so that the fp32 sums group the
-// products as the decode's do (CONTRACT.md section 4: bit for bit; the fp8 decode's 16-column
-// instance aside, docs/design/prefill.md). Inside a step the slots' order is not the decode's:
+// dims every scoring kernel's k-step (j, h) sums (k_steps.h), {kstep_dim(j, c) + 4 h + e : c, e
+// in 0..3}, at slot 16 s + 4 c + e, so that the fp32 sums group the products as the decode's
+// do (CONTRACT.md section 4: bit for bit). Inside a step the slots' order is not the decode's:
 // an mma.sync step's result does not depend on it (bench/probes/mma_k_order.cu); that a wgmma
 // step's does not either is what GpuPrefill.SameIdsAsEachTokensDecode checks. In 8-byte pieces
-// of 4 dims: dims [4 d, 4 d + 4), d = 8 j + 2 c + h, at slot piece 8 j + 4 h + c. The byte
-// offset of piece d (0..31) of row r in the page.
+// of 4 dims: dims [4 d, 4 d + 4), d = kstep_dim(j, c) / 4 + h = 16 (j >> 1) + 4 c + 2 (j & 1) + h,
+// at slot piece 4 s + c. The byte offset of piece d (0..31) of row r in the page.
 CPIDX_HD int sw128_piece(int r, int d) {
-  const int slot = (d & ~7) | ((d & 1) << 2) | ((d >> 1) & 3);
+  const int slot = (d & ~15) | (((d >> 1) & 1) << 3) | ((d & 1) << 2) | ((d >> 2) & 3);
   return sw128(r, slot >> 1) + (slot & 1) * 8;
 }
 
-// The query fragment of k-step s in that order: lane c4 of a quad holds slots 16 s + 2 c4 and
-// + 1 (the A fragment's k-slots 2 c4, 2 c4 + 1), i.e. dims 2 w and 2 w + 1 of the query row for
-// the w returned; its k-slots 2 c4 + 8, + 9 are dims 2 (w + 8), + 1.
-CPIDX_HD int sw128_query_word(int s, int c4) {
-  return 16 * (s >> 1) + 4 * (c4 >> 1) + 2 * (s & 1) + (c4 & 1);
+// The query fragment of k-step s in that order: lane c4 of a quad holds slots 16 s + 2 c4 + e'
+// (the A fragment's k-slots 2 c4 + e', hi = 0) and 16 s + 8 + 2 c4 + e' (k-slots 2 c4 + 8 + e',
+// hi = 1), e' 0..1: dims 2 w and 2 w + 1 of the query row for the w returned.
+CPIDX_HD int sw128_query_word(int s, int c4, int hi) {
+  const int j = s >> 1, h = s & 1, c = 2 * hi + (c4 >> 1), e = 2 * (c4 & 1);
+  return (kstep_dim(j, c) + 4 * h + e) / 2;
 }
 
 }  // namespace cuda

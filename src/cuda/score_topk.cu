@@ -73,10 +73,10 @@ struct SmemLayout {
 };
 
 // The B fragment of MMA (j, half) for lane (g, c4): 4 dims of column nt * 8 + g, those its A
-// fragment holds of the keys (Page::dim).
+// fragment holds of the keys (Page::dim), staged at kstep_dim(j, c4) (Page::query_chunk).
 template <typename Page>
 __device__ __forceinline__ uint2 query_frag(const Smem& s, int nt, int g, int j, int c4, int half) {
-  return *reinterpret_cast<const uint2*>(s.q + (nt * 8 + g) * kQStride + Page::dim(j, c4) +
+  return *reinterpret_cast<const uint2*>(s.q + (nt * 8 + g) * kQStride + kstep_dim(j, c4) +
                                          half * 4);
 }
 
@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<NT, kDType>))
         const float down = scale_query_chunk(&v);
         if (chunk == 0) s.qinv[NT * 8 + col] = down;  // staged: see below
       }
-      *reinterpret_cast<uint4*>(s.q + col * kQStride + chunk * 8) = v;
+      *reinterpret_cast<uint4*>(s.q + col * kQStride + Page::query_chunk(chunk) * 8) = v;
     }
     consumer_sync();
     // The new scales replace the previous request's only now: on the split path warp 0 may have

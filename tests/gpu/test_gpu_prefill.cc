@@ -430,11 +430,14 @@ TEST(GpuPrefill, GoldenCasesExactly) {
   EXPECT_GE(checked, 2);
 }
 
-// Each prefill token decoded as a request of one token: its position + 1 tokens, its request's
-// block-table row, its query. The contract's block scores are the same for both.
-cpidx_test::DecodeData as_decode(const PrefillCase& c) {
+// Each run of q_len prefill tokens of a request (q_len divides every request's tokens) decoded
+// as one request of q_len query tokens: its last token's position + 1 tokens, its request's
+// block-table row, its queries. Rows stay in token order, and the contract's block scores are
+// the same for both.
+cpidx_test::DecodeData as_decode(const PrefillCase& c, int q_len = 1) {
   cpidx_test::DecodeData d;
   d.total_heads = c.heads;
+  d.query_len = q_len;
   d.max_seq_len = c.max_seq_len;
   d.dtype = c.dtype;
   d.cache_bf16 = c.cache16;
@@ -444,10 +447,13 @@ cpidx_test::DecodeData as_decode(const PrefillCase& c) {
   d.scale = c.scale;
   d.query.resize(static_cast<size_t>(c.tokens * c.heads * kD));
   for (int r = 0; r < c.num_reqs(); ++r) {
+    EXPECT_EQ((c.cu[r + 1] - c.cu[r]) % q_len, 0) << "request " << r;
     for (int32_t t = c.cu[r]; t < c.cu[r + 1]; ++t) {
-      d.seq_lens.push_back(c.context_lens[r] + (t - c.cu[r]) + 1);
-      const auto row = c.block_table.begin() + static_cast<int64_t>(r) * c.bt_row_stride;
-      d.block_table.insert(d.block_table.end(), row, row + c.bt_row_stride);
+      if ((t - c.cu[r]) % q_len == 0) {
+        d.seq_lens.push_back(c.context_lens[r] + (t - c.cu[r]) + q_len);
+        const auto row = c.block_table.begin() + static_cast<int64_t>(r) * c.bt_row_stride;
+        d.block_table.insert(d.block_table.end(), row, row + c.bt_row_stride);
+      }
       for (int h = 0; h < c.heads; ++h) {
         const auto q = c.query.begin() + t * c.q_row_stride + h * c.q_head_stride;
         std::copy(q, q + kD, d.query.begin() + (static_cast<int64_t>(t) * c.heads + h) * kD);
@@ -458,40 +464,53 @@ cpidx_test::DecodeData as_decode(const PrefillCase& c) {
 }
 
 // Keys whose block scores tie exactly and differ only by how their fp32 sums group the 128
-// products: every query 1 in every dim; token 0 of every page a shuffle of one vector of bf16
-// values over 2^16 octaves (mixed signs, a positive sum), the page's other keys 0. Each block's
-// score is the sum of that vector in its own order, rounded by the path's grouping of the dims
-// into k-steps (a tensor-core k-step sums its 16 products alike in any order; across steps fp32
-// rounds: bench/probes/mma_k_order.cu), so the blocks' order is that rounding's.
+// products: every query 1 in every dim; token 0 of every page a shuffle of one vector of key
+// values over many octaves (bf16: 2^16 of them; fp8: e4m3's 2^-6..2^7; mixed signs, a positive
+// sum), the page's other keys 0. Each block's score is the sum of that vector in its own order,
+// rounded by the path's grouping of the dims into k-steps (a tensor-core k-step sums its 16
+// products alike in any order; across steps fp32 rounds: bench/probes/mma_k_order.cu), so the
+// blocks' order is that rounding's.
 void make_grouping_sensitive(PrefillCase* c, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  std::vector<uint16_t> u(kD);
+  const bool fp8 = c->dtype == DType::kFP8E4M3;
+  std::vector<uint16_t> u(kD);  // bf16 bits, or e4m3 bits
   double sum = 0;
   for (auto& v : u) {
-    const float x = std::ldexp(1.0f + static_cast<float>(rng() % 128) / 128.0f,
-                               static_cast<int>(rng() % 17) - 8);
-    v = cpidx_test::bf16_of(rng() % 2 ? -x : x);
-    sum += cpidx::ref::bf16_to_float(v);
+    if (fp8) {  // exponent field 1..14, any mantissa: no NaN, no subnormal
+      v = static_cast<uint16_t>(((1 + rng() % 14) << 3) | (rng() % 8) | (rng() % 2 ? 0x80 : 0));
+      sum += cpidx::ref::fp8e4m3_to_float(static_cast<uint8_t>(v));
+    } else {
+      const float x = std::ldexp(1.0f + static_cast<float>(rng() % 128) / 128.0f,
+                                 static_cast<int>(rng() % 17) - 8);
+      v = cpidx_test::bf16_of(rng() % 2 ? -x : x);
+      sum += cpidx::ref::bf16_to_float(v);
+    }
   }
   if (sum < 0)
-    for (auto& v : u) v ^= 0x8000;
+    for (auto& v : u) v ^= fp8 ? 0x80 : 0x8000;
   std::fill(c->query.begin(), c->query.end(), cpidx_test::bf16_of(1.0f));
-  std::fill(c->cache16.begin(), c->cache16.end(), cpidx_test::bf16_of(0.0f));
+  if (fp8) std::fill(c->cache8.begin(), c->cache8.end(), uint8_t{0});
+  else std::fill(c->cache16.begin(), c->cache16.end(), cpidx_test::bf16_of(0.0f));
   for (int64_t page = 0; page < c->num_pages; ++page) {
     std::shuffle(u.begin(), u.end(), rng);
-    std::copy(u.begin(), u.end(), c->cache16.begin() + page * kBS * kD);
+    for (int d = 0; d < kD; ++d) {
+      if (fp8) c->cache8[static_cast<size_t>(page * kBS * kD + d)] = static_cast<uint8_t>(u[d]);
+      else c->cache16[static_cast<size_t>(page * kBS * kD + d)] = u[d];
+    }
   }
 }
 
 // CONTRACT.md section 4: every path gives the same ids for the same scores, bit for bit between
-// the GPU paths. Rows whose ids differ from each token's GPU decode, per kernel: on random values
-// of a wide spread and normal ones (near ties are rare there), and on blocks that tie but for
-// the grouping of their sums (make_grouping_sensitive: nearly every row, if a kernel grouped the
-// dims otherwise than the decode).
+// the GPU paths. Rows whose ids differ from each token's GPU decode, per kernel and per decode
+// width (a request of one token, 4 columns at 4 heads; of four, 16 columns; of eight, 32: the
+// decode kernel's instances load keys and query fragments otherwise): on random values of a wide spread and normal ones (near ties
+// are rare there), and on blocks that tie but for the grouping of their sums
+// (make_grouping_sensitive: nearly every row, if a kernel grouped the dims otherwise than the
+// decode), bf16 and fp8.
 TEST(GpuPrefill, SameIdsAsEachTokensDecode) {
   SKIP_WITHOUT_GPU();
-  for (int shape = 0; shape < 5; ++shape) {
-    const DType dtype = shape == 1 ? DType::kFP8E4M3 : DType::kBF16;
+  for (int shape = 0; shape < 6; ++shape) {
+    const DType dtype = shape == 1 || shape == 5 ? DType::kFP8E4M3 : DType::kBF16;
     PrefillCase c = shape < 2 ? make_case(91, 4, {700, 300, 1000}, {30000, 5000, 60000}, dtype)
                               : make_case(90 + shape, 4, {512, 512, 512, 512},
                                           {16000, 40000, 3000, 64000}, dtype);
@@ -501,22 +520,26 @@ TEST(GpuPrefill, SameIdsAsEachTokensDecode) {
       for (auto& q : c.query) q = cpidx_test::bf16_of(normal(rng));
       for (auto& k : c.cache16) k = cpidx_test::bf16_of(normal(rng));
     }
-    if (shape == 4) make_grouping_sensitive(&c, 94);
+    if (shape >= 4) make_grouping_sensitive(&c, 90 + shape);
     const Selection sel = sel_of(16, 1, 2);
-    const std::vector<int32_t> decoded = gpu_decode(as_decode(c), sel);
-    for_each_kernel([&] {
-      const std::vector<int32_t> ids = gpu_prefill(c, sel);
-      ASSERT_EQ(ids.size(), decoded.size());
-      int64_t differing = 0;
-      for (size_t row = 0; row < ids.size() / sel.topk; ++row) {
-        differing += !std::equal(ids.begin() + row * sel.topk, ids.begin() + (row + 1) * sel.topk,
-                                 decoded.begin() + row * sel.topk);
-      }
-      std::printf("[ PROBE    ] shape %d, %s, %s: %lld of %zu rows differ from the decode\n",
-                  shape, cpidx::to_string(dtype), cpidx::to_string(test_kernel()),
-                  static_cast<long long>(differing), ids.size() / sel.topk);
-      EXPECT_EQ(differing, 0) << cpidx::to_string(dtype);
-    });
+    for (int q_len : {1, 4, 8}) {
+      if (q_len == 8 && shape < 2) continue;  // 700 and 300 tokens: not runs of 8
+      const std::vector<int32_t> decoded = gpu_decode(as_decode(c, q_len), sel);
+      for_each_kernel([&] {
+        const std::vector<int32_t> ids = gpu_prefill(c, sel);
+        ASSERT_EQ(ids.size(), decoded.size());
+        int64_t differing = 0;
+        for (size_t row = 0; row < ids.size() / sel.topk; ++row) {
+          differing += !std::equal(ids.begin() + row * sel.topk,
+                                   ids.begin() + (row + 1) * sel.topk,
+                                   decoded.begin() + row * sel.topk);
+        }
+        std::printf("[ PROBE    ] shape %d, %s, %s, decode Q=%d: %lld of %zu rows differ\n",
+                    shape, cpidx::to_string(dtype), cpidx::to_string(test_kernel()), q_len,
+                    static_cast<long long>(differing), ids.size() / sel.topk);
+        EXPECT_EQ(differing, 0) << cpidx::to_string(dtype) << " Q=" << q_len;
+      });
+    }
   }
 }
 

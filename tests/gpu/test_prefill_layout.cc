@@ -1,18 +1,21 @@
 // tests/gpu/test_prefill_layout.cc: the wgmma prefill kernel's shared-memory page layout
-// (src/cuda/prefill_layout.h), checked on the host (no GPU needed, so it runs in CI): every
-// 8-byte piece of a key row has its own place in its row of the page, each k-step's 32 bytes
-// hold the dims the decode kernel's k-step sums (CONTRACT.md section 4: the GPU paths bit for
-// bit), the query fragments name the same dims as the key slots they meet, and the shortcuts
-// the kernel's copies and fp8 widening take hold.
+// (src/cuda/prefill_layout.h) and the k-steps' grouping every scoring kernel shares
+// (src/cuda/k_steps.h), checked on the host (no GPU needed, so it runs in CI): the grouping
+// takes every dim once, every 8-byte piece of a key row has its own place in its row of the
+// page, each k-step's 32 bytes hold the dims the decode kernel's k-step sums (CONTRACT.md
+// section 4: the GPU paths bit for bit), the query fragments name the same dims as the key
+// slots they meet, and the shortcuts the kernel's copies and fp8 widening take hold.
 #include <gtest/gtest.h>
 
 #include <set>
 #include <vector>
 
+#include "cuda/k_steps.h"
 #include "cuda/prefill_layout.h"
 
 namespace {
 
+using cpidx::cuda::kstep_dim;
 using cpidx::cuda::kSw128Half;
 using cpidx::cuda::sw128_piece;
 using cpidx::cuda::sw128_query_word;
@@ -25,10 +28,30 @@ int slot_at(int at, int* row) {
   return (half * 8 + chunk) * 8 + (at % 16) / 2;
 }
 
-// The dim the decode kernel's k-step (j, h) puts in its slot 4 c + e: 32 j + 8 c + 4 h + e.
+// The dim the decode kernel's k-step (j, h) puts in its slot 4 c + e: lane c's dim 4 h + e of
+// chunk j.
 int decode_dim(int slot) {
   const int s = slot / 16, j = s / 2, h = s % 2, c = (slot % 16) / 4, e = slot % 4;
-  return 32 * j + 8 * c + 4 * h + e;
+  return kstep_dim(j, c) + 4 * h + e;
+}
+
+TEST(KSteps, EveryDimIsSummedOnceAndALanesChunksAreWholeLoads) {
+  std::set<int> dims;
+  for (int slot = 0; slot < 128; ++slot) {
+    const int d = decode_dim(slot);
+    ASSERT_GE(d, 0);
+    ASSERT_LT(d, 128);
+    ASSERT_TRUE(dims.insert(d).second) << "dim " << d << " twice (slot " << slot << ")";
+  }
+  for (int c4 = 0; c4 < 4; ++c4) {
+    for (int j = 0; j < 4; ++j) {  // a lane's 8 dims of chunk j: one 16-byte bf16 load
+      EXPECT_EQ(kstep_dim(j, c4) % 8, 0) << j << " " << c4;
+    }
+    for (int l = 0; l < 2; ++l) {  // a 16-byte fp8 load l: chunks 2 l and 2 l + 1, in order
+      EXPECT_EQ(kstep_dim(2 * l, c4), 64 * l + 16 * c4) << l << " " << c4;
+      EXPECT_EQ(kstep_dim(2 * l + 1, c4), kstep_dim(2 * l, c4) + 8) << l << " " << c4;
+    }
+  }
 }
 
 TEST(PrefillLayout, EveryPieceHasItsOwnPlaceInItsRow) {
@@ -62,11 +85,12 @@ TEST(PrefillLayout, EachKStepHoldsTheDecodeKernelsDims) {
 TEST(PrefillLayout, QueryFragmentsMeetTheirKeySlots) {
   for (int s = 0; s < 8; ++s) {
     for (int c4 = 0; c4 < 4; ++c4) {
-      const int w = sw128_query_word(s, c4);
-      for (int e = 0; e < 2; ++e) {
-        EXPECT_EQ(2 * w + e, decode_dim(16 * s + 2 * c4 + e)) << "step " << s << " lane " << c4;
-        EXPECT_EQ(2 * (w + 8) + e, decode_dim(16 * s + 8 + 2 * c4 + e))
-            << "step " << s << " lane " << c4;
+      for (int hi = 0; hi < 2; ++hi) {
+        const int w = sw128_query_word(s, c4, hi);
+        for (int e = 0; e < 2; ++e) {
+          EXPECT_EQ(2 * w + e, decode_dim(16 * s + 8 * hi + 2 * c4 + e))
+              << "step " << s << " lane " << c4 << " hi " << hi;
+        }
       }
     }
   }
@@ -74,11 +98,12 @@ TEST(PrefillLayout, QueryFragmentsMeetTheirKeySlots) {
 
 TEST(PrefillLayout, TheKernelsShortcutsHold) {
   for (int r = 0; r < 128; ++r) {
-    for (int c = 0; c < 8; ++c) {  // fp8 widening: dims [16 c, 16 c + 16) in two 16-byte stores
-      EXPECT_EQ(sw128_piece(r, 4 * c) % 16, 0) << r << " " << c;
-      EXPECT_EQ(sw128_piece(r, 4 * c + 2), sw128_piece(r, 4 * c) + 8) << r << " " << c;
-      EXPECT_EQ(sw128_piece(r, 4 * c + 1) % 16, 0) << r << " " << c;
-      EXPECT_EQ(sw128_piece(r, 4 * c + 3), sw128_piece(r, 4 * c + 1) + 8) << r << " " << c;
+    for (int m = 0; m < 4; ++m) {  // fp8 widening: dims [32 m, 32 m + 32) in four 16-byte stores
+      for (int i = 0; i < 4; ++i) {  // of pieces 8 m + i and 8 m + i + 4
+        EXPECT_EQ(sw128_piece(r, 8 * m + i) % 16, 0) << r << " " << m << " " << i;
+        EXPECT_EQ(sw128_piece(r, 8 * m + i + 4), sw128_piece(r, 8 * m + i) + 8)
+            << r << " " << m << " " << i;
+      }
     }
     if (r + 16 < 128) {  // bf16 copies: a thread's rows 16 apart, 16 x 128 bytes apart
       for (int d = 0; d < 32; ++d) {
