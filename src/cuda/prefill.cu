@@ -211,13 +211,16 @@ __device__ __forceinline__ void widen_page(const uint8_t* raw, uint8_t* out) {
   if constexpr (Layout::kPieces) {
     // Raw chunks 2 m and 2 m + 1 of row r (dims [32 m, 32 m + 32), pieces 8 m + i, i 0..7) a
     // thread: pieces 8 m + i and 8 m + i + 4 sit side by side in one 16-byte chunk of the layout
-    // (k-step slots 4 s + c and 4 s + c + 1, prefill_layout.h), so four 16-byte stores. Odd rows
-    // read their second chunk first: a load's 8 lanes of a phase (two rows) then hit 8
-    // different bank groups.
+    // (k-step slots 4 s + c and 4 s + c + 1, prefill_layout.h), so four 16-byte stores; thread
+    // q's (r, m) from sw128_widen_unit, odd rows reading their second chunk first, so that the 8
+    // lanes of a shared-memory phase hit 8 bank groups in each load and store.
     for (int q = threadIdx.x; q < kChunks / 2; q += Layout::kThreads) {
-      const int r = q >> 2, m = q & 3, odd = r & 1;
-      const uint4 v0 = *reinterpret_cast<const uint4*>(raw + (2 * q + odd) * 16);
-      const uint4 v1 = *reinterpret_cast<const uint4*>(raw + (2 * q + 1 - odd) * 16);
+      int r = 0, m = 0;
+      sw128_widen_unit(q, &r, &m);
+      const int odd = r & 1;
+      const uint8_t* src = raw + r * 128 + m * 32;
+      const uint4 v0 = *reinterpret_cast<const uint4*>(src + odd * 16);
+      const uint4 v1 = *reinterpret_cast<const uint4*>(src + (1 - odd) * 16);
       const uint4 a = odd ? v1 : v0, b = odd ? v0 : v1;  // raw chunks 2 m, 2 m + 1
       const uint4 alo = fp8x8_to_bf16x8(make_uint2(a.x, a.y));
       const uint4 ahi = fp8x8_to_bf16x8(make_uint2(a.z, a.w));

@@ -32,6 +32,17 @@ CPIDX_HD int sw128_piece(int r, int d) {
   return sw128(r, slot >> 1) + (slot & 1) * 8;
 }
 
+// The fp8 widening's unit q (0..511) of a page: raw chunks 2 m and 2 m + 1 of key row r. The 8
+// lanes of a shared-memory phase (q 8 b .. 8 b + 7) take 8 rows, lane L row 8 (b / 4) + L, and
+// m = (L / 2 + b) % 4: with odd rows reading their second chunk first, their 16-byte loads hit 8
+// bank groups, and so does each of their four stores (rows apart by the swizzle, lanes of one
+// row pair by m's slot order). PrefillLayout.TheFp8WideningsUnitsCoverThePageWithoutConflicts.
+CPIDX_HD void sw128_widen_unit(int q, int* r, int* m) {
+  const int lane8 = q & 7, b = q >> 3;
+  *r = 8 * (b >> 2) + lane8;
+  *m = ((lane8 >> 1) + b) & 3;
+}
+
 // The query fragment of k-step s in that order: lane c4 of a quad holds slots 16 s + 2 c4 + e'
 // (the A fragment's k-slots 2 c4 + e', hi = 0) and 16 s + 8 + 2 c4 + e' (k-slots 2 c4 + 8 + e',
 // hi = 1), e' 0..1: dims 2 w and 2 w + 1 of the query row for the w returned.

@@ -464,35 +464,47 @@ cpidx_test::DecodeData as_decode(const PrefillCase& c, int q_len = 1) {
 }
 
 // Keys whose block scores tie exactly and differ only by how their fp32 sums group the 128
-// products: every query 1 in every dim; token 0 of every page a shuffle of one vector of key
-// values over many octaves (bf16: 2^16 of them; fp8: e4m3's 2^-6..2^7; mixed signs, a positive
-// sum), the page's other keys 0. Each block's score is the sum of that vector in its own order,
-// rounded by the path's grouping of the dims into k-steps (a tensor-core k-step sums its 16
-// products alike in any order; across steps fp32 rounds: bench/probes/mma_k_order.cu), so the
-// blocks' order is that rounding's.
+// products: token 0 of every page a shuffle of one vector of key values, the page's other keys
+// 0, every query row the same. Each block's score is then the sum of one multiset of products
+// in its own order, rounded by the path's grouping of the dims into k-steps (a tensor-core
+// k-step sums its 16 products alike in any order; across steps fp32 rounds:
+// bench/probes/mma_k_order.cu), so the blocks' order is that rounding's. The products must span
+// more than fp32's 24 bits, or every sum is exact in any grouping: bf16 keys over 2^16 (query
+// 1); fp8 keys span only 2^-9..2^8, so the query is 2^-12, 1 or 2^12 by dim % 3 and the keys
+// are shuffled among the dims of one query value. Mixed signs, a positive sum.
 void make_grouping_sensitive(PrefillCase* c, uint64_t seed) {
   std::mt19937_64 rng(seed);
   const bool fp8 = c->dtype == DType::kFP8E4M3;
   std::vector<uint16_t> u(kD);  // bf16 bits, or e4m3 bits
+  std::vector<float> q(kD, 1.0f);
+  if (fp8)
+    for (int d = 0; d < kD; ++d) q[d] = std::ldexp(1.0f, 12 * (d % 3 - 1));
   double sum = 0;
-  for (auto& v : u) {
+  for (int d = 0; d < kD; ++d) {
     if (fp8) {  // exponent field 1..14, any mantissa: no NaN, no subnormal
-      v = static_cast<uint16_t>(((1 + rng() % 14) << 3) | (rng() % 8) | (rng() % 2 ? 0x80 : 0));
-      sum += cpidx::ref::fp8e4m3_to_float(static_cast<uint8_t>(v));
+      u[d] = static_cast<uint16_t>(((1 + rng() % 14) << 3) | (rng() % 8) | (rng() % 2 ? 0x80 : 0));
+      sum += q[d] * static_cast<double>(cpidx::ref::fp8e4m3_to_float(static_cast<uint8_t>(u[d])));
     } else {
       const float x = std::ldexp(1.0f + static_cast<float>(rng() % 128) / 128.0f,
                                  static_cast<int>(rng() % 17) - 8);
-      v = cpidx_test::bf16_of(rng() % 2 ? -x : x);
-      sum += cpidx::ref::bf16_to_float(v);
+      u[d] = cpidx_test::bf16_of(rng() % 2 ? -x : x);
+      sum += cpidx::ref::bf16_to_float(u[d]);
     }
   }
   if (sum < 0)
     for (auto& v : u) v ^= fp8 ? 0x80 : 0x8000;
-  std::fill(c->query.begin(), c->query.end(), cpidx_test::bf16_of(1.0f));
+  for (size_t i = 0; i < c->query.size(); ++i) c->query[i] = cpidx_test::bf16_of(q[i % kD]);
   if (fp8) std::fill(c->cache8.begin(), c->cache8.end(), uint8_t{0});
   else std::fill(c->cache16.begin(), c->cache16.end(), cpidx_test::bf16_of(0.0f));
+  const int classes = fp8 ? 3 : 1;  // shuffled among the dims d with one d % classes
+  std::vector<uint16_t> part;
   for (int64_t page = 0; page < c->num_pages; ++page) {
-    std::shuffle(u.begin(), u.end(), rng);
+    for (int k = 0; k < classes; ++k) {
+      part.clear();
+      for (int d = k; d < kD; d += classes) part.push_back(u[d]);
+      std::shuffle(part.begin(), part.end(), rng);
+      for (int d = k, i = 0; d < kD; d += classes, ++i) u[d] = part[i];
+    }
     for (int d = 0; d < kD; ++d) {
       if (fp8) c->cache8[static_cast<size_t>(page * kBS * kD + d)] = static_cast<uint8_t>(u[d]);
       else c->cache16[static_cast<size_t>(page * kBS * kD + d)] = u[d];

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "cuda/k_steps.h"
@@ -19,6 +20,7 @@ using cpidx::cuda::kstep_dim;
 using cpidx::cuda::kSw128Half;
 using cpidx::cuda::sw128_piece;
 using cpidx::cuda::sw128_query_word;
+using cpidx::cuda::sw128_widen_unit;
 
 // The slot (0..127) of key row r that byte offset `at` of the page holds: the swizzle undone.
 int slot_at(int at, int* row) {
@@ -111,6 +113,29 @@ TEST(PrefillLayout, TheKernelsShortcutsHold) {
       }
     }
   }
+}
+
+// The fp8 widening's 512 units take every (row, m) once, and the 8 lanes of each shared-memory
+// phase of a 16-byte access (units 8 b .. 8 b + 7) hit 8 different bank groups in both raw loads
+// (odd rows first read their second chunk) and in each of the four stores.
+TEST(PrefillLayout, TheFp8WideningsUnitsCoverThePageWithoutConflicts) {
+  std::set<std::pair<int, int>> units;
+  for (int q0 = 0; q0 < 512; q0 += 8) {
+    std::set<int> load[2], store[4];
+    for (int q = q0; q < q0 + 8; ++q) {
+      int r = -1, m = -1;
+      sw128_widen_unit(q, &r, &m);
+      ASSERT_TRUE(r >= 0 && r < 128 && m >= 0 && m < 4) << q;
+      ASSERT_TRUE(units.insert({r, m}).second) << "row " << r << " m " << m << " twice";
+      const int odd = r & 1;
+      load[0].insert((r * 128 + 32 * m + 16 * odd) % 128 / 16);
+      load[1].insert((r * 128 + 32 * m + 16 * (1 - odd)) % 128 / 16);
+      for (int i = 0; i < 4; ++i) store[i].insert(sw128_piece(r, 8 * m + i) % 128 / 16);
+    }
+    for (const auto& banks : load) EXPECT_EQ(banks.size(), 8u) << "phase " << q0 / 8;
+    for (const auto& banks : store) EXPECT_EQ(banks.size(), 8u) << "phase " << q0 / 8;
+  }
+  EXPECT_EQ(units.size(), 512u);
 }
 
 }  // namespace
