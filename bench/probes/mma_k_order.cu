@@ -13,7 +13,7 @@
 // mma.sync.m16n8k16 steps (fp32 accumulate) three ways:
 //   natural:  step 0 takes dims 0..15, step 1 dims 16..31, each in slot order;
 //   shuffled: the same two groups, each step's 16 dims in another (fixed, random) slot order;
-//   regroup:  the decode's grouping: step 0 dims {8 c + e : c, e in 0..3}, step 1 the rest.
+//   regroup:  the decode's grouping then: step 0 dims {8 c + e : c, e in 0..3}, step 1 the rest.
 // Printed (JSON): trials, and how many of the 128 results of a trial differ in their bits from
 // natural's, in all, for shuffled and for regroup. Reading it: shuffled 0 and regroup > 0 says
 // the grouping alone counts. Build: nvcc -O3 -arch=sm_90a -o probe mma_k_order.cu
@@ -57,8 +57,8 @@ __device__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2
 __device__ int dim_of(int way, int step, int k, const int* perm) {
   if (way == 0) return 16 * step + k;
   if (way == 1) return 16 * step + perm[k];
-  // The decode's grouping (score_topk.cu): slot 2c + e <- dim 8c + 4 step + e, slot 8 + 2c + e
-  // <- dim 8c + 4 step + 2 + e.
+  // The decode's grouping when this was written: slot 2c + e <- dim 8c + 4 step + e, slot
+  // 8 + 2c + e <- dim 8c + 4 step + 2 + e.
   const int c = (k & 7) >> 1, e = k & 1;
   return 8 * c + 4 * step + (k >= 8 ? 2 : 0) + e;
 }

@@ -14,8 +14,10 @@ namespace cuda {
 // (j, h) sums the dims {kstep_dim(j, c) + 4 h + e : c, e in 0..3}.
 //
 // A step's fp32 result depends on which 16 products share it, not on their order inside it
-// (bench/probes/mma_k_order.cu: 44% of sums changed with another grouping, none with another
-// order), so every kernel takes these sets in this order. The grouping is the one a 16-byte fp8
+// (bench/probes/mma_k_order.cu, bf16 mma.sync: 44% of sums changed with another grouping, none
+// with another order; for the fp16 MMAs of fp8 pages and for wgmma, GpuPrefill.SameIds-
+// AsEachTokensDecode shows it), so every kernel takes these sets in this order, each lane's
+// share of a step where its loads fit. The grouping is the one a 16-byte fp8
 // key load gives (lane c4's 16 bytes at 64 l + 16 c4 are chunks 2 l and 2 l + 1); a 16-byte bf16
 // load of a chunk (8 dims) and an 8-byte fp8 load fit it too.
 CPIDX_HD constexpr int kstep_dim(int j, int c4) { return 64 * (j >> 1) + 16 * c4 + 8 * (j & 1); }

@@ -38,7 +38,7 @@ struct PageTraits<DType::kBF16, 1> {
   __host__ __device__ static constexpr int dim(int j, int c4) { return kstep_dim(j, c4); }
   // Where a query row's dims [8 c, 8 c + 8) are staged in shared memory (in 8-dim chunks), so
   // that lane c4's of chunk j, dim(j, c4), lie at kstep_dim(j, c4): here as they are.
-  __host__ __device__ static constexpr int query_chunk(int c) { return c; }
+  __host__ __device__ static constexpr int query_chunk(int p) { return p; }
   // 8 bf16 of token `tok`: chunk l's dims [dim(l, c4), +8), 2 dim(l, c4) bytes in.
   __device__ static Raw load(const uint8_t* page, int tok, int l, int c4) {
     return *reinterpret_cast<const uint4*>(page + tok * kRowBytes + 2 * dim(l, c4));
@@ -65,16 +65,19 @@ struct PageTraits<DType::kFP8E4M3, kChunks> {
   static constexpr bool kHalf = true;
   using Raw = std::conditional_t<kChunksPerLoad == 2, uint4, uint2>;
   // At 8 bytes a load, lanes c4 and c4 ^ 1 trade their odd chunks (a k-step's 16 dims are the
-  // same, k_steps.h): otherwise a lane's chunks 2 l and 2 l + 1 would lie side by side and ptxas
-  // would fuse their loads into one of 16 bytes, whose registers make the 96-register instance
-  // spill (as 16-byte loads did there, v40). The queries are staged with those chunks traded
-  // (query_chunk swaps chunks 8 a + 2 c + 1 and 8 a + 2 (c ^ 1) + 1), so the query fragments
-  // are read from one base.
+  // same, k_steps.h): otherwise a lane's chunks 2 l and 2 l + 1 lie side by side and ptxas fuses
+  // their loads into one of 16 bytes, whose registers make the 96-register instance spill 24 B
+  // in its page loop (as 16-byte loads did there, v40). With the trade ptxas spills 4 B there,
+  // stored once and loaded after the page loop, and 8-28 B at 64 columns (0-8 before; v59 in
+  // docs/perf/README.md measured no loss at 8 columns, a gain at 32-64). The queries are staged
+  // with those chunks traded: the 8-dim chunk at position p of a staged row is query_chunk(p)
+  // (odd chunks 8 a + 2 b + 1 and 8 a + 2 (b ^ 1) + 1 swapped), so the query fragments are read
+  // at kstep_dim(j, c4), from one base, and meet dim(j, c4) (kQueriesMeetKeys).
   __host__ __device__ static constexpr int dim(int j, int c4) {
     return kstep_dim(j, kChunksPerLoad == 1 ? c4 ^ (j & 1) : c4);
   }
-  __host__ __device__ static constexpr int query_chunk(int c) {
-    return kChunksPerLoad == 1 ? c ^ ((c & 1) << 1) : c;
+  __host__ __device__ static constexpr int query_chunk(int p) {
+    return kChunksPerLoad == 1 ? p ^ ((p & 1) << 1) : p;
   }
   // Four e4m3 bytes (little-endian) -> two registers of two fp16 each, order kept.
   __device__ static uint2 cvt4(uint32_t four) {
@@ -101,6 +104,23 @@ struct PageTraits<DType::kFP8E4M3, kChunks> {
     return make_uint4(a.x, a.y, b.x, b.y);
   }
 };
+
+// Whether a page's query_chunk staging (chunk c stored at position query_chunk(c), so position p
+// holds query_chunk(p): an involution) puts at kstep_dim(j, c4), where query_frag reads, the 8
+// dims its keys' dim(j, c4) names, for every chunk and lane.
+template <typename Page>
+constexpr bool queries_meet_keys() {
+  for (int p = 0; p < kHeadDim / 8; ++p)
+    if (Page::query_chunk(Page::query_chunk(p)) != p) return false;
+  for (int j = 0; j < 4; ++j)
+    for (int c4 = 0; c4 < 4; ++c4)
+      if (Page::query_chunk(kstep_dim(j, c4) / 8) != Page::dim(j, c4) / 8) return false;
+  return true;
+}
+static_assert(queries_meet_keys<PageTraits<DType::kBF16, 1>>() &&
+                  queries_meet_keys<PageTraits<DType::kFP8E4M3, 1>>() &&
+                  queries_meet_keys<PageTraits<DType::kFP8E4M3, 2>>(),
+              "query fragments must hold the dims the key fragments hold");
 
 // r[i] holds chunk i ^ swz of a group of N; afterwards r[j] holds chunk j (swz < N). Selects,
 // not branches: the lanes of a warp differ in swz.

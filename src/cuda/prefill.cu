@@ -8,9 +8,9 @@
 // and discarded), plus one read per split of the split's pages from L2, plus S * K keys per row
 // written and merged. No [tokens, heads, blocks] score tensor exists at any point.
 #include "host_util.h"
+#include "k_steps.h"
 #include "prefill_device.cuh"
 #include "prefill_kernels.h"
-#include "k_steps.h"
 #include "prefill_layout.h"
 
 namespace cpidx {
@@ -211,14 +211,16 @@ __device__ __forceinline__ void widen_page(const uint8_t* raw, uint8_t* out) {
   if constexpr (Layout::kPieces) {
     // Raw chunks 2 m and 2 m + 1 of row r (dims [32 m, 32 m + 32), pieces 8 m + i, i 0..7) a
     // thread: pieces 8 m + i and 8 m + i + 4 sit side by side in one 16-byte chunk of the layout
-    // (k-step slots 4 s + c and 4 s + c + 1, prefill_layout.h), so four 16-byte stores; thread
-    // q's (r, m) from sw128_widen_unit, odd rows reading their second chunk first, so that the 8
-    // lanes of a shared-memory phase hit 8 bank groups in each load and store.
+    // (k-step slot pieces 4 s + c and 4 s + c + 1, prefill_layout.h), so four 16-byte stores;
+    // thread q's (r, m) from sw128_widen_unit, odd rows reading their second chunk first, so that
+    // the 8 lanes of a shared-memory phase hit 8 bank groups in each load and store.
+    static_assert(Layout::kThreads % 8 == 0, "a phase's 8 lanes are 8 units");
+    constexpr int kRow = PageBytes<DType::kFP8E4M3>::kRow;
     for (int q = threadIdx.x; q < kChunks / 2; q += Layout::kThreads) {
       int r = 0, m = 0;
       sw128_widen_unit(q, &r, &m);
       const int odd = r & 1;
-      const uint8_t* src = raw + r * 128 + m * 32;
+      const uint8_t* src = raw + r * kRow + m * 32;
       const uint4 v0 = *reinterpret_cast<const uint4*>(src + odd * 16);
       const uint4 v1 = *reinterpret_cast<const uint4*>(src + (1 - odd) * 16);
       const uint4 a = odd ? v1 : v0, b = odd ? v0 : v1;  // raw chunks 2 m, 2 m + 1
