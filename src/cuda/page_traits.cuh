@@ -72,7 +72,7 @@ struct PageTraits<DType::kFP8E4M3, kChunks> {
   // docs/perf/README.md measured no loss at 8 columns, a gain at 32-64). The queries are staged
   // with those chunks traded: the 8-dim chunk at position p of a staged row is query_chunk(p)
   // (odd chunks 8 a + 2 b + 1 and 8 a + 2 (b ^ 1) + 1 swapped), so the query fragments are read
-  // at kstep_dim(j, c4), from one base, and meet dim(j, c4) (kQueriesMeetKeys).
+  // at kstep_dim(j, c4), from one base, and meet dim(j, c4) (queries_meet_keys, below).
   __host__ __device__ static constexpr int dim(int j, int c4) {
     return kstep_dim(j, kChunksPerLoad == 1 ? c4 ^ (j & 1) : c4);
   }

@@ -215,14 +215,13 @@ __device__ __forceinline__ void widen_page(const uint8_t* raw, uint8_t* out) {
     // thread q's (r, m) from sw128_widen_unit, odd rows reading their second chunk first, so that
     // the 8 lanes of a shared-memory phase hit 8 bank groups in each load and store.
     static_assert(Layout::kThreads % 8 == 0, "a phase's 8 lanes are 8 units");
-    constexpr int kRow = PageBytes<DType::kFP8E4M3>::kRow;
+    static_assert(PageBytes<DType::kFP8E4M3>::kRow == kHeadDim, "sw128_widen_load's rows");
     for (int q = threadIdx.x; q < kChunks / 2; q += Layout::kThreads) {
       int r = 0, m = 0;
       sw128_widen_unit(q, &r, &m);
-      const int odd = r & 1;
-      const uint8_t* src = raw + r * kRow + m * 32;
-      const uint4 v0 = *reinterpret_cast<const uint4*>(src + odd * 16);
-      const uint4 v1 = *reinterpret_cast<const uint4*>(src + (1 - odd) * 16);
+      const uint4 v0 = *reinterpret_cast<const uint4*>(raw + sw128_widen_load(r, m, 0));
+      const uint4 v1 = *reinterpret_cast<const uint4*>(raw + sw128_widen_load(r, m, 1));
+      const bool odd = r & 1;
       const uint4 a = odd ? v1 : v0, b = odd ? v0 : v1;  // raw chunks 2 m, 2 m + 1
       const uint4 alo = fp8x8_to_bf16x8(make_uint2(a.x, a.y));
       const uint4 ahi = fp8x8_to_bf16x8(make_uint2(a.z, a.w));

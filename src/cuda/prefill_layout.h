@@ -43,6 +43,12 @@ CPIDX_HD void sw128_widen_unit(int q, int* r, int* m) {
   *m = ((lane8 >> 1) + b) & 3;
 }
 
+// The byte offset in the raw fp8 page (rows of kHeadDim bytes) of unit (r, m)'s n-th 16-byte
+// load (n 0, 1): raw chunk 2 m + (n ^ (r & 1)), so odd rows read their second chunk first.
+CPIDX_HD int sw128_widen_load(int r, int m, int n) {
+  return r * kHeadDim + m * 32 + 16 * (n ^ (r & 1));
+}
+
 // The query fragment of k-step s in that order: lane c4 of a quad holds slots 16 s + 2 c4 + e'
 // (the A fragment's k-slots 2 c4 + e', hi = 0) and 16 s + 8 + 2 c4 + e' (k-slots 2 c4 + 8 + e',
 // hi = 1), e' 0..1: dims 2 w and 2 w + 1 of the query row for the w returned.

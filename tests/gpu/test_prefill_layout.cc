@@ -20,6 +20,7 @@ using cpidx::cuda::kstep_dim;
 using cpidx::cuda::kSw128Half;
 using cpidx::cuda::sw128_piece;
 using cpidx::cuda::sw128_query_word;
+using cpidx::cuda::sw128_widen_load;
 using cpidx::cuda::sw128_widen_unit;
 
 // The slot (0..127) of key row r that byte offset `at` of the page holds: the swizzle undone.
@@ -127,9 +128,13 @@ TEST(PrefillLayout, TheFp8WideningsUnitsCoverThePageWithoutConflicts) {
       sw128_widen_unit(q, &r, &m);
       ASSERT_TRUE(r >= 0 && r < 128 && m >= 0 && m < 4) << q;
       ASSERT_TRUE(units.insert({r, m}).second) << "row " << r << " m " << m << " twice";
-      const int odd = r & 1;
-      load[0].insert((r * 128 + 32 * m + 16 * odd) % 128 / 16);
-      load[1].insert((r * 128 + 32 * m + 16 * (1 - odd)) % 128 / 16);
+      for (int n = 0; n < 2; ++n) {  // the loads read the unit's two raw chunks, in the page
+        const int at = sw128_widen_load(r, m, n);
+        ASSERT_TRUE(at >= 0 && at + 16 <= 128 * 128) << q << " " << n;
+        ASSERT_EQ(at / 32, r * 4 + m) << "row " << r << " m " << m << " load " << n;
+        load[n].insert(at % 128 / 16);
+      }
+      EXPECT_NE(sw128_widen_load(r, m, 0), sw128_widen_load(r, m, 1));
       for (int i = 0; i < 4; ++i) store[i].insert(sw128_piece(r, 8 * m + i) % 128 / 16);
     }
     for (const auto& banks : load) EXPECT_EQ(banks.size(), 8u) << "phase " << q0 / 8;
