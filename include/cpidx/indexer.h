@@ -177,6 +177,11 @@ class Decoder {
   // timeout, raising the communicator's error word.
   Status cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
                    const SparseTableOutput* table, cudaStream_t stream);
+  // A world of one (world_size 1) needs no communicator: the same checks and the same plain
+  // decode of every head as cp_decode with a communicator of one rank, so an engine's step runs
+  // one code path at any tensor-parallel size. kInvalidArgument at world_size > 1.
+  Status cp_decode(const DecodeInputs& local, const TopkOutput& out,
+                   const SparseTableOutput* table, cudaStream_t stream);
 
   // The checks cp_decode runs on this rank's arguments before its first collective (the current
   // device, inputs of L = local heads, outputs [L, n, K], the sparse table; the communicator's

@@ -128,20 +128,14 @@ struct PyDecoder {
                        block_page_stride);
     s.b.in.error_flag = error_flag_arg(error_flag, place);
     const SparseTableOutput* table = s.t.enabled() ? &s.t : nullptr;
-    if (comm == nullptr) {
-      // A world of one without a communicator: what Decoder::cp_decode runs at P = 1, the plain
-      // decode of every head, with its checks (decode's equal check_cp_decode's once the heads
-      // are this rank's; otherwise check_cp_decode says what is wrong, as cp_decode would).
+    if (comm == nullptr) {  // a world of one: Decoder::cp_decode without a communicator
       if (cfg().world_size != 1) {
         throw nb::value_error(("comm: required for a world of " +
                                std::to_string(cfg().world_size) +
                                " ranks; None runs a world of one")
                                   .c_str());
       }
-      if (s.b.in.num_heads != decoder->geometry().local_heads) {
-        check_status(decoder->check_cp_decode(s.b.in, s.o, table));
-      }
-      check_status(decoder->decode(s.b.in, s.o, table, as_stream(stream)));
+      check_status(decoder->cp_decode(s.b.in, s.o, table, as_stream(stream)));
       return;
     }
     Status st;

@@ -387,6 +387,17 @@ Status Decoder::check_cp_decode(const DecodeInputs& local, const TopkOutput& out
   return impl_->check_outputs(out, L, local, table);
 }
 
+Status Decoder::cp_decode(const DecodeInputs& local, const TopkOutput& out,
+                          const SparseTableOutput* table, cudaStream_t stream) {
+  const Impl& im = *impl_;
+  CPIDX_CHECK(im.cfg.world_size == 1,
+              "cp_decode without a communicator runs a world of one; this Decoder is rank "
+                  << im.cfg.rank << " of " << im.cfg.world_size);
+  CPIDX_RETURN_IF_ERROR(check_cp_decode(local, out, table));
+  CPIDX_RETURN_IF_ERROR(im.holds.count_if_captured(stream));  // before its first launch
+  return im.launch_plain(local, out, table, stream);  // L == T: every head
+}
+
 Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
                           const SparseTableOutput* table, cudaStream_t stream) {
   const Impl& im = *impl_;

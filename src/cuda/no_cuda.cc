@@ -31,6 +31,8 @@ Status Decoder::merge(const Key*, const DecodeInputs&, const TopkOutput&,
                       const SparseTableOutput*, cudaStream_t) { return no_cuda(); }
 Status Decoder::cp_decode(Communicator&, const DecodeInputs&, const TopkOutput&,
                           const SparseTableOutput*, cudaStream_t) { return no_cuda(); }
+Status Decoder::cp_decode(const DecodeInputs&, const TopkOutput&, const SparseTableOutput*,
+                          cudaStream_t) { return no_cuda(); }
 Status Decoder::check_cp_decode(const DecodeInputs&, const TopkOutput&,
                                 const SparseTableOutput*) const {
   return no_cuda();

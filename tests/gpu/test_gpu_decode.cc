@@ -329,6 +329,43 @@ TEST(GpuDecode, WithoutExchangeBuffersShardKeysAndMergeStillEqualPlain) {
   for (int32_t v : ids.download()) ASSERT_EQ(v, cpidx_test::kPoison);  // nothing ran
 }
 
+// A world of one's cp_decode without a communicator: the plain decode's ids, eager and in a
+// replayed graph, and the checks cp_decode runs (nothing runs for a refused step); refused by a
+// Decoder of a larger world, naming what it is.
+TEST(GpuDecode, AWorldOfOneNeedsNoCommunicator) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(29);
+  const DecodeData d = random_decode(670, 4, 2, lengths(rng, 6, 30000, true), 30000);
+  const Selection sel = sel_of(16);
+  const std::vector<int32_t> plain = gpu_decode(d, sel);
+  std::unique_ptr<cpidx::Decoder> one, two;
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &one).is_ok());
+  cpidx::DecodeConfig of_two = config_for(d, sel, 2, 0);
+  ASSERT_TRUE(cpidx::Decoder::create(of_two, 0, &two).is_ok());
+  DeviceBatch b(d);
+  const int64_t n = d.rows();
+  DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));
+  const cpidx::TopkOutput out{ids.ptr, n * sel.topk, sel.topk};
+  ids.poison();
+  const cpidx::Status few = one->cp_decode(b.inputs(0, 2), out, nullptr, nullptr);
+  EXPECT_EQ(few.code(), cpidx::StatusCode::kInvalidArgument) << few.to_string();
+  const cpidx::Status wide = two->cp_decode(b.inputs(0, 2), out, nullptr, nullptr);
+  EXPECT_EQ(wide.code(), cpidx::StatusCode::kInvalidArgument) << wide.to_string();
+  EXPECT_NE(wide.message().find("world of one"), std::string::npos) << wide.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int32_t v : ids.download()) ASSERT_EQ(v, cpidx_test::kPoison);  // nothing ran
+  ASSERT_TRUE(one->cp_decode(b.all_heads(), out, nullptr, nullptr).is_ok());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(ids.download(), plain);
+  ids.poison();
+  CapturedGraph graph([&](cudaStream_t stream) {
+    return one->cp_decode(b.all_heads(), out, nullptr, stream);
+  });
+  ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
+  ASSERT_EQ(graph.replay(), cudaSuccess);
+  EXPECT_EQ(ids.download(), plain);
+}
+
 // ---- Golden cases --------------------------------------------------------------------------
 const json_lite::Value& golden() {
   static const json_lite::Value cases =
