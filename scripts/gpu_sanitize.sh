@@ -6,6 +6,8 @@
 # memcheck only, the golden cases. Logs and a summary go to $OUT (default ./device-out):
 # sanitize_<tool>.log, sanitize_summary.txt. About 1 minute in all
 # after the build; exits non-zero if any tool reports an error or a test fails.
+# CPIDX_GPU_TESTS=PATH: run that cpidx_gpu_tests binary (one built elsewhere for sm_90a and
+# carried to the machine) instead of building one.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-$PWD/device-out}
@@ -13,22 +15,32 @@ mkdir -p "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
 compute-sanitizer --version | tail -n 1 | tee -a "$OUT/gpu.txt"
-gtest_src=()
-[ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
-cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build-device -j"$(nproc)" --target cpidx_gpu_tests >"$OUT/build.log" 2>&1 ||
-  { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
+tests_bin=${CPIDX_GPU_TESTS:-./build-device/tests/cpidx_gpu_tests}
+if [ -z "${CPIDX_GPU_TESTS:-}" ]; then
+  gtest_src=()
+  [ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
+  cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" >"$OUT/configure.log" 2>&1 ||
+    { tail -30 "$OUT/configure.log"; exit 1; }
+  cmake --build build-device -j"$(nproc)" --target cpidx_gpu_tests >"$OUT/build.log" 2>&1 ||
+    { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
+fi
+[ -x "$tests_bin" ] || { echo "gpu_sanitize.sh: no test binary at $tests_bin" >&2; exit 1; }
 
 # Decode (both paths run inside each test), prefill, host validation: small cases only.
 small='GpuSanitize.*:GpuValidation.*:GpuDecode.BadDeviceValuesAreClampedAndFlagged:GpuDecode.FusedSparseTableMatchesReference'
 small+=':GpuPrefill.GoldenCasesExactly:GpuPrefill.BadDeviceValuesAreClampedAndFlagged'
 small+=':GpuPrefill.RowsOutsideEveryRequestAreMinusOne:GpuPrefill.HostErrorsBeforeAnyKernel'
 small+=':GpuDecode.PerCallErrorFlagTakesTheStepsBits:GpuPrefill.PerCallErrorFlagTakesTheCallsBits'
+# The FailedLaunchesLeaveNoErrorPending tests invalidate captures and fail launches on purpose:
+# memcheck reports each failing CUDA API call (59 errors on that one test, 2026-12-07), so they
+# run in the GPU suite only.
+not_here='-*.FailedLaunchesLeaveNoErrorPending'
 declare -A filter=(
-  [memcheck]="$small:GpuDecode.GoldenCasesPlainAndContextParallel:GpuEarlyStart.*"
-  [racecheck]="$small"
-  [synccheck]="$small"
+  [memcheck]="$small:GpuDecode.GoldenCasesPlainAndContextParallel:GpuEarlyStart.*\
+:GpuDecode.AWorldOfOne*$not_here"
+  [racecheck]="$small$not_here"
+  [synccheck]="$small$not_here"
 )
 # NOTE: synccheck tracks every mbarrier it sees (the fused kernel has two per stage per CTA);
 # past its default table it aborts the launch with error 719, so give it room.
@@ -45,7 +57,7 @@ for tool in "${tools[@]}"; do
   start=$(date +%s)
   # shellcheck disable=SC2086  # extra holds separate flags
   timeout 600 compute-sanitizer --tool "$tool" ${extra[$tool]} --error-exitcode 99 --print-limit 50 \
-    ./build-device/tests/cpidx_gpu_tests --gtest_filter="${filter[$tool]}" \
+    "$tests_bin" --gtest_filter="${filter[$tool]}" \
     >"$OUT/sanitize_$tool.log" 2>&1
   tool_rc=$?
   errors=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize_$tool.log" | tail -n 1)
