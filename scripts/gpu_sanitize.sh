@@ -3,7 +3,8 @@
 # scripts/device.sh (build-device/, sm_90a) and run compute-sanitizer on a small subset of the GPU
 # tests: the tiny end-to-end cases written for it (GpuSanitize.*), the host-validation table
 # (GpuValidation.*: nothing may launch), bad device values, the fused sparse table and, under
-# memcheck only, the golden cases. Logs and a summary go to $OUT (default ./device-out):
+# memcheck only, the golden cases, the early start (GpuEarlyStart.*) and a world of one's
+# cp_decode. Logs and a summary go to $OUT (default ./device-out):
 # sanitize_<tool>.log, sanitize_summary.txt. About 1 minute in all
 # after the build; exits non-zero if any tool reports an error or a test fails.
 # CPIDX_GPU_TESTS=PATH: run that cpidx_gpu_tests binary (one built elsewhere for sm_90a and
@@ -33,8 +34,8 @@ small+=':GpuPrefill.GoldenCasesExactly:GpuPrefill.BadDeviceValuesAreClampedAndFl
 small+=':GpuPrefill.RowsOutsideEveryRequestAreMinusOne:GpuPrefill.HostErrorsBeforeAnyKernel'
 small+=':GpuDecode.PerCallErrorFlagTakesTheStepsBits:GpuPrefill.PerCallErrorFlagTakesTheCallsBits'
 # The FailedLaunchesLeaveNoErrorPending tests invalidate captures and fail launches on purpose:
-# memcheck reports each failing CUDA API call (59 errors on that one test, 2026-12-07), so they
-# run in the GPU suite only.
+# memcheck reports each failing CUDA API call (59 errors in the run that had the decode one, all
+# 50 printed ones on it; d1207a), so they run in the GPU suite only.
 not_here='-*.FailedLaunchesLeaveNoErrorPending'
 declare -A filter=(
   [memcheck]="$small:GpuDecode.GoldenCasesPlainAndContextParallel:GpuEarlyStart.*\

@@ -178,8 +178,8 @@ class Decoder {
   Status cp_decode(Communicator& comm, const DecodeInputs& local, const TopkOutput& out,
                    const SparseTableOutput* table, cudaStream_t stream);
   // A world of one (world_size 1) needs no communicator: the same checks and the same plain
-  // decode of every head as cp_decode with a communicator of one rank, so an engine's step runs
-  // one code path at any tensor-parallel size. kInvalidArgument at world_size > 1.
+  // decode of every head as cp_decode with a communicator of one rank, for a front end whose
+  // tensor-parallel size may be 1 and that has no group then. kInvalidArgument at world_size > 1.
   Status cp_decode(const DecodeInputs& local, const TopkOutput& out,
                    const SparseTableOutput* table, cudaStream_t stream);
 

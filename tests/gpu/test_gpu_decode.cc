@@ -349,6 +349,8 @@ TEST(GpuDecode, AWorldOfOneNeedsNoCommunicator) {
   ids.poison();
   const cpidx::Status few = one->cp_decode(b.inputs(0, 2), out, nullptr, nullptr);
   EXPECT_EQ(few.code(), cpidx::StatusCode::kInvalidArgument) << few.to_string();
+  EXPECT_NE(few.message().find("query heads (num_heads) must be 4, got 2"), std::string::npos)
+      << few.to_string();
   const cpidx::Status wide = two->cp_decode(b.inputs(0, 2), out, nullptr, nullptr);
   EXPECT_EQ(wide.code(), cpidx::StatusCode::kInvalidArgument) << wide.to_string();
   EXPECT_NE(wide.message().find("world of one"), std::string::npos) << wide.to_string();
@@ -362,6 +364,7 @@ TEST(GpuDecode, AWorldOfOneNeedsNoCommunicator) {
     return one->cp_decode(b.all_heads(), out, nullptr, stream);
   });
   ASSERT_TRUE(graph.status().is_ok()) << graph.status().to_string();
+  EXPECT_EQ(one->launches_in_live_graphs(), 1);  // the workspace stays while the graph lives
   ASSERT_EQ(graph.replay(), cudaSuccess);
   EXPECT_EQ(ids.download(), plain);
 }

@@ -206,12 +206,15 @@ TEST(GpuValidation, DecodeRejectsEachBadArgumentBeforeAnyKernel) {
     DecodeInputs in = f.b.all_heads();
     c.edit(in);
     EXPECT_TRUE(failed_as(f.dec->decode(in, f.dense(), nullptr, nullptr), c.e)) << c.name;
+    // A world of one's cp_decode without a communicator checks as decode does.
+    EXPECT_TRUE(failed_as(f.dec->cp_decode(in, f.dense(), nullptr, nullptr), c.e)) << c.name;
     f.expect_untouched("decode: " + c.name);
   }
   for (const auto& c : out_cases()) {
     f.poison();
-    EXPECT_TRUE(failed_as(
-        f.dec->decode(f.b.all_heads(), c.out(f.ids.ptr, kT, f.d.rows()), nullptr, nullptr), c.e))
+    const cpidx::TopkOutput out = c.out(f.ids.ptr, kT, f.d.rows());
+    EXPECT_TRUE(failed_as(f.dec->decode(f.b.all_heads(), out, nullptr, nullptr), c.e)) << c.name;
+    EXPECT_TRUE(failed_as(f.dec->cp_decode(f.b.all_heads(), out, nullptr, nullptr), c.e))
         << c.name;
     f.expect_untouched("decode: " + c.name);
   }
@@ -399,6 +402,14 @@ TEST(GpuValidation, OutputsOnInputsAreRefusedByEveryEntryPoint) {
   f.poison();
   EXPECT_TRUE(failed_as(f.dec->decode(in, out_all, nullptr, nullptr), ids_on_lens));
   expect_kept("decode");
+  {  // a world of one's cp_decode without a communicator
+    Fixture one;
+    ASSERT_NE(one.dec, nullptr);
+    one.poison();
+    EXPECT_TRUE(failed_as(one.dec->cp_decode(in, out_all, nullptr, nullptr), ids_on_lens));
+    expect_kept("cp_decode without a communicator");
+    one.expect_untouched("cp_decode without a communicator");
+  }
   // The per-call error flag on the seq_lens.
   DecodeInputs flag_on_lens = f.b.all_heads();
   flag_on_lens.seq_lens = lens;
@@ -618,6 +629,9 @@ TEST(GpuValidation, CallsWithAnotherDeviceCurrentAreRefused) {
   Fixture f(2, 0);  // on device 0
   ASSERT_NE(f.dec, nullptr);
   f.poison();
+  Fixture one;  // a world of one, on device 0
+  ASSERT_NE(one.dec, nullptr);
+  one.poison();
   DeviceVec<Key> keys(static_cast<size_t>(2 * kT * f.d.rows() * kK));
   const Expected e{kInv, {"the current CUDA device is 1, but this Decoder was created on device 0"}};
   cpidx::PrefillConfig pc;
@@ -638,20 +652,24 @@ TEST(GpuValidation, CallsWithAnotherDeviceCurrentAreRefused) {
   EXPECT_EQ(comm.offered, std::vector<long long>{-1});
   EXPECT_EQ(comm.gathers, 0);
   EXPECT_TRUE(failed_as(f.dec->check_cp_decode(f.b.inputs(0, 2), f.dense(), nullptr), e));
+  EXPECT_TRUE(failed_as(one.dec->cp_decode(one.b.all_heads(), one.dense(), nullptr, nullptr), e));
   EXPECT_TRUE(failed_as(f.dec->shard_keys(f.b.all_heads(), keys.ptr, nullptr), e));
   EXPECT_TRUE(failed_as(f.dec->merge(keys.ptr, f.b.inputs(0, 2), f.dense(), nullptr, nullptr), e));
   EXPECT_TRUE(failed_as(f.dec->clear_error_flag(nullptr), e));
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   f.expect_untouched("another device current");
+  one.expect_untouched("another device current, a world of one");
 }
 
 // A call whose launch fails returns the error and leaves none pending (see the helper), on every
 // entry point: the plain decode, the context-parallel pieces, cp_decode (the launches after its
-// agreement), and clearing the error flag.
+// agreement; a world of one's without a communicator), and clearing the error flag.
 TEST(GpuValidation, FailedLaunchesLeaveNoErrorPending) {
   SKIP_WITHOUT_GPU();
   Fixture f(2, 0);  // rank 0 of 2: L = 2
   ASSERT_NE(f.dec, nullptr);
+  Fixture one;  // a world of one
+  ASSERT_NE(one.dec, nullptr);
   DeviceVec<Key> keys(static_cast<size_t>(2 * kT * f.d.rows() * kK));
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -680,6 +698,8 @@ TEST(GpuValidation, FailedLaunchesLeaveNoErrorPending) {
        [&] { return f.dec->cp_decode(comm, f.b.inputs(0, 2), f.dense(), nullptr, stream); }},
       {"cp_decode, its gather",
        [&] { return f.dec->cp_decode(writing, packed, f.dense(), nullptr, stream); }},
+      {"cp_decode without a communicator",
+       [&] { return one.dec->cp_decode(one.b.all_heads(), one.dense(), nullptr, stream); }},
   };
   for (const auto& [name, call] : calls) {
     SCOPED_TRACE(name);
