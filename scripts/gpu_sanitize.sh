@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/gpu_sanitize.sh [memcheck|racecheck|synccheck|all]: on the GPU machine, build like
+# scripts/gpu_sanitize.sh [memcheck|racecheck|synccheck|all]: on the GPU machine, build with
 # scripts/device.sh (build-device/, sm_90a) and run compute-sanitizer on a small subset of the GPU
 # tests: the tiny end-to-end cases written for it (GpuSanitize.*), the host-validation table
 # (GpuValidation.*: nothing may launch), bad device values, the fused sparse table and, under
@@ -18,13 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/
 compute-sanitizer --version | tail -n 1 | tee -a "$OUT/gpu.txt"
 tests_bin=${CPIDX_GPU_TESTS:-./build-device/tests/cpidx_gpu_tests}
 if [ -z "${CPIDX_GPU_TESTS:-}" ]; then
-  gtest_src=()
-  [ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
-  cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" >"$OUT/configure.log" 2>&1 ||
-    { tail -30 "$OUT/configure.log"; exit 1; }
-  cmake --build build-device -j"$(nproc)" --target cpidx_gpu_tests >"$OUT/build.log" 2>&1 ||
-    { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
+  TARGETS=cpidx_gpu_tests OUT="$OUT" scripts/device.sh build || exit 1
 fi
 [ -x "$tests_bin" ] || { echo "gpu_sanitize.sh: no test binary at $tests_bin" >&2; exit 1; }
 

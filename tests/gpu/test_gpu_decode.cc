@@ -340,8 +340,7 @@ TEST(GpuDecode, AWorldOfOneNeedsNoCommunicator) {
   const std::vector<int32_t> plain = gpu_decode(d, sel);
   std::unique_ptr<cpidx::Decoder> one, two;
   ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel), 0, &one).is_ok());
-  cpidx::DecodeConfig of_two = config_for(d, sel, 2, 0);
-  ASSERT_TRUE(cpidx::Decoder::create(of_two, 0, &two).is_ok());
+  ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel, 2, 0), 0, &two).is_ok());
   DeviceBatch b(d);
   const int64_t n = d.rows();
   DeviceVec<int32_t> ids(static_cast<size_t>(4 * n * sel.topk));

@@ -530,7 +530,7 @@ TEST(GpuPrefill, SameIdsAsEachTokensDecode) {
   for (int shape = 0; shape < 10; ++shape) {
     const DType dtype = shape % 2 == 1 && shape != 3 ? DType::kFP8E4M3 : DType::kBF16;
     const int heads = shape < 6 ? 4 : 8;
-    PrefillCase c = shape < 2 ? make_case(91, 4, {700, 300, 1000}, {30000, 5000, 60000}, dtype)
+    PrefillCase c = shape < 2 ? make_case(91, heads, {700, 300, 1000}, {30000, 5000, 60000}, dtype)
                               : make_case(90 + shape, heads, {512, 512, 512, 512},
                                           {16000, 40000, 3000, 64000}, dtype);
     if (shape == 2 || shape == 3) {  // normal values (as torch.randn), rounded to bf16
