@@ -226,6 +226,24 @@ TEST(Aliasing, EveryReferenceEntryPointRefusesAnOutputOnAnInput) {
   EXPECT_EQ(lens_words[0], d.seq_lens[0]);
   EXPECT_EQ(lens_words[1], d.seq_lens[1]);
 
+  // block_scores: scores on the block table's last row, and its error word on the scores.
+  const int64_t slots = d.all_heads().max_blocks();
+  const size_t score_count = static_cast<size_t>(d.all_heads().num_heads * d.rows() * slots);
+  std::vector<int32_t> table_and_scores = d.block_table;
+  table_and_scores.resize(table_and_scores.size() + score_count, kPoison);
+  cpidx::DecodeInputs scores_on_table = d.all_heads();
+  scores_on_table.block_table = table_and_scores.data();
+  const std::vector<int32_t> table_before = table_and_scores;
+  auto* scores_at = reinterpret_cast<float*>(table_and_scores.data() + block_table_read() - 1);
+  expect_refused(cpidx::ref::block_scores(scores_on_table, 1, 0, scores_at, nullptr),
+                 "scores and block_table", "block_scores");
+  EXPECT_EQ(table_and_scores, table_before);
+  std::vector<float> scores(score_count, 0.f);
+  expect_refused(cpidx::ref::block_scores(d.all_heads(), 1, 0, scores.data(),
+                                          reinterpret_cast<int32_t*>(scores.data()) + 5),
+                 "scores and err", "block_scores, err");
+  EXPECT_EQ(scores, std::vector<float>(score_count, 0.f));
+
   // merge_topk_keys: ids on the gathered keys.
   ASSERT_TRUE(cpidx::ref::shard_topk_keys(d.all_heads(), sel, 1, 0, keys.data(), nullptr).is_ok());
   const std::vector<cpidx::Key> keys_before = keys;

@@ -120,6 +120,10 @@ struct DecodePlan {
   // this many pages (DecodeConfig::split_longest_pages; equal to split_max_pages when forced).
   int64_t split_longest_pages = 0;
   size_t workspace_bytes = 0;
+  // The largest scoring grid over the widths a step may launch (a narrower step's instance may
+  // hold more CTAs per SM than the bound's `grid`): the workspace's per-CTA lists and
+  // work-stealing words are sized for it, decode_workspace_layout(config, max_grid).
+  int max_grid = 0;
 };
 
 // What cp_decode agrees on with its peers (Communicator::check_agree) before its first
@@ -198,7 +202,10 @@ class Decoder {
   int32_t* error_flag() const;
   Status clear_error_flag(cudaStream_t stream);
 
-  // Device buffers of the exchange (for communicators that need registered memory).
+  // Device buffers of the exchange, for communicators that need registered memory: the query and
+  // key gathers' send and receive buffers, 0 bytes where the Decoder has none (world_size 1, or
+  // exchange_buffers off). The workspace past them (the split path's keys, the work-stealing
+  // words) is the kernels' own between calls.
   void* exchange_buffer() const;
   size_t exchange_buffer_bytes() const;
 

@@ -31,7 +31,8 @@ struct DecodeWorkspaceLayout {
   size_t total = 0;       // bytes to allocate
 };
 
-// `grid` is the scoring kernel's CTA count (DecodePlan::grid).
+// `grid` is the largest scoring grid a Decoder of `config` launches (DecodePlan::max_grid, which
+// may exceed DecodePlan::grid); a Decoder's own layout totals DecodePlan::workspace_bytes.
 DecodeWorkspaceLayout decode_workspace_layout(const DecodeConfig& config, int grid);
 
 }  // namespace cpidx

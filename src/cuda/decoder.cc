@@ -302,6 +302,7 @@ Status Decoder::create(const DecodeConfig& c, int device, std::unique_ptr<Decode
   impl->plan.split_any_pages = impl->layout.split_any_pages;
   impl->plan.split_longest_pages = impl->layout.split_longest_pages;
   impl->plan.workspace_bytes = impl->layout.total;
+  impl->plan.max_grid = impl->launch.grid;
   out->reset(new Decoder(std::move(impl)));
   return Status::ok();
 }
@@ -319,7 +320,8 @@ DecodePlan Decoder::step_plan(int num_heads, int query_len) const {
 int32_t* Decoder::error_flag() const { return impl_->at<int32_t>(impl_->layout.error_flag); }
 void* Decoder::exchange_buffer() const { return impl_->workspace + impl_->layout.q_send; }
 size_t Decoder::exchange_buffer_bytes() const {
-  return impl_->layout.total - impl_->layout.q_send;
+  // The gather buffers only: the split path's keys and the stealing words follow them.
+  return impl_->layout.split_keys - impl_->layout.q_send;
 }
 
 Status Decoder::clear_error_flag(cudaStream_t stream) {

@@ -76,6 +76,11 @@ Status block_scores(const DecodeInputs& in, int world, int rank, float* scores, 
   CPIDX_CHECK(detail::aligned(scores, alignof(float)),
               "scores must be 4-byte aligned, got address " << scores);
   const int64_t n = in.num_rows();
+  detail::CallSpans spans;
+  spans.decode_inputs(in);
+  spans.output({"scores", scores, static_cast<int64_t>(sizeof(float)) * in.num_heads * n * slots});
+  spans.flag("err", err);
+  CPIDX_RETURN_IF_ERROR(detail::check_no_aliasing(spans));
   const int num_q = in.query_len;
   std::atomic<int32_t> flags{0};
   const double work = static_cast<double>(n) * in.num_heads * in.max_seq_len * kHeadDim / world;

@@ -312,9 +312,15 @@ TEST(GpuDecode, WithoutExchangeBuffersShardKeysAndMergeStillEqualPlain) {
   std::unique_ptr<cpidx::Decoder> full, lean;
   ASSERT_TRUE(cpidx::Decoder::create(with, 0, &full).is_ok());
   ASSERT_TRUE(cpidx::Decoder::create(without, 0, &lean).is_ok());
-  const cpidx::DecodeWorkspaceLayout w = cpidx::decode_workspace_layout(with, full->plan().grid);
+  const cpidx::DecodeWorkspaceLayout w =
+      cpidx::decode_workspace_layout(with, full->plan().max_grid);
+  EXPECT_EQ(w.total, full->plan().workspace_bytes);
   EXPECT_EQ(full->plan().workspace_bytes - lean->plan().workspace_bytes, w.split_keys - w.q_send)
       << "full " << full->plan().workspace_bytes << ", lean " << lean->plan().workspace_bytes;
+  // The exchange's buffers are the four gathers' alone, and none without them.
+  EXPECT_GT(w.split_keys - w.q_send, 0u);
+  EXPECT_EQ(full->exchange_buffer_bytes(), w.split_keys - w.q_send);
+  EXPECT_EQ(lean->exchange_buffer_bytes(), 0u);
   auto comms = cpidx::make_thread_communicators(2);
   DeviceBatch b(d);
   const int64_t n = d.rows();
@@ -601,6 +607,12 @@ TEST(GpuDecode, CtasPerSmDoNotChangeIds) {
     EXPECT_EQ(dec->plan().grid, 2 * sms) << cpidx::to_string(dtype);
     EXPECT_EQ(dec->step_plan(4, 8).grid, 2 * sms) << cpidx::to_string(dtype);
     EXPECT_EQ(dec->step_plan(4, 2).grid, auto_ctas * sms) << cpidx::to_string(dtype);
+    // The workspace holds the widest grid a step may launch (fp8: the 8-column instance's),
+    // laid out as decode_workspace_layout lays it out for max_grid.
+    EXPECT_EQ(dec->plan().max_grid, auto_ctas * sms) << cpidx::to_string(dtype);
+    EXPECT_EQ(cpidx::decode_workspace_layout(wide, dec->plan().max_grid).total,
+              dec->plan().workspace_bytes)
+        << cpidx::to_string(dtype);
   }
 }
 
