@@ -165,6 +165,46 @@ def test_fp8_rows_are_judged_against_the_same_bf16_shapes():
     assert slow[2].endswith("| 1.62 | 3300 | >= 1.8x bf16 | missed |")
 
 
+def test_compare_peer_judges_each_row_by_the_target_that_covers_it(capsys):
+    # TARGETS.md item 1 is Q=1 (any heads), item 2 Q=4 with 4 heads: a 1-head Q=4 row at 2M
+    # tokens has no target (it was judged by item 2 before); a 4-head Q=4 row has item 2's.
+    one_head = dict(_row(131.0), heads=1, qlen=4, gbps=4096.0, rotated_mb=537.0)
+    four_heads = dict(_row(132.4), qlen=4, gbps=4052.0, rotated_mb=537.0)
+    cp = dict(_row(261.4, context=1048576, mode="cp", world=2), qlen=4, gbps=4108.0,
+              rotated_mb=1073.0)
+    q1 = dict(_row(130.5), heads=1, gbps=4400.0, rotated_mb=537.0)
+    compare_peer.report({"results": [one_head, four_heads, cp, q1], "replays": 10})
+    lines = capsys.readouterr().out.splitlines()[2:]
+    assert lines[0].endswith("| 4096 | - |  |")
+    assert lines[1].endswith("| >= 4.2 TB/s | missed |")
+    assert lines[2].endswith("| >= 4.2 TB/s | missed |")  # a CP rank scores all 4 heads
+    assert lines[3].endswith("| >= 4.3 TB/s | met |")
+
+
+def test_compare_peer_judges_near_tie_rows_and_keeps_the_method_for_fp8_and_steps(capsys):
+    # "ok(N tie)": ids equal to the reference's but for swaps inside near ties, a pass.
+    tie = dict(_row(5.0, reqs=1, context=8192), check="ok(3 tie)", rotated_mb=512.0, gbps=420.0)
+    compare_peer.report({"results": [tie], "replays": 10})
+    assert capsys.readouterr().out.splitlines()[2].endswith("| <= 0.6x peer | met |")
+    # fp8 rows carry their run's replays (main()): an off-method fp8 row is not judged, and an
+    # off-method bf16 row is no partner.
+    bf16 = [dict(_row(130.0), replays=10), dict(_row(480.0, context=1048576), replays=3)]
+    fp8 = [dict(_row(70.0), gbps=3800.0, replays=3),
+           dict(_row(250.0, context=1048576), gbps=4300.0, replays=10),
+           dict(_row(71.0, reqs=8), gbps=3790.0, check="ok(1 tie)", replays=10)]
+    lines = compare_peer.fp8_table(fp8, bf16)
+    assert lines[2].endswith("| off-method: 3 replays |")
+    assert lines[3].endswith("| no bf16 row |")
+    assert lines[4].endswith("| 1.83 | 3790 | >= 1.8x bf16 | met |")
+    # Step rows are judged by their run's replays too.
+    step = {"exchange": "peer", "world": 2, "reqs": 1, "context": 8192, "qlen": 1, "us": 11.5,
+            "floor_us": 1.0, "exchange_us": 4.5, "check": "ok"}
+    compare_peer.print_steps([step], "one process per GPU", {"replays": 3})
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| <= 14 us | off-method: 3 replays |")
+    compare_peer.print_steps([step], "one process per GPU", {"replays": 10})
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| <= 14 us | met |")
+
+
 _TRACE = """# trace over 264 CTAs: min / median / p90 / max (us; n_*: counts)
 #   pdl_waited           4.54      {wait:.2f}      7.23      7.55
 #   first_issue          6.56      6.91     10.88     13.06
