@@ -644,7 +644,8 @@ int run_bench(int argc, char** argv) {
               "Each shape: calls over input sets rotated past the L2, captured in one CUDA graph;\n"
               "median replay / calls (us: timed from the first event as PEER_H200.md does, so the\n"
               "host's graph launch latency is in it; gpu_us: the stream held until the replay is\n"
-              "queued, the GPU's time alone). GB/s counts index-cache bytes read by the rank.\n"
+              "queued, the GPU's time alone). GB/s counts index-cache bytes read by the rank\n"
+              "(its 1/P shard in cpP modes, as floor_us does); cache_MB is the whole batch's.\n"
               "`cpidx bench --prefill --help`: the prefill benchmark.");
   flags.add("modes", &modes, "plainH / cpP / stepP")
       .add("reqs", &reqs, "batch sizes (requests)", 1, 1 << 20)
