@@ -254,17 +254,21 @@ TEST(Aliasing, EveryReferenceEntryPointRefusesAnOutputOnAnInput) {
                  "ids output (out) and gathered keys", "merge_topk_keys");
   EXPECT_EQ(keys, keys_before);
 
-  // sparse_table: the table on the ids it reads.
+  // sparse_table: the table on the ids it reads. Both lie in one vector (the table's span is
+  // larger than the ids'), so that no other argument can fall inside the table's span wherever
+  // the heap puts it, and the refusal names this pair.
   IdsBuffer ids(1, d.rows(), kTopK);
   ASSERT_TRUE(cpidx::ref::decode_topk(d.all_heads(), sel, ids.out(), nullptr, nullptr).is_ok());
-  const std::vector<int32_t> ids_before = ids.ids;
+  std::vector<int32_t> ids_and_table(static_cast<size_t>(3 + table_size()), kPoison);
+  std::copy(ids.ids.begin(), ids.ids.end(), ids_and_table.begin());
+  const std::vector<int32_t> both_before = ids_and_table;
   std::vector<int32_t> attn(static_cast<size_t>(attn_size()), 1), ctx(2, kPoison);
-  const cpidx::SparseTableOutput on_ids{attn.data(), attn_stride(), ids.ids.data() + 3,
+  const cpidx::SparseTableOutput on_ids{attn.data(), attn_stride(), ids_and_table.data() + 3,
                                         kTableWidth, ctx.data(), 8};
-  expect_refused(cpidx::ref::sparse_table(ids.ids.data(), kTopK, d.seq_lens.data(), d.num_reqs(),
-                                          1, d.max_seq_len, kTopK, on_ids),
+  expect_refused(cpidx::ref::sparse_table(ids_and_table.data(), kTopK, d.seq_lens.data(),
+                                          d.num_reqs(), 1, d.max_seq_len, kTopK, on_ids),
                  "sparse table (sparse_block_table_out) and ids", "sparse_table");
-  EXPECT_EQ(ids.ids, ids_before);
+  EXPECT_EQ(ids_and_table, both_before);
   EXPECT_EQ(ctx, std::vector<int32_t>(2, kPoison));
 
   // cp_decode (one rank): ids on the block table.

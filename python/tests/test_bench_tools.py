@@ -181,7 +181,8 @@ def test_compare_peer_judges_each_row_by_the_target_that_covers_it(capsys):
     assert lines[3].endswith("| >= 4.3 TB/s | met |")
 
 
-def test_compare_peer_judges_near_tie_rows_and_keeps_the_method_for_fp8_and_steps(capsys):
+def test_compare_peer_judges_near_tie_rows_and_keeps_the_method_for_fp8_and_steps(
+        capsys, tmp_path):
     # "ok(N tie)": ids equal to the reference's but for swaps inside near ties, a pass.
     tie = dict(_row(5.0, reqs=1, context=8192), check="ok(3 tie)", rotated_mb=512.0, gbps=420.0)
     compare_peer.report({"results": [tie], "replays": 10})
@@ -196,6 +197,19 @@ def test_compare_peer_judges_near_tie_rows_and_keeps_the_method_for_fp8_and_step
     assert lines[2].endswith("| off-method: 3 replays |")
     assert lines[3].endswith("| no bf16 row |")
     assert lines[4].endswith("| 1.83 | 3790 | >= 1.8x bf16 | met |")
+    # From the files (main()): each fp8 row takes its run's replays.
+    for name, dtype, replays, rows in (("b.json", "bf16", 10, [dict(_row(130.0), gbps=4130.0)]),
+                                       ("f.json", "fp8", 3, [dict(_row(70.0), gbps=3800.0)])):
+        (tmp_path / name).write_text(json.dumps({"dtype": dtype, "replays": replays,
+                                                 "results": rows}))
+    argv = sys.argv
+    try:
+        sys.argv = ["compare_peer.py", str(tmp_path / "b.json"), str(tmp_path / "f.json")]
+        compare_peer.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out.splitlines()
+    assert out[4].endswith("| off-method: 3 replays |")
     # Step rows are judged by their run's replays too.
     step = {"exchange": "peer", "world": 2, "reqs": 1, "context": 8192, "qlen": 1, "us": 11.5,
             "floor_us": 1.0, "exchange_us": 4.5, "check": "ok"}
