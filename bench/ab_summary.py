@@ -8,7 +8,8 @@ or each patch's name when the run had several).
       over its runs (`max_us`, where the rows have it) and, run by run, how far each run's
       slowest replay lies above its median, the change of the means, and `*` where the two
       builds' runs do not overlap (a move beyond the runs' spread). Runs whose `check` is not
-      "ok" (an error, wrong ids) are left out of the times and named in the last column.
+      "ok" or "ok(N tie)" (an error, wrong ids) are left out of the times and named in the last
+      column.
   ab_summary.py --trace trace_base.txt trace_new.txt
       one line per shape and build from `cpidx bench --trace`: the medians over the CTAs of the
       scoring grid's milestones (PDL wait, first copy issued, first page landed, last copy issued,
@@ -58,7 +59,9 @@ def _ab_table(runs, build):
             key = (run["config"],) + tuple(row.get(k) for k in SHAPE_KEYS)
             by = table.setdefault(key, {"base": [], "new": [], "base_max": [], "new_max": [],
                                         "base_over": [], "new_over": [], "failed": []})
-            if row.get("check", "ok") != "ok":  # an error or wrong ids: no time to average
+            check = row.get("check", "ok")
+            if check != "ok" and not check.startswith("ok("):  # an error or wrong ids (not
+                # "ok(N tie)", swaps inside near ties the contract allows): no time to average
                 by["failed"].append(f"{which}: {row.get('check')}")
                 continue
             by[which].append(row["us"])

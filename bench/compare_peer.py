@@ -122,13 +122,13 @@ def print_steps(rows, processes, data):
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         text, bound = step_target(r)
-        mark = "" if bound is None or not passed(r) else ("met" if r["us"] <= bound else
-                                                          f"missed by {r['us'] - bound:.1f}")
-        why = off_method(r, data) if bound is not None else None
-        if why:
-            mark = why
         if not passed(r):
             mark = f"check: {r['check']}"
+        elif bound is None:
+            mark = ""
+        else:
+            mark = off_method(r, data) or ("met" if r["us"] <= bound else
+                                           f"missed by {r['us'] - bound:.1f}")
         print(f"| {r['exchange']} | {r['world']} | {r['reqs']} | {context_text(r['context'])} | "
               f"{r['qlen']} | {r['us']:.1f} | {r['floor_us'] + 10:.1f} | {r['exchange_us']:.2f} | "
               f"{text} | {mark} |")

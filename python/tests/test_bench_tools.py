@@ -133,6 +133,17 @@ def test_ab_summary_leaves_out_runs_whose_check_failed(tmp_path):
     assert "check failed (base: create: out of memory)" in line
 
 
+def test_ab_summary_averages_near_tie_runs(tmp_path):
+    # "ok(N tie)": ids equal to the reference's but for swaps inside near ties, a passed check.
+    runs = [{"build": "base", "rep": 1, "config": "", "results": [_row(8.4)]},
+            {"build": "new", "rep": 1, "config": "",
+             "results": [dict(_row(8.2), check="ok(2 tie)")]}]
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps({"runs": runs}))
+    line = ab_summary.summarise_ab(str(path)).splitlines()[2]
+    assert "| 8.40 | 8.20 |" in line and "check failed" not in line
+
+
 def test_compare_peer_never_judges_a_failed_or_off_method_row(capsys):
     small = dict(_row(0.0, reqs=1, context=8192), check="create: cudaErrorInvalidConfiguration",
                  gbps=0.0)
