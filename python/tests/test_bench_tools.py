@@ -192,6 +192,20 @@ def test_compare_peer_judges_each_row_by_the_target_that_covers_it(capsys):
     assert lines[3].endswith("| >= 4.3 TB/s | met |")
 
 
+def test_compare_peer_names_an_item_3_bound_under_the_datasheet_floor(capsys):
+    # Plain 1 head, 8 x 64K: 134 MB at 4.8 TB/s take 27.9 us, over 0.6x the peer's 40.5 us.
+    under = dict(_row(41.2, context=65536), heads=1, gbps=3258.0, floor_us=29.79,
+                 rotated_mb=537.0)
+    # 1 x 256K: 67 MB take 14.0 us, under 0.6x the peer's 26.3: an ordinary miss.
+    above = dict(_row(24.6, reqs=1), heads=1, gbps=2722.0, floor_us=14.92, rotated_mb=537.0)
+    fast = dict(above, us=15.0)
+    compare_peer.report({"results": [under, above, fast], "replays": 10})
+    lines = capsys.readouterr().out.splitlines()[2:]
+    assert lines[0].endswith("| missed (0.6x peer 24.3 us < 27.9 us at 4.8 TB/s) |")
+    assert lines[1].endswith("| <= 0.6x peer | missed |")
+    assert lines[2].endswith("| <= 0.6x peer | met |")
+
+
 def test_compare_peer_judges_near_tie_rows_and_keeps_the_method_for_fp8_and_steps(
         capsys, tmp_path):
     # "ok(N tie)": ids equal to the reference's but for swaps inside near ties, a pass.
