@@ -64,6 +64,8 @@ constexpr int kPerThread = 8;       // keys kept in registers by the wide and na
 constexpr int kDeepPerThread = 16;  // by the deep grid; longer lists are re-read from L2
 constexpr int kUnroll = 8;      // L2 loads in flight per thread when re-reading
 constexpr int kBins = 256;
+// The channel use count whose select CTAs leave merge_topk to launch at the grid's end (below).
+constexpr uint32_t kUsesWithoutEarlyMerge = 0xffffffffu;
 // Lists up to this long are ranked directly, where they lie (one key a thread, v48). NOTE: rank
 // counting reads every key once per key (serial shared-memory loads): measured 1.4 us faster
 // than the radix passes at 32 keys, equal at 128, 2-3 us slower at 256 (docs/perf/README.md,
@@ -392,15 +394,14 @@ __global__ void __launch_bounds__(kThreads, kThreads == kDeep ? 1 : 1024 / kThre
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSWaited);
   CPIDX_SELECT_CLOCK(threadIdx.x == 0, kSWaitedClock);
   // Fused exchange: the channel's use count is read before merge_topk may launch (it counts the
-  // use once every reader arrived).
-  // NOTE: the trigger is no fence, so in the PTX model the load could return after merge_topk
-  // launched, every CTA of it arrived and the last one counted the use (microseconds of launch
-  // and arrival against one L2 load). A count read one too high writes the next use's epoch and
-  // parity: the merge then waits for lines that never come and times out, raising every rank's
-  // error word: a failure reported, never ids taken from the wrong use.
+  // use once every reader arrived). The trigger is no fence, so it is predicated on the count's
+  // value: the load has returned before the trigger issues, and no merge CTA can have counted
+  // this use yet. (Were the trigger free to pass the load, a count read one too high would write
+  // the next use's epoch and parity, and the merge would time out waiting for it.) The one value
+  // that skips the trigger, once in 2^32 uses, launches the merge at this grid's end instead.
   const bool channel = p.channel.world > 0;
   const uint32_t uses = channel ? channel_uses(p.channel) : 0;
-  pdl_launch_dependents();
+  if (uses != kUsesWithoutEarlyMerge) pdl_launch_dependents();
   const bool split = split_path(p, total, longest);
   const int64_t g_eff = fused_ctas(total, p.fused_grid);
 
