@@ -394,14 +394,16 @@ __global__ void __launch_bounds__(kThreads, kThreads == kDeep ? 1 : 1024 / kThre
   CPIDX_SELECT_STAMP(threadIdx.x == 0, kSWaited);
   CPIDX_SELECT_CLOCK(threadIdx.x == 0, kSWaitedClock);
   // Fused exchange: the channel's use count is read before merge_topk may launch (it counts the
-  // use once every reader arrived). The trigger is no fence, so it is predicated on the count's
-  // value: the load has returned before the trigger issues, and no merge CTA can have counted
-  // this use yet. (Were the trigger free to pass the load, a count read one too high would write
-  // the next use's epoch and parity, and the merge would time out waiting for it.) The one value
-  // that skips the trigger, once in 2^32 uses, launches the merge at this grid's end instead.
+  // use once every reader arrived). The trigger is no fence, and a CTA has triggered once any
+  // thread of it has, so the trigger waits for a barrier predicated on every thread's count: each
+  // thread's load has returned before any thread of the CTA triggers, and no merge CTA can have
+  // counted this use yet. (Were the trigger free to pass a load, a count read one too high would
+  // write the next use's epoch and parity, and the merge would time out waiting for it.) The one
+  // value that skips the trigger, once in 2^32 uses, launches the merge at this grid's end.
+  // Without a channel (grid-uniform) nothing is read and no barrier is taken.
   const bool channel = p.channel.world > 0;
   const uint32_t uses = channel ? channel_uses(p.channel) : 0;
-  if (uses != kUsesWithoutEarlyMerge) pdl_launch_dependents();
+  if (!channel || __syncthreads_and(uses != kUsesWithoutEarlyMerge)) pdl_launch_dependents();
   const bool split = split_path(p, total, longest);
   const int64_t g_eff = fused_ctas(total, p.fused_grid);
 
