@@ -112,7 +112,8 @@ def verdict(r, peer, data=None):
             return "met"
         floor = datasheet_floor_us(r)
         if peer and floor and 0.6 * peer < floor:  # the bound asks for more than the HBM gives
-            return f"missed (0.6x peer {0.6 * peer:.1f} us < {floor:.1f} us at 4.8 TB/s)"
+            return (f"missed (0.6x peer {0.6 * peer:.1f} us < {floor:.1f} us at "
+                    f"{DATASHEET_TBPS} TB/s)")
         return "missed"
     if t.startswith(">="):
         need = 4300 if r["qlen"] == 1 else 4200

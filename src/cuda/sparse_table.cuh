@@ -13,11 +13,12 @@ namespace cuda {
 
 // keys[0..K): the row's selection in output order (kPadKey = none). pos: the row's position
 // (< 0 for padding rows). Every lane of the warp calls it.
-// NOTE: inlined into every score_topk instance (shard_select.cuh), where it runs only on steps
-// with a table, yet its code shapes the instances' whole SASS: the tail-once fix below (907ce90)
-// alone moved the fp8 16-column instance off v47's bytes, which the same tree with the old
-// count compiles to again (docs/perf/README.md, d1207c). Not inlining it gave every instance a
-// 440-584 B stack frame. A change here is A/B'd on the scoring rows like a kernel change.
+// NOTE: inlined into every score_topk instance (shard_select.cuh), select_topk and merge_topk,
+// where it runs only on steps with a table, yet its code shapes the kernels' whole SASS: the
+// tail-once fix below (907ce90) alone moved the fp8 16-column scoring instance off v47's bytes,
+// which the same tree with the old count compiles to again (docs/perf/README.md, d1207c). Not
+// inlining it gave every scoring instance a 440-584 B stack frame. A change here is A/B'd on
+// the plain and context-parallel rows like a kernel change.
 __device__ __forceinline__ void write_sparse_row(const SparseTableArgs& t, const Key* keys, int k,
                                                  int req, int64_t row, int64_t pos, int lane) {
   int32_t* out = t.table + row * t.table_row_stride;
