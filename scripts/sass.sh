@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# scripts/sass.sh [--trace] SOURCE [KERNEL_REGEX]: one CUDA source's device code for sm_90a,
-# without a GPU. Compiles SOURCE (e.g. src/cuda/select_topk.cu) to a cubin with the release
-# flags (--trace: -DCPIDX_TRACE, the timeline build) and prints ptxas' registers, stack and
+# scripts/sass.sh [--trace] [--no-spills] SOURCE [KERNEL_REGEX]: one CUDA source's device code
+# for sm_90a, without a GPU. Compiles SOURCE (e.g. src/cuda/select_topk.cu) to a cubin with the
+# release flags (--trace: -DCPIDX_TRACE, the timeline build) and prints ptxas' registers, stack and
 # spills per kernel; then, where cuobjdump and nvdisasm are found, writes the SASS of the
 # kernels whose mangled names match KERNEL_REGEX (default: all) to $OUT/<source>.sass (OUT
 # defaults to ./sass-out) and prints how many instructions and shared-memory loads each has.
@@ -11,10 +11,14 @@
 # and point CPIDX_CUDA_TOOLS at the nvidia/cu13/bin folder inside); nothing is downloaded here.
 # Use: a kernel change's registers and spills against the tree's before any device run (the
 # 64-register selection instances spill on small changes), and what ptxas made of a loop.
+# --no-spills: exit 1 when a matching kernel spills (or none matches), before any SASS: the
+# check ctest runs on the kernels whose registers the measurements say must hold (tests/).
 # Example: scripts/sass.sh src/cuda/select_topk.cu 'select_topk_kernelILi256ELb0'
 set -uo pipefail
 defines=()
 if [ "${1:-}" = "--trace" ]; then defines+=(-DCPIDX_TRACE); shift; fi
+no_spills=0
+if [ "${1:-}" = "--no-spills" ]; then no_spills=1; shift; fi
 if [ $# -lt 1 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   sed -n '2,/^set /{/^#/p}' "$0"
   [ $# -lt 1 ] && exit 2 || exit 0
@@ -34,10 +38,26 @@ cubin="$out/$name.cubin"
   -arch=sm_90a --expt-relaxed-constexpr -std=c++17 -Xptxas=-v -cubin -o "$cubin" "$src" \
   2>"$out/$name.ptxas" || { cat "$out/$name.ptxas" >&2; exit 1; }
 # ptxas prints a kernel's name, then its stack and spills, then its registers.
-awk '/Compiling entry function/ { k = $0; sub(/.*function .?/, "", k); sub(/.? for .*/, "", k) }
+usage=$(awk '/Compiling entry function/ { k = $0; sub(/.*function .?/, "", k); sub(/.? for .*/, "", k) }
      /bytes stack frame/ { match($0, /[0-9]+ bytes stack frame, [0-9]+ bytes spill stores, [0-9]+ bytes spill loads/); s = substr($0, RSTART, RLENGTH) }
      /Used [0-9]+ registers/ { match($0, /Used [0-9]+ registers/); printf "%-4s %s  %s\n", substr($0, RSTART + 5, RLENGTH - 15), s, k }' \
-  "$out/$name.ptxas" | grep -E -- "$regex" || echo "sass.sh: no kernel matches $regex" >&2
+  "$out/$name.ptxas" | grep -E -- "$regex")
+if [ -z "$usage" ]; then
+  echo "sass.sh: no kernel matches $regex" >&2
+  [ "$no_spills" = 1 ] && exit 1
+else
+  echo "$usage"
+fi
+if [ "$no_spills" = 1 ]; then
+  spilled=$(echo "$usage" | grep -Ev ' 0 bytes spill stores, 0 bytes spill loads ' || true)
+  if [ -n "$spilled" ]; then
+    echo "sass.sh: these kernels spill (--no-spills):" >&2
+    echo "$spilled" >&2
+    exit 1
+  fi
+  echo "sass.sh: no spills in $(echo "$usage" | wc -l) kernel(s) matching $regex"
+  exit 0
+fi
 
 tools=${CPIDX_CUDA_TOOLS:-}
 cuobjdump=""

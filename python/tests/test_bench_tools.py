@@ -411,3 +411,40 @@ def test_sass_script_prints_each_kernels_registers_and_spills(tmp_path):
     assert len(sass) <= 1, done.stdout
     assert all(re.match(r"^ *\d+ instructions +\d+ LDS ", l) for l in sass), done.stdout
     assert "pack_queries" not in done.stdout  # the regex picks the kernels
+
+
+_SPILL_SOURCE = r"""
+__global__ void __launch_bounds__(1024, 2) spilling_kernel(const float4* in, float4* out) {
+  float4 v[24];  // 96 live floats under a 32-register bound
+#pragma unroll
+  for (int i = 0; i < 24; ++i) v[i] = in[threadIdx.x + i * 1024];
+#pragma unroll
+  for (int i = 0; i < 24; ++i) out[threadIdx.x + i * 1024] = v[23 - i];
+}
+__global__ void quiet_kernel(const float* in, float* out) {
+  out[threadIdx.x] = 2.f * in[threadIdx.x];
+}
+"""
+
+
+@pytest.mark.skipif(not os.access(_NVCC, os.X_OK), reason="no nvcc")
+def test_sass_script_no_spills_fails_on_a_spilling_kernel_or_no_match(tmp_path):
+    """scripts/sass.sh --no-spills (the check ctest runs on select_topk): exit 0 when every
+    matching kernel is free of spills, 1 naming the ones that spill, 1 when none matches."""
+    source = tmp_path / "spills.cu"
+    source.write_text(_SPILL_SOURCE)
+
+    def run(regex):
+        return subprocess.run(
+            [os.path.join(_ROOT, "scripts", "sass.sh"), "--no-spills", str(source), regex],
+            env=dict(os.environ, OUT=str(tmp_path), CPIDX_CUDA_TOOLS="", PATH="/usr/bin:/bin"),
+            capture_output=True, text=True, timeout=300)
+
+    quiet = run("quiet_kernel")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "no spills in 1 kernel(s)" in quiet.stdout
+    spilling = run("kernel")
+    assert spilling.returncode == 1, spilling.stdout
+    assert "spilling_kernel" in spilling.stderr and "quiet_kernel" not in spilling.stderr
+    none = run("no_such_kernel")
+    assert none.returncode == 1 and "no kernel matches" in none.stderr

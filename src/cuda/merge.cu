@@ -59,8 +59,8 @@ __device__ void merge_item(const MergeParams& p, int j, int64_t row, uint32_t us
     const int req = static_cast<int>(row / p.query_len), t = static_cast<int>(row % p.query_len);
     int32_t err = 0;
     const int32_t seq_len = clamp_seq_len(p.seq_lens[req], p.max_seq_len, &err);
-    write_sparse_row(p.table, best, K, req, row, static_cast<int64_t>(seq_len) - p.query_len + t,
-                     lane);
+    write_sparse_row<false>(p.table, best, K, req, row,
+                            static_cast<int64_t>(seq_len) - p.query_len + t, lane);
   }
 }
 

@@ -444,8 +444,8 @@ __global__ void __launch_bounds__(kThreads, kThreads == kDeep ? 1 : 1024 / kThre
     if (p.table.table && threadIdx.x < 32) {  // one head: a table row per query token
       int32_t unused = 0;
       const int32_t len = clamp_seq_len(p.seq_lens[r], p.max_seq_len, &unused);
-      write_sparse_row(p.table, s.sorted, K, r, row, static_cast<int64_t>(len) - Q + t,
-                       threadIdx.x);
+      write_sparse_row<true>(p.table, s.sorted, K, r, row, static_cast<int64_t>(len) - Q + t,
+                             threadIdx.x);
     }
     __syncthreads();  // s.sorted is rewritten by the next item
   }

@@ -87,8 +87,8 @@ __device__ inline void finalize_request(const ScoreTopkParams& p, const Smem& s,
   if (p.table.table) {  // one head: one table row per query token
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int t = warp; t < Q; t += kConsumerWarps) {
-      write_sparse_row(p.table, s.cbuf + t * cap, K, r, static_cast<int64_t>(r) * Q + t,
-                       static_cast<int64_t>(seq_len) - Q + t, lane);
+      write_sparse_row<true>(p.table, s.cbuf + t * cap, K, r, static_cast<int64_t>(r) * Q + t,
+                             static_cast<int64_t>(seq_len) - Q + t, lane);
     }
   }
 }
