@@ -38,7 +38,8 @@ cubin="$out/$name.cubin"
   -arch=sm_90a --expt-relaxed-constexpr -std=c++17 -Xptxas=-v -cubin -o "$cubin" "$src" \
   2>"$out/$name.ptxas" || { cat "$out/$name.ptxas" >&2; exit 1; }
 # ptxas prints a kernel's name, then its stack and spills, then its registers.
-usage=$(awk '/Compiling entry function/ { k = $0; sub(/.*function .?/, "", k); sub(/.? for .*/, "", k) }
+usage=$(awk '
+     /Compiling entry function/ { k = $0; sub(/.*function .?/, "", k); sub(/.? for .*/, "", k) }
      /bytes stack frame/ { match($0, /[0-9]+ bytes stack frame, [0-9]+ bytes spill stores, [0-9]+ bytes spill loads/); s = substr($0, RSTART, RLENGTH) }
      /Used [0-9]+ registers/ { match($0, /Used [0-9]+ registers/); printf "%-4s %s  %s\n", substr($0, RSTART + 5, RLENGTH - 15), s, k }' \
   "$out/$name.ptxas" | grep -E -- "$regex")

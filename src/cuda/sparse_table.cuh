@@ -19,9 +19,9 @@ namespace cuda {
 // NOTE: inlined into every score_topk instance (shard_select.cuh), select_topk and merge_topk,
 // where it runs only on steps with a table, yet its code shapes the kernels' register
 // allocation: with the tail-once count in select_topk, the deep grid's dense instance spilled
-// 120 B and the wide one's 28 B, and the plain and CP P=2 rows at 8 x 1M Q = 4 ran 1.6-3.4%
-// slower than v47's build on an H100; with this count they are back within 0.7% of it
-// (docs/perf/README.md, d1207d). select_topk's spills are checked by ctest
+// 120 B and the wide one's 28 B, and the plain and CP P=2 rows at 8 x 1M Q = 4 ran 1.0-3.4%
+// slower than v47's build on an H100 (v60's call); with this count -0.6 to +0.7% of it
+// (docs/perf/README.md, v60 and d1207d). select_topk's spills are checked by ctest
 // (select_topk_instances_do_not_spill); a change here is A/B'd like a kernel change. Not
 // inlining it gave every scoring instance a 440-584 B stack frame.
 template <bool kDistinct>
