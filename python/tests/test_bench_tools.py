@@ -392,15 +392,19 @@ def test_ncu_sass_sums_by_opcode_region_and_shared_wavefronts(tmp_path):
 _NVCC = os.environ.get("NVCC", "/usr/local/cuda/bin/nvcc")
 
 
+def _sass(tmp_path, *args):
+    """scripts/sass.sh with ARGS, its output under tmp_path, as on CI (no cuobjdump on PATH)."""
+    return subprocess.run(
+        [os.path.join(_ROOT, "scripts", "sass.sh"), *args],
+        env=dict(os.environ, OUT=str(tmp_path), CPIDX_CUDA_TOOLS="", PATH="/usr/bin:/bin"),
+        capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.skipif(not os.access(_NVCC, os.X_OK), reason="no nvcc")
 def test_sass_script_prints_each_kernels_registers_and_spills(tmp_path):
     """scripts/sass.sh on a small source: one registers row per matching kernel, and one
     instructions row where cuobjdump + nvdisasm are in /usr/local/cuda/bin (the GPU machine)."""
-    done = subprocess.run(
-        [os.path.join(_ROOT, "scripts", "sass.sh"), os.path.join(_ROOT, "src", "cuda", "merge.cu"),
-         "merge_topk"],
-        env=dict(os.environ, OUT=str(tmp_path), CPIDX_CUDA_TOOLS="", PATH="/usr/bin:/bin"),
-        capture_output=True, text=True, timeout=300)
+    done = _sass(tmp_path, os.path.join(_ROOT, "src", "cuda", "merge.cu"), "merge_topk")
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if "merge_topk_kernel" in line]
     rows = [line for line in lines if "bytes stack frame" in line]
@@ -433,18 +437,11 @@ def test_sass_script_no_spills_fails_on_a_spilling_kernel_or_no_match(tmp_path):
     matching kernel is free of spills, 1 naming the ones that spill, 1 when none matches."""
     source = tmp_path / "spills.cu"
     source.write_text(_SPILL_SOURCE)
-
-    def run(regex):
-        return subprocess.run(
-            [os.path.join(_ROOT, "scripts", "sass.sh"), "--no-spills", str(source), regex],
-            env=dict(os.environ, OUT=str(tmp_path), CPIDX_CUDA_TOOLS="", PATH="/usr/bin:/bin"),
-            capture_output=True, text=True, timeout=300)
-
-    quiet = run("quiet_kernel")
+    quiet = _sass(tmp_path, "--no-spills", str(source), "quiet_kernel")
     assert quiet.returncode == 0, quiet.stderr
     assert "no spills in 1 kernel(s)" in quiet.stdout
-    spilling = run("kernel")
+    spilling = _sass(tmp_path, "--no-spills", str(source), "kernel")
     assert spilling.returncode == 1, spilling.stdout
     assert "spilling_kernel" in spilling.stderr and "quiet_kernel" not in spilling.stderr
-    none = run("no_such_kernel")
+    none = _sass(tmp_path, "--no-spills", str(source), "no_such_kernel")
     assert none.returncode == 1 and "no kernel matches" in none.stderr
