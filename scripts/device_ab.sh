@@ -2,9 +2,10 @@
 # scripts/device_ab.sh [options] PATCH [PATCH...]: on the GPU machine, one A/B of kernel patches
 # in one call. Builds the working tree ("base", build-device/) and, side by side, a copy of it
 # for each PATCH with that patch applied (build-ab/<patch name>/, its own build-device/); runs
-# `cpidx bench` on every build, alternated, for each --config; then, if asked, each patched
-# build's GPU tests and (one PATCH) its sanitizers. A PATCH of the form A.patch+B.patch is one
-# build with both applied, in that order (a patch prepared on top of another).
+# `cpidx bench` on every build, alternated (each rep starting one build later), for each
+# --config; then, if asked, each patched build's GPU tests and (one PATCH) its sanitizers. A
+# PATCH of the form A.patch+B.patch is one build with both applied, in that order (a patch
+# prepared on top of another).
 # With one PATCH its build is named "new"; with several, each by its patch name(s).
 # Results under $OUT (default ./device-out), within the device tool's 8 files:
 #   ab.txt      every bench table, each under "== <build> rep=N <config flags>", then the
@@ -139,9 +140,15 @@ echo "# built in $(elapsed) s; base = the working tree; $(for i in "${!names[@]}
 new=${dirs[0]}  # the one patched tree of --trace and --sanitize
 
 jsons=()
+# Each rep starts one build later (rep 1 with the base, rep 2 with the first patched build, ...),
+# so that over a multiple of the builds' count of reps every build runs in every place: in
+# d1207e (docs/perf/README.md) three builds run in one fixed order parted by ~1%, and their
+# places could not be told from the builds.
+nbuilds=$((${#names[@]} + 1))
 for ((rep = 1; rep <= reps; ++rep)); do
   for cfg in "${configs[@]}"; do
-    for ((b = 0; b <= ${#names[@]}; ++b)); do
+    for ((i = 0; i < nbuilds; ++i)); do
+      b=$(((i + rep - 1) % nbuilds))
       which=base bin=./build-device/cpidx
       if [ $b -gt 0 ]; then
         which=${names[$((b - 1))]} bin=${dirs[$((b - 1))]}/build-device/cpidx
