@@ -142,8 +142,8 @@ new=${dirs[0]}  # the one patched tree of --trace and --sanitize
 jsons=()
 # Each rep starts one build later (rep 1 with the base, rep 2 with the first patched build, ...),
 # so that over a multiple of the builds' count of reps every build runs in every place: in
-# d1207e (docs/perf/README.md) three builds run in one fixed order parted by ~1%, and their
-# places could not be told from the builds.
+# d1207e (docs/perf/README.md) three builds that ran in one fixed order parted by ~1%, and
+# their places could not be told from the builds.
 nbuilds=$((${#names[@]} + 1))
 for ((rep = 1; rep <= reps; ++rep)); do
   for cfg in "${configs[@]}"; do
