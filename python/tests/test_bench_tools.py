@@ -433,8 +433,9 @@ __global__ void quiet_kernel(const float* in, float* out) {
 
 @pytest.mark.skipif(not os.access(_NVCC, os.X_OK), reason="no nvcc")
 def test_sass_script_no_spills_fails_on_a_spilling_kernel_or_no_match(tmp_path):
-    """scripts/sass.sh --no-spills (the check ctest runs on select_topk): exit 0 when every
-    matching kernel is free of spills, 1 naming the ones that spill, 1 when none matches."""
+    """scripts/sass.sh --no-spills (the check ctest runs on select_topk and score_topk): exit 0
+    when every matching kernel is free of spills, 1 naming the ones that spill, 1 when none
+    matches."""
     source = tmp_path / "spills.cu"
     source.write_text(_SPILL_SOURCE)
     quiet = _sass(tmp_path, "--no-spills", str(source), "quiet_kernel")
