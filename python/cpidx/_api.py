@@ -7,6 +7,7 @@ import contextlib
 import functools
 import sys
 import threading
+import time
 import warnings
 from typing import Any, Optional
 
@@ -526,9 +527,11 @@ class Registry:
                 self._decoders.clear()
                 self._prefillers.clear()
             # After the grace their destructors give graphs just deleted (CUDA releases them on
-            # an internal thread).
+            # an internal thread): one grace for all of them, not one each.
+            until = time.monotonic() + 0.1
             held = sum(1 for obj in dropped
-                       if getattr(obj, "launches_in_live_graphs", lambda _: 0)(0.1) > 0)
+                       if getattr(obj, "launches_in_live_graphs", lambda _: 0)(
+                           max(0.0, until - time.monotonic())) > 0)
             del dropped  # their workspaces go now, but for those that live graphs still use
             error = self._close_and_forget(others)
         if error is not None:

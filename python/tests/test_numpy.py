@@ -933,6 +933,35 @@ def test_registry_clear_warns_for_objects_under_live_graphs_after_closing_everyt
     assert cp.closed and len(reg) == 0
 
 
+def test_registry_clear_gives_its_held_objects_one_grace_in_all():
+    # The grace for graphs deleted just before clear() is one deadline shared by every dropped
+    # object, not 0.1 s each: each object is asked to wait what is left of it (the stand-ins
+    # sleep what they are asked, as a count that never falls would), so the waits asked for add
+    # up to at most one grace however many objects live graphs hold.
+    import time
+    import warnings
+
+    import cpidx._api as api
+
+    asked = []
+
+    class Held:
+        def launches_in_live_graphs(self, wait_seconds=0.0):
+            asked.append(wait_seconds)
+            time.sleep(wait_seconds)
+            return 1
+
+    reg = api.Registry()
+    for i in range(5):
+        reg._decoders[f"decoder {i}"] = Held()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match=r"^Registry.clear\(\): 5 decoder\(s\) / "):
+            reg.clear()
+    assert len(asked) == 5 and 0 < asked[0] <= 0.1
+    assert all(w >= 0 for w in asked) and sum(asked) <= 0.1 + 1e-9, asked
+
+
 def test_an_explicit_decoder_must_match_the_call():
     # decode_topk(..., decoder=D) runs D's selection and bound: a call asking for others raises,
     # naming the argument, instead of returning ids for D's.

@@ -189,7 +189,7 @@ class NcclCommunicator final : public Communicator {
     // before may still be releasing theirs on a CUDA thread: a short wait, and no CUDA call (a
     // destructor may run while another thread captures a graph).
     if (owns_ && comm_ != nullptr &&
-        holds_.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) == 0) {
+        holds_.wait_on_destroy() == 0) {
       ncclCommDestroy(comm_);
     }
   }

@@ -474,7 +474,7 @@ class PeerCommunicator final : public Communicator {
       cudaGetLastError();
     }
     const bool held_here =
-        parts.holds.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) > 0;
+        parts.holds.wait_on_destroy() > 0;
     const bool held =
         parts.cross_process ? held_anywhere(bootstrap, parts, held_here, on_device) : held_here;
     if (on_device && !held_here) {
@@ -551,7 +551,7 @@ class PeerCommunicator final : public Communicator {
       // No gather of this rank may still store through the mappings closed below; one waiting
       // for an exited peer gives up after the timeout.
       note(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      if (parts_.holds.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) == 0) {
+      if (parts_.holds.wait_on_destroy() == 0) {
         for (void* p : parts_.opened) note(cudaIpcCloseMemHandle(p), "cudaIpcCloseMemHandle");
       }
     }

@@ -229,7 +229,7 @@ Decoder::Decoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Decoder::~Decoder() {
   // Not under a live graph that still uses it: left to the process instead (after a short
   // grace for graphs destroyed just before).
-  if (impl_ && impl_->holds.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) == 0) {
+  if (impl_ && impl_->holds.wait_on_destroy() == 0) {
     cuda_host::free_relaxed(impl_->workspace);
   }
 }

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <thread>
 
@@ -84,10 +85,48 @@ class GraphHolds {
     return wait_for_release(seconds);
   }
 
-  // How long a destructor waits for graphs destroyed just before it.
+  // How long a destructor waits for graphs destroyed just before it; within a burst (below),
+  // how long each further destructor waits.
   static constexpr double kDestroyGraceSeconds = 0.1;
+  static constexpr double kBurstGraceSeconds = 0.01;
+
+  // The grace of a destructor that starts at `now_ns` (steady clock), given when the last such
+  // wait of this process ran out with launches still held (0: never). Within one full grace of
+  // it, a burst of objects that live graphs still hold is being destroyed (interpreter exit, a
+  // registry cleared: CUDA graphs commonly live until then), and the short grace applies, so
+  // that N of them cost one grace and N short ones rather than N graces. A graph destroyed
+  // just before its object in such a burst may then release after the short grace: that
+  // object's memory is kept until the process exits, as a held object's is.
+  static double destroy_grace(int64_t now_ns, int64_t last_run_out_ns) {
+    const int64_t full = static_cast<int64_t>(kDestroyGraceSeconds * 1e9);
+    const bool in_burst = last_run_out_ns != 0 && now_ns - last_run_out_ns <= full;
+    return in_burst ? kBurstGraceSeconds : kDestroyGraceSeconds;
+  }
+
+  // A destructor's wait: the count after destroy_grace(); a wait that runs out marks the burst.
+  // Host polling only, no CUDA call.
+  long long wait_on_destroy() const {
+    if (count_->load() == 0) return 0;
+    const long long left = wait_for_release(destroy_grace(steady_ns(), last_run_out().load()));
+    if (left > 0) last_run_out().store(steady_ns());
+    return left;
+  }
+
+  // When a destructor's wait last ran out (steady clock, ns; 0: never), for tests.
+  static int64_t last_run_out_ns() { return last_run_out().load(); }
 
  private:
+  static int64_t steady_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  // When a destructor's wait last ran out, process-wide (one library, so one variable).
+  static std::atomic<int64_t>& last_run_out() {
+    static std::atomic<int64_t> at{0};
+    return at;
+  }
+
   // The user object's destructor (a CUDA-internal thread: no CUDA calls).
   static void release(void* counter) {
     auto* held = static_cast<std::shared_ptr<std::atomic<long long>>*>(counter);

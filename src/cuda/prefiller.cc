@@ -94,7 +94,7 @@ struct Prefiller::Impl {
 Prefiller::Prefiller(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Prefiller::~Prefiller() {
   // Not under a live graph that still uses it (Decoder::~Decoder).
-  if (impl_ && impl_->holds.wait_for_release(cuda_host::GraphHolds::kDestroyGraceSeconds) == 0) {
+  if (impl_ && impl_->holds.wait_on_destroy() == 0) {
     cuda_host::free_relaxed(impl_->workspace);
   }
 }
