@@ -88,8 +88,8 @@ std::string nccl_version_text();
 //    Destroy every CUDA graph that captured a gather before the communicator: NCCL's destroy
 //    waits until all such graphs are gone, so a communicator destroyed while one lives (after
 //    a 0.1 s grace for graphs destroyed just before; 0.01 s within a burst of held objects, as
-//    Decoder's destructor) leaves its ncclComm_t to the process
-//    instead of waiting forever (nccl_gathers_in_live_graphs counts them).
+//    Decoder's destructor) leaves its ncclComm_t to the process instead of waiting forever
+//    (nccl_gathers_in_live_graphs counts them).
 //  - check_agree(value, what) forwards to the host channel. Without one (make_nccl_communicator
 //    or adopt_nccl_communicator with host_channel == nullptr) there is no check: it returns ok,
 //    and ranks that disagree on a batch shape are not caught before the collective.

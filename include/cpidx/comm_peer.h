@@ -131,12 +131,12 @@ Status abandon_peer_communicator(std::unique_ptr<Communicator>* comm);
 //    own thread or process) while the bootstrap is still alive. While a live graph holds a
 //    gather of any rank (peer_gathers_in_live_graphs, after a 0.1 s grace for graphs destroyed
 //    just before; 0.01 s within a burst of held objects, as Decoder's destructor), no rank
-//    frees its buffers, and the holder keeps its mappings: they stay
-//    until the process exits, so that a replay stores into memory still allocated (its gathers
-//    then time out, raising the error word, once the peers are gone). Ranks of one
-//    process destroy theirs without a collective, after synchronising the other ranks' devices
-//    (their kernels may still store into this rank's buffer), so not while any of those devices
-//    captures a graph. abandon_peer_communicator (above) is the non-collective alternative in
-//    either case.
+//    frees its buffers, and the holder keeps its mappings: they stay until the process
+//    exits, so that a replay stores into memory still allocated (its gathers then time out,
+//    raising the error word, once the peers are gone). Ranks of one process destroy theirs
+//    without a collective, after synchronising the other ranks' devices (their kernels may
+//    still store into this rank's buffer), so not while any of those devices captures a
+//    graph. abandon_peer_communicator (above) is the non-collective alternative in either
+//    case.
 
 }  // namespace cpidx

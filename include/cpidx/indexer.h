@@ -216,7 +216,7 @@ class Decoder {
   // the process exits (a leak, never a free under a graph): destroy the graphs first. The
   // destructor's own wait is 0.1 s, and 0.01 s within 0.1 s of another object's wait (a
   // Decoder's, Prefiller's or communicator's) that ran out with launches held: objects that
-  // live graphs hold at interpreter exit cost one grace in all, not one each.
+  // live graphs hold at interpreter exit cost one grace and 0.01 s each, not one grace each.
   long long launches_in_live_graphs(double wait_seconds = 0) const;
 
  private:

@@ -188,8 +188,7 @@ class NcclCommunicator final : public Communicator {
     // graph forever, so the communicator is left to the process instead. Graphs destroyed just
     // before may still be releasing theirs on a CUDA thread: a short wait, and no CUDA call (a
     // destructor may run while another thread captures a graph).
-    if (owns_ && comm_ != nullptr &&
-        holds_.wait_on_destroy() == 0) {
+    if (owns_ && comm_ != nullptr && holds_.wait_on_destroy() == 0) {
       ncclCommDestroy(comm_);
     }
   }

@@ -473,8 +473,7 @@ class PeerCommunicator final : public Communicator {
     } else {
       cudaGetLastError();
     }
-    const bool held_here =
-        parts.holds.wait_on_destroy() > 0;
+    const bool held_here = parts.holds.wait_on_destroy() > 0;
     const bool held =
         parts.cross_process ? held_anywhere(bootstrap, parts, held_here, on_device) : held_here;
     if (on_device && !held_here) {

@@ -104,10 +104,15 @@ class GraphHolds {
   }
 
   // A destructor's wait: the count after destroy_grace(); a wait that runs out marks the burst.
+  // The grace waited goes to `grace_seconds` (0 when nothing was held), for tests. The mark is
+  // process-wide: a test that destroys held objects leaves it set for 0.1 s.
   // Host polling only, no CUDA call.
-  long long wait_on_destroy() const {
+  long long wait_on_destroy(double* grace_seconds = nullptr) const {
+    if (grace_seconds != nullptr) *grace_seconds = 0;
     if (count_->load() == 0) return 0;
-    const long long left = wait_for_release(destroy_grace(steady_ns(), last_run_out().load()));
+    const double grace = destroy_grace(steady_ns(), last_run_out().load());
+    if (grace_seconds != nullptr) *grace_seconds = grace;
+    const long long left = wait_for_release(grace);
     if (left > 0) last_run_out().store(steady_ns());
     return left;
   }

@@ -872,7 +872,7 @@ TEST(GpuDecode, DestroyedUnderALiveGraphTheWorkspaceStays) {
   const std::unique_ptr<CapturedGraph> graph = capture_decode(*dec, b, ids, sel.topk);
   ASSERT_TRUE(graph->status().is_ok()) << graph->status().to_string();
   const size_t workspace = dec->plan().workspace_bytes;
-  dec.reset();  // a 0.1 s grace, then the workspace is left to the process
+  dec.reset();  // a grace (GraphHolds::destroy_grace), then the workspace is left to the process
   // Of the workspace's size, where CUDA puts a freed block's successor (8 MiB blocks did not
   // land on a freed decode workspace: the test passed against destructors that free regardless).
   const LaterAllocations later(2, workspace);

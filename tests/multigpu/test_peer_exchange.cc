@@ -723,7 +723,7 @@ TEST_F(PeerOnOneGpu, DestroyedUnderLiveGraphsTheBuffersStayForTheirReplays) {
     ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   });
   ASSERT_EQ(cpidx::peer_gathers_in_live_graphs(*peers_[0]), 2);
-  peers_.clear();  // ranks of one process: no collective, a 0.1 s grace each; must return
+  peers_.clear();  // ranks of one process: no collective, a 0.1 s grace, then 0.01 s each
   DeviceScope scope(0);
   const cpidx_gpu_test::LaterAllocations later(8, kLater);  // where freed buffers would go
   for (int round = 0; round < 3; ++round) {
