@@ -214,9 +214,10 @@ class Decoder {
   // for graphs just destroyed (CUDA releases them on an internal thread; host polling only).
   // While it is above 0 the destructor keeps the workspace, which the graphs' replays use, until
   // the process exits (a leak, never a free under a graph): destroy the graphs first. The
-  // destructor's own wait is 0.1 s, and 0.01 s within 0.1 s of another object's wait (a
-  // Decoder's, Prefiller's or communicator's) that ran out with launches held: objects that
-  // live graphs hold at interpreter exit cost one grace and 0.01 s each, not one grace each.
+  // destructor's own wait is 0.1 s, and 0.01 s within 0.1 s of another wait that ran out with
+  // launches held (a destructor's of any Decoder, Prefiller or communicator, or this call's
+  // with wait_seconds > 0): objects that live graphs hold at interpreter exit cost one grace
+  // and 0.01 s each, not one grace each.
   long long launches_in_live_graphs(double wait_seconds = 0) const;
 
  private:

@@ -527,7 +527,8 @@ class Registry:
                 self._decoders.clear()
                 self._prefillers.clear()
             # After the grace their destructors give graphs just deleted (CUDA releases them on
-            # an internal thread): one grace for all of them, not one each.
+            # an internal thread): one grace for all of them, not one each; its running out on
+            # a held one lets their destructors wait the short grace (GraphHolds).
             until = time.monotonic() + 0.1
             held = sum(1 for obj in dropped
                        if getattr(obj, "launches_in_live_graphs", lambda _: 0)(

@@ -66,12 +66,16 @@ class GraphHolds {
   // The count after waiting up to `seconds` for it to reach 0: CUDA releases a destroyed graph's
   // objects on an internal thread, which can trail cudaGraphExecDestroy / cudaGraphDestroy.
   // Host polling only, no CUDA call (a destructor may run while another thread captures).
+  // A positive wait that runs out with launches still held marks a burst (destroy_grace): a
+  // destructor's, or a caller's that asks before dropping its objects (Registry.clear()).
   long long wait_for_release(double seconds) const {
     const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
     while (count_->load() > 0 && std::chrono::steady_clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    return count_->load();
+    const long long left = count_->load();
+    if (seconds > 0 && left > 0) last_run_out().store(steady_ns());
+    return left;
   }
 
   // wait_for_release for a caller that may make CUDA calls (never a destructor): while the count
@@ -90,34 +94,31 @@ class GraphHolds {
   static constexpr double kDestroyGraceSeconds = 0.1;
   static constexpr double kBurstGraceSeconds = 0.01;
 
-  // The grace of a destructor that starts at `now_ns` (steady clock), given when the last such
-  // wait of this process ran out with launches still held (0: never). Within one full grace of
-  // it, a burst of objects that live graphs still hold is being destroyed (interpreter exit, a
-  // registry cleared: CUDA graphs commonly live until then), and the short grace applies, so
-  // that N of them cost one grace and N short ones rather than N graces. A graph destroyed
-  // just before its object in such a burst may then release after the short grace: that
-  // object's memory is kept until the process exits, as a held object's is.
+  // The grace of a destructor that starts at `now_ns` (steady clock), given when the last wait
+  // of this process ran out with launches still held (0: never; wait_for_release). Within one
+  // full grace of it, a burst of objects that live graphs still hold is being destroyed
+  // (interpreter exit, a registry cleared: CUDA graphs commonly live until then), and the short
+  // grace applies, so that N of them cost one grace and N short ones rather than N graces. A
+  // graph destroyed just before its object in such a burst may then release after the short
+  // grace: that object's memory is kept until the process exits, as a held object's is.
   static double destroy_grace(int64_t now_ns, int64_t last_run_out_ns) {
     const int64_t full = static_cast<int64_t>(kDestroyGraceSeconds * 1e9);
     const bool in_burst = last_run_out_ns != 0 && now_ns - last_run_out_ns <= full;
     return in_burst ? kBurstGraceSeconds : kDestroyGraceSeconds;
   }
 
-  // A destructor's wait: the count after destroy_grace(); a wait that runs out marks the burst.
-  // The grace waited goes to `grace_seconds` (0 when nothing was held), for tests. The mark is
-  // process-wide: a test that destroys held objects leaves it set for 0.1 s.
-  // Host polling only, no CUDA call.
+  // A destructor's wait: the count after destroy_grace(). The grace waited goes to
+  // `grace_seconds` (0 when nothing was held), for tests. The mark is process-wide: a test that
+  // lets held objects go leaves it set for 0.1 s.
   long long wait_on_destroy(double* grace_seconds = nullptr) const {
     if (grace_seconds != nullptr) *grace_seconds = 0;
     if (count_->load() == 0) return 0;
     const double grace = destroy_grace(steady_ns(), last_run_out().load());
     if (grace_seconds != nullptr) *grace_seconds = grace;
-    const long long left = wait_for_release(grace);
-    if (left > 0) last_run_out().store(steady_ns());
-    return left;
+    return wait_for_release(grace);
   }
 
-  // When a destructor's wait last ran out (steady clock, ns; 0: never), for tests.
+  // When a wait last ran out with launches held (steady clock, ns; 0: never), for tests.
   static int64_t last_run_out_ns() { return last_run_out().load(); }
 
  private:
@@ -126,7 +127,7 @@ class GraphHolds {
                std::chrono::steady_clock::now().time_since_epoch())
         .count();
   }
-  // When a destructor's wait last ran out, process-wide (one library, so one variable).
+  // When a wait last ran out with launches held, process-wide (one library, so one variable).
   static std::atomic<int64_t>& last_run_out() {
     static std::atomic<int64_t> at{0};
     return at;

@@ -1,7 +1,7 @@
 // tests/gpu/test_graph_holds.cc: the destructors' grace (src/cuda/graph_holds.h), checked on the
 // host (no GPU needed, so it runs in CI). A destructor waits one full grace for graphs destroyed
-// just before it; within a grace of another destructor's wait that ran out (a burst of objects
-// that live graphs still hold: interpreter exit, a registry cleared) it waits the short one.
+// just before it; within a grace of another wait that ran out with launches held (a burst of
+// objects that live graphs still hold: interpreter exit, a registry cleared) the short one.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -53,6 +53,25 @@ TEST(GraphHolds, AHeldObjectsWaitMarksTheBurstAndAFreeOnesDoesNot) {
   held_count->store(0);  // the graphs released
   EXPECT_EQ(held.wait_on_destroy(&grace), 0);
   EXPECT_EQ(grace, 0) << "a released count returns at once";
+}
+
+// Registry.clear() asks each dropped object for its count (with what is left of one grace)
+// before dropping them: that wait running out starts the burst too, so their destructors then
+// wait the short grace. A zero wait (a plain query) marks nothing.
+TEST(GraphHolds, AQueryWhoseWaitRunsOutMarksTheBurstAndAZeroWaitDoesNot) {
+  auto held_count = std::make_shared<std::atomic<long long>>(1);
+  GraphHolds held;
+  ASSERT_TRUE(held.adopt(held_count));
+
+  const int64_t before = GraphHolds::last_run_out_ns();
+  EXPECT_EQ(held.wait_for_release(0), 1);
+  EXPECT_EQ(GraphHolds::last_run_out_ns(), before) << "a zero wait marks no burst";
+
+  EXPECT_EQ(held.wait_for_release(0.001), 1);
+  EXPECT_GT(GraphHolds::last_run_out_ns(), before) << "a wait that ran out marks the burst";
+  double grace = -1;
+  EXPECT_EQ(held.wait_on_destroy(&grace), 1);
+  EXPECT_EQ(grace, GraphHolds::kBurstGraceSeconds) << "the destructor right after it";
 }
 
 }  // namespace
