@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# scripts/device_grid.sh: on the GPU machine, the decode grid of TARGETS.md (modes plain1,
+# plain4, cp2, cp4; 1, 8 and 64 requests; contexts 8K, 64K, 256K and 1M; Q = 1 and 4: 96 rows a
+# dtype) in three `cpidx bench` calls a dtype, one after another (--reqs 1; --reqs 8,64 at 8K
+# and 64K; --reqs 8,64 at 256K and 1M), their rows merged into $OUT/grid_<dtype>_r1.json, the
+# tables into grid_<dtype>_r1.txt. With R2=1 (the default) the 32 rows of 8 and 64 requests at
+# 256K and 1M run again after every dtype's run 1 (grid_<dtype>_2m_up_r2.json): the rows of
+# targets 1-2 and 5 from a second call. Compare with bench/compare_peer.py BF16.json FP8.json.
+# Knobs: DTYPES (default "bf16 fp8"), R2 (0 or 1), CPIDX_TOOL (a built tool; default: build
+# build-device/cpidx with scripts/device.sh), NOTE (the merged JSON's note).
+set -uo pipefail
+export OUT=${OUT:-$PWD/device-out} PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
+mkdir -p "$OUT"
+tool=${CPIDX_TOOL:-}
+if [ -z "$tool" ]; then
+  TARGETS=cpidx_tool timeout 300 scripts/device.sh build || { echo "build failed"; exit 1; }
+  tool=./build-device/cpidx
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv
+scratch=$(mktemp -d)
+rc=0
+
+# run NAME SET... : one bench call a set (each set: bench flags), rows merged into $OUT/NAME.json
+run() {
+  local name=$1 dt=$2; shift 2
+  local parts=() i=0
+  : >"$OUT/$name.txt"
+  for set in "$@"; do
+    echo "== $name: --dtype $dt $set (${SECONDS}s)" | tee -a "$OUT/$name.txt"
+    # shellcheck disable=SC2086  # a set holds separate flags
+    timeout 200 "$tool" bench --dtype "$dt" $set --json "$scratch/$name.$i.json" \
+      >>"$OUT/$name.txt" 2>&1 || rc=1
+    parts+=("$scratch/$name.$i.json")
+    i=$((i + 1))
+  done
+  python3 - "$OUT/$name.json" "${NOTE:-device_grid.sh} ($name): $(IFS=';'; echo "$*")" "${parts[@]}" <<'EOF'
+import json, os, sys
+out, note, parts = sys.argv[1], sys.argv[2], [p for p in sys.argv[3:] if os.path.exists(p)]
+if not parts:
+    sys.exit(f"{out}: no bench call wrote its JSON")
+merged = json.load(open(parts[0]))
+for p in parts[1:]:
+    d = json.load(open(p))
+    merged["results"] += d["results"]
+    merged["step_results"] = merged.get("step_results", []) + d.get("step_results", [])
+merged["note"] = note
+json.dump(merged, open(out, "w"), indent=1)
+print(f"{out}: {len(merged['results'])} rows, checks:",
+      sorted({r['check'] for r in merged['results']}))
+EOF
+}
+
+for dt in ${DTYPES:-bf16 fp8}; do
+  run "grid_${dt}_r1" "$dt" "--reqs 1" "--reqs 8,64 --contexts 8K,64K" \
+    "--reqs 8,64 --contexts 256K,1M" || rc=1
+  if [ "${R2:-1}" = 1 ]; then
+    run "grid_${dt}_2m_up_r2" "$dt" "--reqs 8,64 --contexts 256K,1M" || rc=1
+  fi
+done
+rm -rf "$scratch"
+echo "== done (${SECONDS}s)"
+exit $rc
