@@ -5,7 +5,7 @@
 # and 64K; --reqs 8,64 at 256K and 1M), their rows merged into $OUT/grid_<dtype>_r1.json, the
 # tables into grid_<dtype>_r1.txt. With R2=1 (the default) the 32 rows of 8 and 64 requests at
 # 256K and 1M run again after every dtype's run 1 (grid_<dtype>_2m_up_r2.json): the rows of
-# targets 1-2 and 5 from a second call. Compare with bench/compare_peer.py BF16.json FP8.json.
+# targets 1-2 and 5 from a second call. grid_vs_peer_r1.md: bench/compare_peer.py on run 1.
 # Knobs: DTYPES (default "bf16 fp8"), R2 (0 or 1), CPIDX_TOOL (a built tool; default: build
 # build-device/cpidx with scripts/device.sh), NOTE (the merged JSON's note).
 set -uo pipefail
@@ -60,5 +60,11 @@ for dt in ${DTYPES:-bf16 fp8}; do
   run "grid_${dt}_2m_up_r2" "$dt" "--reqs 8,64 --contexts 256K,1M" || rc=1
 done
 rm -rf "$scratch"
+# The targets' tables (against the peer's H200 figures, and fp8 against bf16), run 1's rows.
+r1=()
+for dt in ${DTYPES:-bf16 fp8}; do
+  [ -s "$OUT/grid_${dt}_r1.json" ] && r1+=("$OUT/grid_${dt}_r1.json")
+done
+[ ${#r1[@]} -gt 0 ] && python3 bench/compare_peer.py "${r1[@]}" >"$OUT/grid_vs_peer_r1.md"
 echo "== done (${SECONDS}s)"
 exit $rc
