@@ -557,11 +557,14 @@ TEST(NcclOverHost, ARankThatNeverJoinsCostsItsPeersTheInitTimeout) {
   EXPECT_EQ(cudaFree(buf), cudaSuccess);
 }
 
-// One GPU, two ranks: rank 0's deadline (1 ms) passes long before any init could complete, rank
-// 1's (60 s) does not. Rank 0's init is left to its thread, still joining, and rank 1's init
-// goes on with it: NCCL refuses two ranks on one GPU, so both end, rank 1 with NCCL's error
-// (were they made, rank 0's thread would abort its communicator). Nothing waits past rank 1's
-// deadline, and the abandoned thread is left to end on its own.
+// One GPU, two ranks: rank 0's deadline (1 ms) passes before its init can complete, rank 1's
+// (60 s) does not. Rank 1 calls its init 100 ms late, so rank 0's cannot end within its deadline
+// (NCCL's bootstrap waits for every rank; without the delay NCCL refused the shared GPU within
+// 1 ms on one H100, d1207g, and rank 0 returned NCCL's error instead of its timeout). Rank 0's
+// init is left to its thread, still joining, and rank 1's init goes on with it: NCCL refuses two
+// ranks on one GPU, so both end, rank 1 with NCCL's error (were they made, rank 0's thread would
+// abort its communicator). Nothing waits past rank 1's deadline, and the abandoned thread is left
+// to end on its own.
 TEST(NcclOverHost, AnInitPastItsDeadlineIsLeftToEndWithItsPeers) {
   if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
   Status id_status;
@@ -573,6 +576,7 @@ TEST(NcclOverHost, AnInitPastItsDeadlineIsLeftToEndWithItsPeers) {
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
       const auto i = static_cast<size_t>(r);
+      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       made[i] = cpidx::make_nccl_communicator(id, kWorld, r, 0, &st[i], nullptr,
                                               r == 0 ? 0.001 : 60.0);
     });
