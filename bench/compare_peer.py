@@ -11,6 +11,8 @@ shard floor + 10 us at B*L >= 2M tokens, at most 14 us at B=1, L=8K).
 With an fp8 run (`cpidx bench --dtype fp8 --json`), the peer has nothing to compare (it has no
 fp8 cache on this GPU): its rows are set against the same shapes of a bf16 run instead, for
 TARGETS.md item 5 (fp8 at least 1.8x faster than bf16 at B*L >= 2M tokens).
+A row whose check failed, or measured off the method (on another card than the H200: the JSON's
+`device`; fewer than 10 replays; inputs not rotated past the L2), is shown but not judged.
 Usage: compare_peer.py bench.json [fp8.json]   (or the fp8 run alone, or the two in any order)
 """
 import json
@@ -75,11 +77,19 @@ def passed(r):
     return check == "ok" or check.startswith("ok(")
 
 
+TARGET_CARD = "H200"  # the card of TARGETS.md's numbers and of PEER_H200.md's
+
+
 def off_method(r, data):
     """Why a row was not measured as TARGETS.md says (None when it was, or when the JSON
-    predates the fields that tell): fewer than 10 replays, or inputs that a replay's calls
-    rotate through the L2 fewer than 8 times (a small --pool-mb: pages read from the L2).
-    The replays are the run's (`data`), or the row's own where main() copied them in."""
+    predates the fields that tell): on another card than the H200 (the JSON's `device`: an
+    H100's times say nothing of the H200's targets nor of the peer's times there), fewer than
+    10 replays, or inputs that a replay's calls rotate through the L2 fewer than 8 times (a
+    small --pool-mb: pages read from the L2). The device and replays are the run's (`data`),
+    or the row's own where main() copied them in."""
+    device = data.get("device", r.get("device"))
+    if device is not None and TARGET_CARD not in device:
+        return f"off-method: {device}, not an {TARGET_CARD}"
     replays = data.get("replays", r.get("replays"))
     if replays is not None and replays < 10:
         return f"off-method: {replays} replays"
@@ -193,8 +203,8 @@ def main():
     fp8 = [d for d in runs if d.get("dtype") == "fp8"]
     bf16 = [d for d in runs if d.get("dtype", "bf16") != "fp8"]
     if fp8:
-        def rows(runs):  # each row with its run's replays, for off_method
-            return [dict(r, replays=d["replays"]) if "replays" in d else r
+        def rows(runs):  # each row with its run's replays and device, for off_method
+            return [dict(r, **{k: d[k] for k in ("replays", "device") if k in d})
                     for d in runs for r in d.get("results", [])]
         print("fp8 against bf16 (TARGETS.md item 5):\n")
         for line in fp8_table(rows(fp8), rows(bf16)):

@@ -160,6 +160,36 @@ def test_compare_peer_never_judges_a_failed_or_off_method_row(capsys):
     assert capsys.readouterr().out.splitlines()[2].endswith("| off-method: 3 replays |")
 
 
+def test_compare_peer_judges_only_runs_on_the_targets_card(capsys, tmp_path):
+    # TARGETS.md's numbers and the peer's are the H200's: an H100 run's rows are shown, not
+    # judged, in the peer table and in fp8 against bf16; a JSON without `device` (older) is.
+    fine = dict(_row(5.0, reqs=1, context=8192), rotated_mb=512.0, gbps=420.0)
+    compare_peer.report({"results": [fine], "replays": 10, "device": "NVIDIA H100 80GB HBM3"})
+    assert capsys.readouterr().out.splitlines()[2].endswith(
+        "| off-method: NVIDIA H100 80GB HBM3, not an H200 |")
+    for device in ("NVIDIA H200", None):
+        run = {"results": [fine], "replays": 10}
+        if device:
+            run["device"] = device
+        compare_peer.report(run)
+        assert capsys.readouterr().out.splitlines()[2].endswith("| <= 0.6x peer | met |")
+    paths = []
+    for dtype, us in (("bf16", 130.0), ("fp8", 70.0)):
+        run = {"dtype": dtype, "replays": 10, "device": "NVIDIA H100 80GB HBM3",
+               "results": [dict(_row(us), gbps=3800.0, rotated_mb=537.0)]}
+        paths.append(tmp_path / f"{dtype}.json")
+        paths[-1].write_text(json.dumps(run))
+    argv = sys.argv
+    sys.argv = ["compare_peer.py"] + [str(p) for p in paths]
+    try:
+        compare_peer.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out.splitlines()
+    assert out[4].endswith("| 70.0 | - | - | 3800 | >= 1.8x bf16 | off-method: NVIDIA H100 "
+                           "80GB HBM3, not an H200 |"), out[4]  # nor a partner for fp8
+
+
 def test_fp8_rows_are_judged_against_the_same_bf16_shapes():
     bf16 = [_row(130.0), _row(8.0, reqs=1, context=8192), _row(40.0, reqs=8, context=65536)]
     fp8 = [dict(_row(70.0), gbps=3800.0), dict(_row(8.5, reqs=1, context=8192), gbps=120.0),
