@@ -80,16 +80,26 @@ def passed(r):
 TARGET_CARD = "H200"  # the card of TARGETS.md's numbers and of PEER_H200.md's
 
 
-def off_method(r, data):
-    """Why a row was not measured as TARGETS.md says (None when it was, or when the JSON
-    predates the fields that tell): on another card than the H200 (the JSON's `device`: an
-    H100's times say nothing of the H200's targets nor of the peer's times there), fewer than
-    10 replays, or inputs that a replay's calls rotate through the L2 fewer than 8 times (a
-    small --pool-mb: pages read from the L2). The device and replays are the run's (`data`),
-    or the row's own where main() copied them in."""
+def off_card(r, data):
+    """Why a row's card is not the targets' (None when it is, or when the JSON predates the
+    field): another card than the H200 (the JSON's `device`: an H100's times say nothing of the
+    H200's targets nor of the peer's times there). The device is the run's (`data`), or the
+    row's own where main() copied it in."""
     device = data.get("device", r.get("device"))
     if device is not None and TARGET_CARD not in device:
         return f"off-method: {device}, not an {TARGET_CARD}"
+    return None
+
+
+def off_method(r, data, card=True):
+    """Why a row was not measured as TARGETS.md says (None when it was, or when the JSON
+    predates the fields that tell): on another card than the H200 (off_card; not asked with
+    card=False), fewer than 10 replays, or inputs that a replay's calls rotate through the L2
+    fewer than 8 times (a small --pool-mb: pages read from the L2). The replays are the run's
+    (`data`), or the row's own where main() copied them in."""
+    why = off_card(r, data) if card else None
+    if why:
+        return why
     replays = data.get("replays", r.get("replays"))
     if replays is not None and replays < 10:
         return f"off-method: {replays} replays"
@@ -169,14 +179,16 @@ def shape_key(r):
 def fp8_table(fp8_rows, bf16_rows):
     """fp8 rows against the bf16 rows of the same shapes (TARGETS.md item 5), as lines. A bf16
     row that failed its check or was measured off the method is no partner; such an fp8 row is
-    not judged (rows carry their run's `replays`, main())."""
-    bf16 = {shape_key(r): r for r in bf16_rows if passed(r) and off_method(r, {}) is None}
+    not judged (rows carry their run's `replays` and `device`, main()). Rows of another card
+    than the H200 are set against bf16 rows of the same card: the ratio is shown, not judged."""
+    bf16 = {(shape_key(r), r.get("device")): r for r in bf16_rows
+            if passed(r) and off_method(r, {}, card=False) is None}
     lines = ["| mode | heads | P | B | L | Q | fp8 us | bf16 us | bf16 / fp8 | fp8 GB/s | target "
              "| |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in fp8_rows:
-        other = bf16.get(shape_key(r))
+        other = bf16.get((shape_key(r), r.get("device")))
         large = r["reqs"] * r["context"] >= 2 * M1
-        why = off_method(r, {})
+        why = off_method(r, {}, card=False)
         if not passed(r):
             speedup, mark = "-", f"check: {r.get('check')}"
         elif why:
@@ -186,6 +198,7 @@ def fp8_table(fp8_rows, bf16_rows):
         else:
             speedup = f"{other['us'] / r['us']:.2f}"
             mark = ("met" if other["us"] >= 1.8 * r["us"] else "missed") if large else ""
+            mark = off_card(r, {}) or mark
         bf16_us = f"{other['us']:.1f}" if other else "-"
         lines.append(f"| {r['mode']} | {r['heads']} | {r['world']} | {r['reqs']} | "
                      f"{context_text(r['context'])} | {r['qlen']} | {r['us']:.1f} | "

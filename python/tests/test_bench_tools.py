@@ -186,8 +186,15 @@ def test_compare_peer_judges_only_runs_on_the_targets_card(capsys, tmp_path):
     finally:
         sys.argv = argv
     out = capsys.readouterr().out.splitlines()
-    assert out[4].endswith("| 70.0 | - | - | 3800 | >= 1.8x bf16 | off-method: NVIDIA H100 "
-                           "80GB HBM3, not an H200 |"), out[4]  # nor a partner for fp8
+    # fp8 against bf16 of the same card: the ratio shown, not judged
+    assert out[4].endswith("| 70.0 | 130.0 | 1.86 | 3800 | >= 1.8x bf16 | off-method: NVIDIA "
+                           "H100 80GB HBM3, not an H200 |"), out[4]
+    # a bf16 row of another card is no partner
+    h200 = [dict(_row(130.0), gbps=3800.0, rotated_mb=537.0, replays=10, device="NVIDIA H200")]
+    h100 = dict(h200[0], us=70.0, device="NVIDIA H100 80GB HBM3")
+    assert compare_peer.fp8_table([h100], h200)[2].endswith("| no bf16 row |")
+    assert compare_peer.fp8_table([dict(h100, device="NVIDIA H200")], h200)[2].endswith(
+        "| 1.86 | 3800 | >= 1.8x bf16 | met |")
 
 
 def test_fp8_rows_are_judged_against_the_same_bf16_shapes():
