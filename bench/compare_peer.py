@@ -16,6 +16,7 @@ A row whose check failed, or measured off the method (on another card than the H
 Usage: compare_peer.py bench.json [fp8.json]   (or the fp8 run alone, or the two in any order)
 """
 import json
+import re
 import sys
 
 K8, K64, K256, M1 = 8192, 65536, 262144, 1048576
@@ -86,7 +87,7 @@ def off_card(r, data):
     H200's targets nor of the peer's times there). The device is the run's (`data`), or the
     row's own where main() copied it in."""
     device = data.get("device", r.get("device"))
-    if device is not None and TARGET_CARD not in device:
+    if device is not None and not re.search(rf"\b{TARGET_CARD}\b", device):  # not a GH200
         return f"off-method: {device}, not an {TARGET_CARD}"
     return None
 
@@ -180,13 +181,22 @@ def fp8_table(fp8_rows, bf16_rows):
     """fp8 rows against the bf16 rows of the same shapes (TARGETS.md item 5), as lines. A bf16
     row that failed its check or was measured off the method is no partner; such an fp8 row is
     not judged (rows carry their run's `replays` and `device`, main()). Rows of another card
-    than the H200 are set against bf16 rows of the same card: the ratio is shown, not judged."""
-    bf16 = {(shape_key(r), r.get("device")): r for r in bf16_rows
-            if passed(r) and off_method(r, {}, card=False) is None}
+    than the H200 are set against bf16 rows of the same card (a row without `device`, from an
+    older JSON, pairs with any): the ratio is shown, not judged."""
+    bf16 = {}
+    for r in bf16_rows:
+        if passed(r) and off_method(r, {}, card=False) is None:
+            bf16.setdefault(shape_key(r), []).append(r)
+
+    def partner(r):
+        device = r.get("device")
+        return next((b for b in bf16.get(shape_key(r), [])
+                     if device is None or b.get("device") in (None, device)), None)
+
     lines = ["| mode | heads | P | B | L | Q | fp8 us | bf16 us | bf16 / fp8 | fp8 GB/s | target "
              "| |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in fp8_rows:
-        other = bf16.get((shape_key(r), r.get("device")))
+        other = partner(r)
         large = r["reqs"] * r["context"] >= 2 * M1
         why = off_method(r, {}, card=False)
         if not passed(r):

@@ -22,6 +22,7 @@ fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
+rm -f "$OUT/grid_vs_peer_r1.md"  # a reused $OUT: never a previous run's table
 rc=0
 
 # run NAME DTYPE FLAGS... : one bench call per FLAGS (bench flags), rows merged into $OUT/NAME.json
@@ -55,7 +56,7 @@ merged = None
 for p in parts:
     try:
         d = json.load(open(p))
-    except ValueError as e:  # a call killed while it rewrote its JSON
+    except ValueError as e:  # a safeguard: the tool writes a .tmp and renames it
         note += f" [{os.path.basename(p)} unreadable: {e}]"
         continue
     if merged is None:

@@ -160,7 +160,7 @@ def test_compare_peer_never_judges_a_failed_or_off_method_row(capsys):
     assert capsys.readouterr().out.splitlines()[2].endswith("| off-method: 3 replays |")
 
 
-def test_compare_peer_judges_only_runs_on_the_targets_card(capsys, tmp_path):
+def test_compare_peer_judges_only_runs_on_the_targets_card(capsys, tmp_path, monkeypatch):
     # TARGETS.md's numbers and the peer's are the H200's: an H100 run's rows are shown, not
     # judged, in the peer table and in fp8 against bf16; a JSON without `device` (older) is.
     fine = dict(_row(5.0, reqs=1, context=8192), rotated_mb=512.0, gbps=420.0)
@@ -179,12 +179,8 @@ def test_compare_peer_judges_only_runs_on_the_targets_card(capsys, tmp_path):
                "results": [dict(_row(us), gbps=3800.0, rotated_mb=537.0)]}
         paths.append(tmp_path / f"{dtype}.json")
         paths[-1].write_text(json.dumps(run))
-    argv = sys.argv
-    sys.argv = ["compare_peer.py"] + [str(p) for p in paths]
-    try:
-        compare_peer.main()
-    finally:
-        sys.argv = argv
+    monkeypatch.setattr(sys, "argv", ["compare_peer.py"] + [str(p) for p in paths])
+    compare_peer.main()
     out = capsys.readouterr().out.splitlines()
     # fp8 against bf16 of the same card: the ratio shown, not judged
     assert out[4].endswith("| 70.0 | 130.0 | 1.86 | 3800 | >= 1.8x bf16 | off-method: NVIDIA "
@@ -195,6 +191,11 @@ def test_compare_peer_judges_only_runs_on_the_targets_card(capsys, tmp_path):
     assert compare_peer.fp8_table([h100], h200)[2].endswith("| no bf16 row |")
     assert compare_peer.fp8_table([dict(h100, device="NVIDIA H200")], h200)[2].endswith(
         "| 1.86 | 3800 | >= 1.8x bf16 | met |")
+    # a row without `device` (an older JSON) pairs with any, and a GH200 is not an H200
+    older = {k: v for k, v in h100.items() if k != "device"}
+    assert compare_peer.fp8_table([older], h200)[2].endswith("| 1.86 | 3800 | >= 1.8x bf16 | met |")
+    assert compare_peer.off_card(h100, {"device": "NVIDIA GH200 480GB"}) is not None
+    assert compare_peer.off_card(h100, {"device": "NVIDIA H200 NVL"}) is None
 
 
 def test_fp8_rows_are_judged_against_the_same_bf16_shapes():

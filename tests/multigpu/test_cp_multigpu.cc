@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -558,13 +559,15 @@ TEST(NcclOverHost, ARankThatNeverJoinsCostsItsPeersTheInitTimeout) {
 }
 
 // One GPU, two ranks: rank 0's deadline (1 ms) passes before its init can complete, rank 1's
-// (60 s) does not. Rank 1 calls its init 100 ms late, so rank 0's cannot end within its deadline
-// (NCCL's bootstrap waits for every rank; without the delay NCCL refused the shared GPU within
-// 1 ms on one H100, d1207g, and rank 0 returned NCCL's error instead of its timeout). Rank 0's
-// init is left to its thread, still joining, and rank 1's init goes on with it: NCCL refuses two
-// ranks on one GPU, so both end, rank 1 with NCCL's error (were they made, rank 0's thread would
-// abort its communicator). Nothing waits past rank 1's deadline, and the abandoned thread is left
-// to end on its own.
+// (60 s) does not. Rank 1 calls its init only once rank 0's call has returned: NCCL's bootstrap
+// waits for every rank, so rank 0's init cannot end before rank 1 joins, and its deadline is what
+// returns it (with both inits started at once, NCCL refused the shared GPU within 1 ms on one
+// H100, d1207g, and rank 0 returned NCCL's error instead). Rank 0's init is left to its thread,
+// still joining, and rank 1's init goes on with it: NCCL refuses two ranks on one GPU, so both
+// end, rank 1 with NCCL's error, not its own deadline's (were they made, rank 0's thread would
+// abort its communicator). Nothing waits past rank 1's deadline, and the abandoned thread is
+// left to end on its own. Rank 1 waits at most 10 s for rank 0: a deadline not kept fails the
+// test instead of hanging it.
 TEST(NcclOverHost, AnInitPastItsDeadlineIsLeftToEndWithItsPeers) {
   if (device_count() < 1) GTEST_SKIP() << "needs a GPU";
   Status id_status;
@@ -572,13 +575,20 @@ TEST(NcclOverHost, AnInitPastItsDeadlineIsLeftToEndWithItsPeers) {
   ASSERT_TRUE(id_status.is_ok()) << id_status.to_string();
   std::vector<Status> st(kWorld);
   std::vector<std::unique_ptr<Communicator>> made(kWorld);
+  std::atomic<bool> rank0_returned{false};
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
       const auto i = static_cast<size_t>(r);
-      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (r == 1) {
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!rank0_returned.load() && std::chrono::steady_clock::now() < give_up) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      }
       made[i] = cpidx::make_nccl_communicator(id, kWorld, r, 0, &st[i], nullptr,
                                               r == 0 ? 0.001 : 60.0);
+      if (r == 0) rank0_returned.store(true);
     });
   }
   for (auto& t : threads) t.join();
@@ -588,7 +598,12 @@ TEST(NcclOverHost, AnInitPastItsDeadlineIsLeftToEndWithItsPeers) {
   EXPECT_NE(st[0].message().find("did not complete within init_timeout_seconds = 0.001"),
             std::string::npos)
       << st[0].message();
+  // Rank 1 ended with the abandoned init's peer (NCCL's refusal), not alone at its deadline.
   EXPECT_FALSE(st[1].is_ok());
+  EXPECT_NE(st[1].message().find("ncclCommInitRank failed"), std::string::npos)
+      << st[1].message();
+  EXPECT_EQ(st[1].message().find("did not complete within"), std::string::npos)
+      << st[1].message();
   std::printf("[ info ] rank 1: %s\n", st[1].to_string().c_str());
 }
 
