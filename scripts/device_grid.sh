@@ -12,14 +12,14 @@
 # Knobs: DTYPES (default "bf16 fp8"), R2 (0 or 1), CPIDX_TOOL (a built tool; default: build
 # build-device/cpidx with scripts/device.sh), NOTE (the merged JSON's note).
 set -uo pipefail
-export OUT=${OUT:-$PWD/device-out} PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
-mkdir -p "$OUT"
+# shellcheck source=scripts/device_common.sh
+. "$(dirname "$0")/device_common.sh"
+device_log_start gpu.txt  # $OUT, CUDA on PATH, NVLS off, the GPU's name and clocks
 tool=${CPIDX_TOOL:-}
 if [ -z "$tool" ]; then
   TARGETS=cpidx_tool timeout 300 scripts/device.sh build || { echo "build failed"; exit 1; }
   tool=./build-device/cpidx
 fi
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 rm -f "$OUT/grid_vs_peer_r1.md"  # a reused $OUT: never a previous run's table
