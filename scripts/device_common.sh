@@ -1,9 +1,10 @@
 # shellcheck shell=bash
 # scripts/device_common.sh: sourced by the device scripts that log one timed call
-# (device_ab.sh, device_configs.sh, device_grid.sh). `device_log_start NAME`: $OUT made (default ./device-out),
-# CUDA on PATH and NVLink multicast off (NCCL_NVLS_ENABLE=0) exported, the clock of `elapsed`
-# started, `log` set to $OUT/NAME, and the GPU's name and clocks written as its first lines
-# (and printed). `bench_option ARGS...`: the bench options both scripts take (see below).
+# (device_ab.sh, device_configs.sh, device_grid.sh). `device_log_start NAME`: $OUT made (default
+# ./device-out), CUDA on PATH and NVLink multicast off (NCCL_NVLS_ENABLE=0) exported, the clock
+# of `elapsed` started, `log` set to $OUT/NAME, and the GPU's name and clocks written as its
+# first lines (and printed). `bench_option ARGS...`: the bench options device_ab.sh and
+# device_configs.sh take (see below).
 
 device_log_start() {
   OUT=${OUT:-$PWD/device-out}
