@@ -59,7 +59,8 @@ TEST(ThreadComm, MismatchedSizesAndNullBuffersFailEveryRank) {
   });
   for (int r = 0; r < world; ++r) {
     EXPECT_EQ(sizes[static_cast<size_t>(r)].code(), cpidx::StatusCode::kCommError);
-    EXPECT_NE(sizes[static_cast<size_t>(r)].message().find("bytes_per_rank"), std::string::npos);
+    EXPECT_EQ(sizes[static_cast<size_t>(r)].message(),  // every rank's, the same on each
+              "all_gather: ranks disagree on bytes_per_rank: values by rank [16, 16, 16, 8]");
     EXPECT_EQ(nulls[static_cast<size_t>(r)].code(), cpidx::StatusCode::kCommError);
     EXPECT_TRUE(after[static_cast<size_t>(r)].is_ok()) << "the communicator stays usable";
   }
@@ -86,7 +87,8 @@ TEST(ThreadComm, CheckAgree) {
 TEST(ThreadComm, CheckAgreeAll) {
   const int world = 3;
   const char* const names[3] = {"rows", "query_len", "scale (bits)"};
-  std::vector<cpidx::Status> same(world), differ(world), two(world), none(world);
+  std::vector<cpidx::Status> same(world), differ(world), two(world), none(world),
+      null_values(world), null_names(world);
   run_ranks(world, [&](int r, cpidx::Communicator& comm) {
     const long long base[3] = {8, 2, 1065353216};
     same[static_cast<size_t>(r)] = comm.check_agree_all(base, names, 3);
@@ -95,6 +97,9 @@ TEST(ThreadComm, CheckAgreeAll) {
     const long long both[3] = {8, r == 0 ? 4 : 2, r == 1 ? 7 : 1065353216};  // first one named
     two[static_cast<size_t>(r)] = comm.check_agree_all(both, names, 3);
     none[static_cast<size_t>(r)] = comm.check_agree_all(nullptr, names, 0);
+    // Null values on one rank, or null names: an error on every rank, never a hang or a fault.
+    null_values[static_cast<size_t>(r)] = comm.check_agree_all(r == 1 ? nullptr : base, names, 3);
+    null_names[static_cast<size_t>(r)] = comm.check_agree_all(one, nullptr, 3);
   });
   for (int r = 0; r < world; ++r) {
     EXPECT_TRUE(same[static_cast<size_t>(r)].is_ok());
@@ -108,6 +113,10 @@ TEST(ThreadComm, CheckAgreeAll) {
     EXPECT_NE(t.message().find("query_len: values by rank [4, 2, 2]"), std::string::npos)
         << t.message();
     EXPECT_EQ(t.message().find("scale"), std::string::npos) << t.message();
+    EXPECT_EQ(null_values[static_cast<size_t>(r)].message(),
+              "check_agree_all: rank 1 passed null values with count 3");
+    EXPECT_EQ(null_names[static_cast<size_t>(r)].message(),
+              "ranks disagree on value: values by rank [2, 2, 1]");
   }
 }
 
@@ -357,6 +366,13 @@ TEST(ThreadComm, DefaultCheckAgreeAllOnDeviceMemoryAsksEachValue) {
   EXPECT_EQ(s.code(), cpidx::StatusCode::kCommError);
   EXPECT_EQ(s.message(), "b");
   EXPECT_EQ(refusing.asked, (std::vector<std::string>{"a", "b"}));
+  // Null values: every value is still asked (as LLONG_MIN, so ranks with values disagree), then
+  // refused; null names are asked as "value".
+  AgreeingDeviceComm unnamed;
+  const cpidx::Status none = unnamed.check_agree_all(nullptr, nullptr, 2);
+  EXPECT_EQ(none.code(), cpidx::StatusCode::kInvalidArgument);
+  EXPECT_EQ(none.message(), "check_agree_all: null values with count 2");
+  EXPECT_EQ(unnamed.asked, (std::vector<std::string>{"value", "value"}));
   EXPECT_EQ(comm.gathers + refusing.gathers, 0);
   EXPECT_EQ(comm.max_bytes_per_rank(), SIZE_MAX);  // the default: any size goes
 }

@@ -214,7 +214,9 @@ class NcclCommunicator final : public Communicator {
     return host_->check_agree(value, what);
   }
   Status check_agree_all(const long long* values, const char* const* names, int count) override {
-    if (host_ == nullptr) return Status::ok();
+    // Without a host channel the default still refuses a bad count or null values (each
+    // check_agree it asks then agrees at once).
+    if (host_ == nullptr) return Communicator::check_agree_all(values, names, count);
     return host_->check_agree_all(values, names, count);
   }
 

@@ -85,14 +85,16 @@ class ThreadCommunicator final : public Communicator {
                                                     " could not allocate a copy of its bytes");
       }
     }
-    for (int i = 0; i < s.world_size && status.is_ok(); ++i) {
-      const size_t other = s.sizes[static_cast<size_t>(i)];
-      if (other != bytes_per_rank) {
-        status = Status(StatusCode::kCommError,
-                        "all_gather: ranks disagree on bytes_per_rank: rank " +
-                            std::to_string(rank_) + " has " + std::to_string(bytes_per_rank) +
-                            ", rank " + std::to_string(i) + " has " + std::to_string(other));
+    bool same = true;
+    for (const size_t other : s.sizes) same = same && other == s.sizes[0];
+    if (status.is_ok() && !same) {  // every rank's size, so every rank's message is the same
+      std::string by_rank;
+      for (int i = 0; i < s.world_size; ++i) {
+        by_rank += (i ? ", " : "") + std::to_string(s.sizes[static_cast<size_t>(i)]);
       }
+      status = Status(StatusCode::kCommError,
+                      "all_gather: ranks disagree on bytes_per_rank: values by rank [" + by_rank +
+                          "]");
     }
     if (status.is_ok() && bytes_per_rank > 0) {
       auto* dst = static_cast<unsigned char*>(recv);

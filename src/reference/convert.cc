@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <exception>
 #include <limits>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -78,15 +80,32 @@ int parallel_for(int64_t count, double work, const std::function<void(int64_t, i
     for (int64_t i = 0; i < count; ++i) body(i, 0);
     return 1;
   }
+  // Items are handed out from one counter, so any number of threads covers them all: a thread
+  // the system refuses is one fewer. A body that throws (std::bad_alloc) stops the hand-out, and
+  // the first exception is rethrown on the calling thread once every thread has joined, instead
+  // of ending the process from a worker.
   std::atomic<int64_t> next{0};
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
   auto run = [&](int worker) {
-    for (int64_t i = next++; i < count; i = next++) body(i, worker);
+    try {
+      for (int64_t i = next++; i < count; i = next++) body(i, worker);
+    } catch (...) {
+      next = count;
+      const std::lock_guard<std::mutex> lock(failure_mutex);
+      if (!failure) failure = std::current_exception();
+    }
   };
   std::vector<std::thread> threads;
-  for (int w = 1; w < workers; ++w) threads.emplace_back(run, w);
+  try {
+    threads.reserve(static_cast<size_t>(workers - 1));
+    for (int w = 1; w < workers; ++w) threads.emplace_back(run, w);
+  } catch (const std::exception&) {  // std::system_error (no thread), std::bad_alloc
+  }
   run(0);
   for (auto& t : threads) t.join();
-  return static_cast<int>(workers);
+  if (failure) std::rethrow_exception(failure);
+  return static_cast<int>(threads.size()) + 1;
 }
 
 }  // namespace detail

@@ -69,26 +69,42 @@ Status detail::agree_on_settings(Communicator& comm, int total_heads, const Deco
 Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& local,
                  const Selection& sel, const TopkOutput& out, const SparseTableOutput* table,
                  int32_t* err, CpStageTimes* times) {
-  // Every rank joins the agreement even when its own inputs are bad (it sends -1), so a
-  // mistake on one rank is an error on all ranks, never a hang in a later collective.
-  const Status local_status = check_local(comm, geo, local, sel, out, table, err);
-  const long long n_or_bad = local_status.is_ok() ? local.num_rows() : -1;
+  // The step's buffers, sized from this rank's n (all ranks' once they agree on it).
+  std::vector<uint16_t> q_gathered, q_full;
+  std::vector<Key> keys_gathered;
+  const int world = geo.world_size;
+  const int total = geo.total_heads;
+  const int lh = geo.local_heads;
+  const int k = sel.topk;
+  const int64_t n = local.num_rows();
+  const size_t q_elems = static_cast<size_t>(n) * lh * kHeadDim;
+  const size_t key_elems = static_cast<size_t>(total) * n * k;  // [T][n][K] a rank
+  // Every rank joins the agreement even when its own inputs are bad or its buffers cannot be
+  // allocated (it sends -1), so a mistake on one rank is an error on all ranks, never a hang in
+  // a later collective.
+  Status local_status = check_local(comm, geo, local, sel, out, table, err);
+  if (local_status.is_ok()) {
+    try {
+      q_gathered.resize(q_elems * world);
+      q_full.resize(static_cast<size_t>(n) * total * kHeadDim);
+      keys_gathered.resize(key_elems * world);
+    } catch (const std::exception& e) {  // std::bad_alloc, std::length_error
+      const size_t bytes = (q_elems * world + static_cast<size_t>(n) * total * kHeadDim) *
+                               sizeof(uint16_t) + key_elems * world * sizeof(Key);
+      local_status = Status(StatusCode::kInternal,
+                            "cp_decode: could not allocate the step's gather buffers (" +
+                                std::to_string(bytes) + " bytes): " + e.what());
+    }
+  }
+  const long long n_or_bad = local_status.is_ok() ? n : -1;
   const Status agree_rows =
       comm.check_agree(n_or_bad, "decode rows n = num_reqs * query_len (-1: inputs rejected)");
   CPIDX_RETURN_IF_ERROR(local_status);
   CPIDX_RETURN_IF_ERROR(agree_rows);
   CPIDX_RETURN_IF_ERROR(detail::agree_on_settings(comm, geo.total_heads, local, sel));
 
-  const int64_t n = local.num_rows();
-  const int world = geo.world_size;
-  const int total = geo.total_heads;
-  const int lh = geo.local_heads;
-  const int k = sel.topk;
-
   // (1) All-gather the local queries [n, L, D] (packed), keep each replica group's lowest rank.
   auto start = Clock::now();
-  const size_t q_elems = static_cast<size_t>(n) * lh * kHeadDim;
-  std::vector<uint16_t> q_gathered(q_elems * world);
   uint16_t* q_mine = q_gathered.data() + q_elems * geo.rank;  // in place
   for (int64_t row = 0; row < n; ++row) {
     for (int j = 0; j < lh; ++j) {
@@ -98,7 +114,6 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
   }
   CPIDX_RETURN_IF_ERROR(
       comm.all_gather(q_mine, q_gathered.data(), q_elems * sizeof(uint16_t), nullptr));
-  std::vector<uint16_t> q_full(static_cast<size_t>(n) * total * kHeadDim);
   for (int group = 0; group < world / geo.replicas; ++group) {
     const uint16_t* src_rank = q_gathered.data() + q_elems * (group * geo.replicas);
     for (int64_t row = 0; row < n; ++row) {
@@ -117,11 +132,21 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
   full.q_row_stride = int64_t{total} * kHeadDim;
   full.q_head_stride = kHeadDim;
   full.num_heads = total;
-  const size_t key_elems = static_cast<size_t>(total) * n * k;
-  std::vector<Key> keys_gathered(key_elems * world);
   Key* keys_mine = keys_gathered.data() + key_elems * geo.rank;
-  CPIDX_RETURN_IF_ERROR(shard_topk_keys(full, sel, world, geo.rank, keys_mine, err));
+  // Inputs check_local accepted are not refused here, but the scoring can still fail (an
+  // allocation): the ranks agree on it before the key gather, so a rank that failed does not
+  // leave its peers waiting there.
+  Status scored;
+  try {
+    scored = shard_topk_keys(full, sel, world, geo.rank, keys_mine, err);
+  } catch (const std::exception& e) {
+    scored = Status(StatusCode::kInternal, std::string("cp_decode: scoring failed: ") + e.what());
+  }
   if (times) times->score_topk_ms = elapsed_ms(start);
+  const Status agree_scored =
+      comm.check_agree(scored.is_ok() ? 0 : -1, "shard scoring (-1: failed on that rank)");
+  CPIDX_RETURN_IF_ERROR(scored);
+  CPIDX_RETURN_IF_ERROR(agree_scored);
 
   // (3) All-gather the keys: [world][T][n][K].
   start = Clock::now();

@@ -20,7 +20,8 @@ namespace detail {
 
 // Runs body(item, worker) for item in [0, count) on up to hardware_concurrency() threads,
 // items handed out one at a time. `work` (a rough count of multiply-adds) keeps small jobs
-// on the calling thread. worker < the returned thread count.
+// on the calling thread. worker < the returned thread count. Threads the system refuses are
+// done without; an exception from body is rethrown here, after every thread has joined.
 int parallel_for(int64_t count, double work, const std::function<void(int64_t, int)>& body);
 int max_workers();
 
