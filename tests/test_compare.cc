@@ -1,5 +1,6 @@
 // ref::compare_ids, the acceptance rule GPU tests, the demo and the benchmark use: identical ids
-// are exact, a swap of two equal-score blocks is a near tie, and a weak or repeated block fails.
+// are exact, a swap of two equal-score blocks is a near tie (but never of two forced blocks),
+// and a weak or repeated block fails.
 // The tolerance is 1e-3 relative to want's K-th score (inclusive, no absolute floor); ids and
 // -1 pads follow the row's position (V = pos / 128 + 1 visible blocks, forced ones included).
 #include <gtest/gtest.h>
@@ -117,6 +118,35 @@ TEST(CompareIds, RefusedInputsMakeADifferingRowBad) {
   EXPECT_NE(r.first_bad.find("scale"), std::string::npos) << r.first_bad;
   // The same swap with valid inputs is judged on the scores (random values: not a tie).
   EXPECT_EQ(cpidx::ref::compare_ids(d.all_heads(), sel, got.out(), want.out()).bad_rows, 1);
+}
+
+// Forced blocks score constants on every path (1e30 init, 1e29 local), so no rounding can order
+// two of them otherwise: a swap of two init or two local blocks is bad, though their scores are
+// equal. A swap of two unforced blocks with equal scores stays a near tie.
+TEST(CompareIds, ForcedBlocksOutOfOrderAreBad) {
+  DecodeData d = random_decode(fresh_seed(), 1, 1, {1024}, 1024, cpidx::DType::kBF16,
+                               Values::kTies, 1.0f);
+  const cpidx::Selection sel{6, 2, 2};  // 8 visible blocks: init 0-1, local 6-7, two free
+  IdsBuffer want(1, 1, sel.topk);
+  int32_t err = 0;
+  ASSERT_TRUE(cpidx::ref::decode_topk(d.all_heads(), sel, want.out(), nullptr, &err).is_ok());
+  const std::vector<int32_t> w(want.ids.begin(), want.ids.end());
+  ASSERT_EQ(std::vector<int32_t>(w.begin(), w.begin() + 4), (std::vector<int32_t>{1, 0, 7, 6}));
+  auto swapped = [&](int i, int j) {
+    std::vector<int32_t> got = w;
+    std::swap(got[static_cast<size_t>(i)], got[static_cast<size_t>(j)]);
+    return compare_row(d, sel, got, w);
+  };
+  EXPECT_EQ(swapped(0, 1).bad_rows, 1) << "init blocks 0 and 1";
+  EXPECT_EQ(swapped(2, 3).bad_rows, 1) << "local blocks 7 and 6";
+  EXPECT_EQ(swapped(1, 2).bad_rows, 1) << "an init and a local block";
+  // The two free blocks: a near tie when their scores are equal, else bad.
+  std::vector<float> scores(static_cast<size_t>(d.max_blocks()));
+  ASSERT_TRUE(cpidx::ref::block_scores(d.all_heads(), 1, 0, scores.data(), &err).is_ok());
+  const bool equal = scores[static_cast<size_t>(w[4])] == scores[static_cast<size_t>(w[5])];
+  const cpidx::ref::IdsComparison free_pair = swapped(4, 5);
+  EXPECT_EQ(free_pair.near_tie_rows, equal ? 1 : 0);
+  EXPECT_EQ(free_pair.bad_rows, equal ? 0 : 1);
 }
 
 // CONTRACT.md section 4: a swapped block must score within 1e-3 relative of want's K-th score.

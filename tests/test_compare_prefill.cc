@@ -149,6 +149,27 @@ TEST(ComparePrefill, PositionPastMaxSeqLenIsJudgedAtTheLastPosition) {
   EXPECT_EQ(compare_row(in, {2, 0, 1}, {1, 2}, {2, 1}).bad_rows, 1);
 }
 
+// Inputs the reference refuses (a null cu_seqlens_q) leave nothing to place or score: a differing
+// row is bad, naming the refusal, and nothing is read through the null pointer.
+TEST(ComparePrefill, RefusedInputsMakeADifferingRowBad) {
+  ExactDots m(1, {384}, 384);
+  for (int b = 0; b < 3; ++b) m.set_block(b, 500.0f);  // a three-way tie
+  const std::vector<int32_t> cu = {0, 1}, ctx = {300}, seq = {301};
+  cpidx::PrefillInputs in = m.prefill(cu, ctx, seq, 1);
+  const cpidx::Selection sel{2, 0, 0};
+  const std::vector<int32_t> want = want_of(in, sel);
+  in.cu_seqlens_q = nullptr;
+  const cpidx::ref::IdsComparison same = compare_row(in, sel, want, want);
+  EXPECT_EQ(same.exact_rows, 1);
+  const cpidx::ref::IdsComparison r = compare_row(in, sel, {want[1], want[0]}, want);
+  EXPECT_EQ(r.bad_rows, 1);
+  EXPECT_EQ(r.near_tie_rows, 0);
+  EXPECT_NE(r.first_bad.find("head 0, row 0: differs, and the reference refused the inputs"),
+            std::string::npos)
+      << r.first_bad;
+  EXPECT_NE(r.first_bad.find("cu_seqlens_q"), std::string::npos) << r.first_bad;
+}
+
 // docs/reliability.md section 2 (CONTRACT.md section 8's clamps): cu_seqlens_q out of order is
 // clamped as prefill_topk clamps it (each start >= the previous start): {0, 2, 1, 3} gives tokens
 // 0-1 to request 0, token 2 to request 2.

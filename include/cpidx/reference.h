@@ -87,7 +87,9 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
 // The acceptance rule of CONTRACT.md section 4 for ids computed elsewhere (GPU, another path)
 // against ids `want` of the same inputs: a row passes exactly, or as a near tie when its ids
 // are distinct, visible, -1 after min(K, V), and every position that differs holds blocks whose
-// forced scores are within 1e-3 relative of the K-th score. Compares every head of `in`.
+// forced scores differ by at most 1e-3 of the K-th score's magnitude, not both forced (init and
+// local blocks score constants on every path). Compares every head of `in`; inputs the
+// reference refuses make every differing row bad, naming the refusal.
 struct IdsComparison {
   int64_t exact_rows = 0, near_tie_rows = 0, bad_rows = 0;
   std::string first_bad;  // "head h, row r: got ... | want ..." for the first bad row

@@ -14,7 +14,7 @@ namespace ref {
 namespace detail {
 
 bool ids_row_acceptable(const int32_t* got, const int32_t* want, int k, int64_t visible,
-                        const std::function<float(int32_t)>& forced) {
+                        const Selection& sel, const std::function<float(int32_t)>& forced) {
   const int64_t count = std::min<int64_t>(k, visible);
   bool ok = true;
   std::vector<bool> seen(static_cast<size_t>(std::max<int64_t>(visible, 1)), false);
@@ -34,8 +34,12 @@ bool ids_row_acceptable(const int32_t* got, const int32_t* want, int k, int64_t 
     // leaves none: infinities are exact, and inf - 5 <= inf would accept any block for one.
     const float kth = forced(want[count - 1]);
     const float tol = std::isfinite(kth) ? 1e-3f * std::fabs(kth) : 0.0f;
+    const int64_t local_start = std::max<int64_t>(0, visible - sel.local_blocks);
+    auto is_forced = [&](int32_t b) { return b < sel.init_blocks || b >= local_start; };
     for (int i = 0; i < count && ok; ++i) {
-      if (got[i] != want[i]) ok = std::fabs(forced(got[i]) - forced(want[i])) <= tol;
+      if (got[i] == want[i]) continue;
+      ok = !(is_forced(got[i]) && is_forced(want[i])) &&
+           std::fabs(forced(got[i]) - forced(want[i])) <= tol;
     }
   }
   return ok;
@@ -92,7 +96,7 @@ IdsComparison compare_ids(const DecodeInputs& in, const Selection& sel, const To
         return forced_score(scores[static_cast<size_t>((h * n + row) * W + b)], b, V,
                             sel.init_blocks, sel.local_blocks);
       };
-      const bool ok = detail::ids_row_acceptable(g, c, K, V, forced);
+      const bool ok = detail::ids_row_acceptable(g, c, K, V, sel, forced);
       if (ok) {
         ++res.near_tie_rows;
       } else {

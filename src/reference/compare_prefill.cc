@@ -63,7 +63,11 @@ IdsComparison compare_ids(const PrefillInputs& in, const Selection& sel, const T
                           const TopkOutput& want) {
   IdsComparison res;
   const int K = sel.topk;
-  const std::vector<TokenPlace> places = token_places(in);
+  // Inputs the reference refuses cannot be scored (nor their places read): every row that
+  // differs is bad, and says why, as in the decode comparison.
+  const Status valid = validate(in, sel);
+  const std::vector<TokenPlace> places =
+      valid.is_ok() ? token_places(in) : std::vector<TokenPlace>();
   for (int h = 0; h < in.num_heads; ++h) {
     for (int64_t token = 0; token < in.num_tokens; ++token) {
       const int32_t* g = got.ids + h * got.head_stride + token * got.row_stride;
@@ -72,12 +76,21 @@ IdsComparison compare_ids(const PrefillInputs& in, const Selection& sel, const T
         ++res.exact_rows;
         continue;
       }
+      if (!valid.is_ok()) {
+        if (res.bad_rows++ == 0) {
+          ::cpidx::detail::Message os;
+          os << "head " << h << ", row " << token
+             << ": differs, and the reference refused the inputs: " << valid.message();
+          res.first_bad = os.str();
+        }
+        continue;
+      }
       const TokenPlace& place = places[static_cast<size_t>(token)];
       bool ok = false;
       if (place.req >= 0 && res.bad_rows < kMaxScoredBadRows) {
         const std::vector<float> scores = row_scores(in, h, token, place);
         const int64_t visible = static_cast<int64_t>(scores.size());
-        ok = detail::ids_row_acceptable(g, c, K, visible, [&](int32_t b) {
+        ok = detail::ids_row_acceptable(g, c, K, visible, sel, [&](int32_t b) {
           return forced_score(scores[static_cast<size_t>(b)], b, visible, sel.init_blocks,
                               sel.local_blocks);
         });
