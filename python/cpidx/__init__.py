@@ -52,6 +52,7 @@ from ._api import (
     Registry,
     bf16_bits,
     bf16_to_float32,
+    cp_gather_bytes,
     decode_topk,
     prefill_topk,
     registry,
@@ -90,7 +91,6 @@ __all__ = [
 ]
 
 Communicator = _C.Communicator
-cp_gather_bytes = _C.cp_gather_bytes
 gpu_available = _C.gpu_available
 cuda_built = _C.cuda_built
 has_nccl = _C.has_nccl

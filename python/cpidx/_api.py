@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import numbers
 import sys
 import threading
 import time
@@ -43,8 +44,11 @@ def bf16_bits(x: Any) -> np.ndarray:
 
 
 def bf16_to_float32(bits: Any) -> np.ndarray:
-    """uint16 bf16 bit patterns -> float32 (exact)."""
-    b = np.ascontiguousarray(bits, dtype=np.uint16)
+    """uint16 bf16 bit patterns -> float32 (exact). Anything but uint16 bits (floats, other
+    integers) is refused: converted by value, they would give other numbers silently."""
+    b = np.asarray(bits)
+    if b.dtype.kind != "u" or b.dtype.itemsize != 2:  # uint16 of either byte order
+        raise TypeError(f"bits: expected uint16 bf16 bit patterns, got dtype {b.dtype}")
     return (b.astype(np.uint32) << 16).view(np.float32)
 
 
@@ -72,11 +76,28 @@ def _host_bytes(x: Any) -> Optional[tuple]:
     return lo, hi
 
 
-def _check_host_arrays(outputs: tuple, error_flag: Any, **arrays: Any) -> None:
+def _table_read(block_table: Any, seq_lens: Any, max_seq_len: Any) -> Any:
+    """The part of a block table a call reads, as the library spans it: a row a request, its
+    first cdiv(max_seq_len, 128) columns. The whole table where that part cannot be told (a
+    shape or bound the binding will refuse)."""
+    shape, lens = getattr(block_table, "shape", None), getattr(seq_lens, "shape", None)
+    if shape is None or len(shape) != 2 or lens is None or len(lens) != 1 or \
+            not isinstance(max_seq_len, numbers.Integral) or max_seq_len < 1:
+        return block_table
+    rows, cols = int(lens[0]), -(-int(max_seq_len) // BLOCK_SIZE)
+    if rows < 1 or shape[0] < rows or shape[1] < cols:
+        return block_table
+    return block_table[:rows, :cols]
+
+
+def _check_host_arrays(outputs: tuple, error_flag: Any, table_read: Any = None,
+                       **arrays: Any) -> None:
     """What the binding cannot name on the host path: numpy arrays of another byte order than
     the machine's, and read-only outputs (its generic TypeError names no argument); and an
     error flag sharing memory with an argument (on the host the flag is ORed here, after the
-    call, so the library's own check never sees it)."""
+    call, so the library's own check never sees it). ``table_read``: the part of
+    ``block_table`` the call reads (_table_read), which the flag is judged against, as the
+    library judges it on the GPU."""
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray):
             continue
@@ -88,7 +109,7 @@ def _check_host_arrays(outputs: tuple, error_flag: Any, **arrays: Any) -> None:
     if flag is None:
         return
     for name, a in arrays.items():
-        span = _host_bytes(a)
+        span = _host_bytes(table_read if name == "block_table" and table_read is not None else a)
         if span is not None and flag[0] < span[1] and span[0] < flag[1]:
             raise ValueError(f"error_flag and {name} share memory: an output must not overlap "
                              "another argument")
@@ -132,11 +153,85 @@ def _dl_with(tensor: Any, to_dlpack: Any, x: Any) -> Any:
         return x
 
 
+# ---- Scalars the binding cannot convert, named ------------------------------------------------
+# nanobind refuses a scalar it cannot convert (None, a float for an int, an int past the C type)
+# with a TypeError that lists the signature but names no argument. On that error (never on the
+# way of a call that succeeds) the arguments are read against the binding's signature and the
+# first bad scalar is named instead. Its ints are C ints but for these (int64_t, uintptr_t).
+_C_INT = (-(1 << 31), (1 << 31) - 1)
+_WIDE_INTS = {"stream": (0, (1 << 64) - 1), "max_seq_len": (-(1 << 63), (1 << 63) - 1),
+              "max_bytes_per_rank": (-(1 << 63), (1 << 63) - 1)}
+
+
+def _signature_params(fn: Any) -> list:
+    """[(name, annotation)] of a binding's first signature, from nanobind's ``__nb_signature__``
+    (``*`` and ``self`` included, as written); [] when it has none."""
+    sig = getattr(fn, "__nb_signature__", None)
+    if not sig:
+        return []
+    text = sig[0][0]
+    inner = text[text.index("(") + 1:text.rindex(") ->")]
+    params, depth, start = [], 0, 0
+    for i, ch in enumerate(inner + ","):
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            part = inner[start:i].strip()
+            start = i + 1
+            name, _, annotation = part.partition(":")
+            params.append((name.strip(), annotation.split(" = ")[0].strip()))
+    return params
+
+
+def _bad_scalar(fn: Any, args: tuple, kwargs: dict) -> Optional[Exception]:
+    """The error naming the first scalar argument of ``fn`` that its annotation refuses, or
+    None when every scalar converts (the TypeError then was about something else)."""
+    params = [p for p in _signature_params(fn) if p[0] != "*"]
+    given = dict(zip((name for name, _ in params), args))
+    given.update(kwargs)
+    for name, annotation in params:
+        if name not in given:
+            continue
+        value = given[name]
+        optional = annotation.endswith(" | None")
+        kind = annotation[:-len(" | None")] if optional else annotation
+        if value is None:
+            if not optional and kind in ("int", "float", "bool", "str"):
+                return TypeError(f"{name}: expected {kind}, got None")
+        elif kind == "int":
+            if not isinstance(value, numbers.Integral):
+                return TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            lo, hi = _WIDE_INTS.get(name, _C_INT)
+            if not lo <= value <= hi:
+                return ValueError(f"{name}: expected an int from {lo} to {hi}, got {value}")
+        elif kind == "float" and not isinstance(value, numbers.Real):
+            return TypeError(f"{name}: expected a number, got {type(value).__name__}")
+        elif (kind == "bool" and not isinstance(value, bool)) or \
+                (kind == "str" and not isinstance(value, str)):
+            return TypeError(f"{name}: expected {kind}, got {type(value).__name__}")
+    return None
+
+
+def _call_naming_scalars(fn: Any, args: Any, kwargs: dict) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as e:
+        if "incompatible function arguments" not in str(e):
+            raise
+        named = _bad_scalar(fn, tuple(args), kwargs)
+        if named is None:
+            raise
+        raise named from None
+
+
 def _native(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn`` (a binding) called with its torch tensor arguments as DLPack capsules (_dl_with)."""
+    """``fn`` (a binding) called with its torch tensor arguments as DLPack capsules (_dl_with);
+    a scalar it cannot convert is named (_bad_scalar)."""
     torch = _torch_module()
     if torch is None:
-        return fn(*args, **kwargs)
+        return _call_naming_scalars(fn, args, kwargs)
     tensor, to_dlpack = torch.Tensor, torch.utils.dlpack.to_dlpack
     try:  # inline, without a function call an argument (the common case)
         args = [to_dlpack(a) if type(a) is tensor else a for a in args]
@@ -144,7 +239,7 @@ def _native(fn: Any, *args: Any, **kwargs: Any) -> Any:
     except (RuntimeError, BufferError, TypeError):  # one DLPack cannot carry goes as it is
         args = [_dl_with(tensor, to_dlpack, a) for a in args]
         kwargs = {name: _dl_with(tensor, to_dlpack, a) for name, a in kwargs.items()}
-    return fn(*args, **kwargs)
+    return _call_naming_scalars(fn, args, kwargs)
 
 
 def _default_stream(device: int) -> int:
@@ -179,9 +274,25 @@ def _clear_on_stream(method: Any) -> Any:
     return call
 
 
+def cp_gather_bytes(*, total_heads: int, world_size: int, rank: int = 0, max_tokens: int,
+                    topk: int) -> int:
+    """Bytes per rank of the larger all-gather of a context-parallel step of up to max_tokens
+    rows (its queries or its keys): the max_bytes_per_rank a peer communicator needs."""
+    return _native(_C.cp_gather_bytes, total_heads=total_heads, world_size=world_size, rank=rank,
+                   max_tokens=max_tokens, topk=topk)
+
+
+def _init_naming_scalars(base: Any) -> Any:
+    """``__init__`` of a public class over ``base``: its scalar arguments named (_bad_scalar)."""
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _call_naming_scalars(base.__init__, (self,) + args, kwargs)
+    return __init__
+
+
 class Decoder(_C.Decoder):
     __doc__ = _C.Decoder.__doc__
     __module__ = "cpidx"
+    __init__ = _init_naming_scalars(_C.Decoder)
     decode = _with_capsules(_C.Decoder.decode)
     shard_keys = _with_capsules(_C.Decoder.shard_keys)
     merge = _with_capsules(_C.Decoder.merge)
@@ -193,6 +304,7 @@ class Decoder(_C.Decoder):
 class Prefiller(_C.Prefiller):
     __doc__ = _C.Prefiller.__doc__
     __module__ = "cpidx"
+    __init__ = _init_naming_scalars(_C.Prefiller)
     prefill = _with_capsules(_C.Prefiller.prefill)
     clear_error_flag = _clear_on_stream(_C.Prefiller.clear_error_flag)
 
@@ -661,6 +773,21 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     return out
 
 
+def _check_host_max_tokens(max_tokens: Any, rows: int, what: str, most: Optional[int]) -> None:
+    """On CUDA tensors ``max_tokens`` sizes the registry's Decoder or Prefiller, which refuses a
+    bad bound and a call past it; host arrays keep the same rule, so that a call the reference
+    takes runs on the GPU too. None or 0: automatic (no bound). ``most``: the largest bound."""
+    if max_tokens is None or (isinstance(max_tokens, numbers.Integral) and max_tokens == 0):
+        return
+    if not isinstance(max_tokens, numbers.Integral) or isinstance(max_tokens, bool):
+        raise TypeError(f"max_tokens: expected an int, got {type(max_tokens).__name__}")
+    if max_tokens < 1 or (most is not None and max_tokens > most):
+        raise ValueError(f"max_tokens: expected 1 to {most if most is not None else 'INT_MAX'} "
+                         f"(None or 0: automatic), got {max_tokens}")
+    if rows > max_tokens:
+        raise ValueError(f"index_query: {rows} {what} exceed max_tokens ({max_tokens})")
+
+
 def _check_decoder_matches(decoder: Any, **wanted: int) -> None:
     """A decoder passed explicitly runs with its own selection and bound: the call's must match,
     or it would silently compute something other than what was asked."""
@@ -706,11 +833,14 @@ def _decode_now(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
         return
     if decoder is not None:
         raise ValueError("decoder: a GPU Decoder needs CUDA tensors, got host arrays")
+    _check_host_max_tokens(max_tokens, _rows(index_query), "rows (num_reqs * query_len)",
+                           MAX_TOKENS)
     query = _host_bf16(index_query, "index_query")  # float arrays of any byte order: bf16 bits
     cache = _as_bits(_host_bf16(index_cache, "index_cache"))
     _check_host_arrays(("out", "sparse_block_table_out", "sparse_context_lens_out"), error_flag,
-                       index_query=query, index_cache=cache, block_table=block_table,
-                       seq_lens=seq_lens, out=out, **table)
+                       _table_read(block_table, seq_lens, max_seq_len), index_query=query,
+                       index_cache=cache, block_table=block_table, seq_lens=seq_lens, out=out,
+                       **table)
     bits = _native(_C.ref_decode_topk, query, cache, block_table, seq_lens, query_len, out,
                    scale=scale, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks,
                    max_seq_len=max_seq_len, **table)
@@ -768,11 +898,13 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     if tokens == 0:  # nothing to check or write, on either path
         return
     if not _is_cuda(index_query):
+        _check_host_max_tokens(max_tokens, tokens, "tokens", None)
         query = _host_bf16(index_query, "index_query")
         cache = _as_bits(_host_bf16(index_cache, "index_cache"))
-        _check_host_arrays(("out",), error_flag, index_query=query, index_cache=cache,
-                           block_table=block_table, cu_seqlens_q=cu_seqlens_q,
-                           context_lens=context_lens, seq_lens=seq_lens, out=out)
+        _check_host_arrays(("out",), error_flag, _table_read(block_table, seq_lens, max_seq_len),
+                           index_query=query, index_cache=cache, block_table=block_table,
+                           cu_seqlens_q=cu_seqlens_q, context_lens=context_lens,
+                           seq_lens=seq_lens, out=out)
         bits = _native(_C.ref_prefill_topk, query, cache, block_table, cu_seqlens_q,
                        context_lens, seq_lens, out, scale=scale, topk=topk,
                        init_blocks=init_blocks, local_blocks=local_blocks,

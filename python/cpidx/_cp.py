@@ -27,7 +27,7 @@ from . import _C
 from ._api import (BLOCK_SIZE, MAX_HEADS, MAX_QUERY_LEN, MAX_TOKENS, MAX_TOPK, MAX_WORLD_SIZE,
                    Decoder, HostGroupError, _as_bits, _cache_dtype_name, _capture_refusal,
                    _check_error_flag, _check_host_arrays, _current_stream, _device_current,
-                   _native, _or_host_error_bits, _refuse_during_capture, registry)
+                   _native, _or_host_error_bits, _refuse_during_capture, _table_read, registry)
 
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3",
            "float8_e4m3fn": "fp8_e4m3"}
@@ -683,8 +683,10 @@ class IndexerCPDecode:
             if n == 0:
                 return 0, None
             if not self._cuda:  # the flag is ORed here after the step: the library never sees it
-                _check_host_arrays((), error_flag, local_q=local_q, kv_cache=kv_cache,
-                                   block_table=block_table, seq_lens=seq_lens, out=out, **table)
+                _check_host_arrays((), error_flag,
+                                   _table_read(block_table, seq_lens, self.max_seq_len),
+                                   local_q=local_q, kv_cache=kv_cache, block_table=block_table,
+                                   seq_lens=seq_lens, out=out, **table)
             if not full:
                 return n, None
             args = (local_q, _as_bits(kv_cache), block_table, seq_lens, query_len, out)

@@ -19,6 +19,7 @@
 #include "communicator.h"
 #include "cpidx/comm.h"
 #include "cpidx/contract.h"
+#include "cpidx/indexer.h"
 #include "tensor_args.h"
 
 #if defined(CPIDX_PY_NCCL)
@@ -232,9 +233,11 @@ void bind_comm(nb::module_& m) {
   m.def(
       "cp_gather_bytes",
       [](int total_heads, int world_size, int rank, int64_t max_tokens, int topk) {
-        if (max_tokens < 1) {
-          throw nb::value_error(
-              ("max_tokens: expected >= 1, got " + std::to_string(max_tokens)).c_str());
+        if (max_tokens < 1 || max_tokens > DecodeConfig::kMaxTokens) {  // a Decoder's bounds
+          throw nb::value_error(("max_tokens: expected 1 to " +
+                                 std::to_string(DecodeConfig::kMaxTokens) + ", got " +
+                                 std::to_string(max_tokens))
+                                    .c_str());
         }
         const Selection sel = selection(topk, 0, 0);
         Geometry geo;

@@ -229,8 +229,10 @@ void check_scalars(int query_len, double scale, int64_t max_seq_len) {
   if (query_len < 1 || query_len > kMaxQueryLen) {
     value_fail(cat("query_len: expected 1 to ", kMaxQueryLen, ", got ", query_len));
   }
-  if (!(scale > 0.0) || !std::isfinite(scale)) {
-    value_fail(cat("scale: expected a finite value > 0, got ", scale));
+  // Judged as the float32 the kernels take: 1e-50 would become 0 and 1e39 infinity there.
+  const float as_float = static_cast<float>(scale);
+  if (!(as_float > 0.0f) || !std::isfinite(as_float)) {
+    value_fail(cat("scale: expected a finite value > 0 in float32, got ", scale));
   }
   if (max_seq_len < 1 || max_seq_len > INT32_MAX) {
     value_fail(cat("max_seq_len: expected 1 to ", INT32_MAX, ", got ", max_seq_len));

@@ -374,9 +374,13 @@ def test_bad_argument_message_is_exact(name):
 
 @pytest.mark.parametrize("name, value, text", [
     ("query_len", 0, "1 to 8, got 0"), ("query_len", 9, "1 to 8, got 9"),
-    ("scale", 0.0, "a finite value > 0, got 0"), ("scale", -1.5, "a finite value > 0, got -1.5"),
-    ("scale", float("inf"), "a finite value > 0, got inf"),
-    ("scale", float("nan"), "a finite value > 0, got nan"),
+    ("scale", 0.0, "a finite value > 0 in float32, got 0"),
+    ("scale", -1.5, "a finite value > 0 in float32, got -1.5"),
+    ("scale", float("inf"), "a finite value > 0 in float32, got inf"),
+    ("scale", float("nan"), "a finite value > 0 in float32, got nan"),
+    # Judged as the float32 the library takes: 0 and infinity there.
+    ("scale", 1e-50, "a finite value > 0 in float32, got 1e-50"),
+    ("scale", 1e39, "a finite value > 0 in float32, got 1e\\+39"),
     ("max_seq_len", 0, "1 to 2147483647, got 0"),
     ("max_seq_len", 2**31, "1 to 2147483647, got 2147483648"),
     ("topk", 0, "1 to 64, got 0"), ("topk", 65, "1 to 64, got 65"),
@@ -1169,3 +1173,91 @@ def test_version_is_the_one_in_version_h_and_pyproject():
     assert f'#define CPIDX_VERSION "{cpidx.__version__}"\n' in header
     pyproject = (root / "pyproject.toml").read_text()
     assert re.search(rf'^version = "{re.escape(cpidx.__version__)}"$', pyproject, re.M)
+
+
+@pytest.mark.parametrize("name, value, exc, text", [
+    ("topk", 2**31, ValueError, "expected an int from -2147483648 to 2147483647, got 2147483648"),
+    ("init_blocks", -2**31 - 1, ValueError, "expected an int from -2147483648 to 2147483647"),
+    ("topk", None, TypeError, "expected int, got None"),
+    ("topk", 1.5, TypeError, "expected an int, got float"),
+    ("query_len", "2", TypeError, "expected an int, got str"),
+    ("scale", "0.5", TypeError, "expected a number, got str"),
+    ("max_seq_len", 2**63, ValueError, "expected an int from"),
+])
+def test_a_scalar_the_binding_cannot_convert_is_named(name, value, exc, text):
+    # nanobind's own TypeError lists the signature and names no argument.
+    kw = _valid()
+    kw[name] = value
+    kw["out"].fill(-5)
+    with pytest.raises(exc, match=f"^{name}: {text}"):
+        cpidx.decode_topk(**kw)
+    assert (kw["out"] == -5).all()
+
+
+def test_class_and_bound_scalars_are_named():
+    kw = dict(total_heads=4, world_size=1, rank=0, max_tokens=64, max_seq_len=1024, topk=16,
+              init_blocks=0, local_blocks=1, device=0)
+    with pytest.raises(ValueError, match="^total_heads: expected an int from"):
+        cpidx.Decoder(**dict(kw, total_heads=2**31))
+    with pytest.raises(TypeError, match="^cache_dtype: expected str, got int"):
+        cpidx.Decoder(**dict(kw, cache_dtype=8))
+    with pytest.raises(TypeError, match="^max_tokens: expected an int, got float"):
+        cpidx.Prefiller(num_heads=4, max_tokens=64.0, max_seq_len=1024, topk=16, init_blocks=0,
+                        local_blocks=1, device=0)
+    # cp_gather_bytes: its int64 max_tokens bounded as a Decoder's, so no size wraps around.
+    assert cpidx.cp_gather_bytes(total_heads=8, world_size=2, max_tokens=2, topk=16) == 2048
+    with pytest.raises(ValueError, match=f"^max_tokens: expected 1 to {cpidx.MAX_TOKENS}, got "
+                                         f"{2**55}$"):
+        cpidx.cp_gather_bytes(total_heads=8, world_size=2, max_tokens=2**55, topk=64)
+    with pytest.raises(TypeError, match="^topk: expected int, got None"):
+        cpidx.cp_gather_bytes(total_heads=8, world_size=2, max_tokens=2, topk=None)
+
+
+def test_host_calls_keep_the_gpu_paths_max_tokens():
+    # On CUDA tensors max_tokens sizes the registry's Decoder or Prefiller, which refuses a bad
+    # bound or a call past it: the reference refuses the same calls.
+    kw = _valid()  # 4 rows
+    want = cpidx.decode_topk(**kw).copy()
+    for bound in (None, 0, 4, 64):
+        np.testing.assert_array_equal(cpidx.decode_topk(**kw, max_tokens=bound), want)
+    with pytest.raises(ValueError, match=r"^index_query: 4 rows \(num_reqs \* query_len\) exceed "
+                                         r"max_tokens \(3\)$"):
+        cpidx.decode_topk(**kw, max_tokens=3)
+    for bound, exc in ((-7, ValueError), (cpidx.MAX_TOKENS + 1, ValueError), (4.0, TypeError)):
+        with pytest.raises(exc, match="^max_tokens: expected"):
+            cpidx.decode_topk(**kw, max_tokens=bound)
+    case, query, cache, bt, cu, ctx, sl, msl = _golden_prefill_inputs()
+    tokens = sum(case["q_lens"])
+    out = np.zeros((case["T"], tokens, case["K"]), np.int32)
+    common = dict(scale=1.0, topk=case["K"], max_seq_len=msl)
+    cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out, **common, max_tokens=tokens)
+    with pytest.raises(ValueError, match=f"^index_query: {tokens} tokens exceed max_tokens "
+                                         rf"\({tokens - 1}\)$"):
+        cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out, **common, max_tokens=tokens - 1)
+    with pytest.raises(ValueError, match="^max_tokens: expected 1 to INT_MAX"):
+        cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out, **common, max_tokens=-7)
+
+
+def test_host_error_flag_is_judged_against_the_block_table_columns_read():
+    # The library spans a block table as its requests' rows of cdiv(max_seq_len, 128) columns
+    # (4 here), on every path: a flag in a column past them is no overlap.
+    kw = _valid()
+    want = cpidx.decode_topk(**kw).copy()
+    wide = np.zeros((2, 6), np.int32)
+    wide[:, :4] = kw["block_table"][:, :4]
+    kw["block_table"] = wide
+    flag = wide[1, 5:6]
+    cpidx.decode_topk(**kw, error_flag=flag)
+    np.testing.assert_array_equal(kw["out"], want)
+    assert flag[0] == 0
+    with pytest.raises(ValueError, match="^error_flag and block_table share memory"):
+        cpidx.decode_topk(**kw, error_flag=wide[1, 3:4])
+
+
+def test_bf16_to_float32_takes_uint16_bits_only():
+    bits = cpidx.bf16_bits(np.array([1.5, -3.0], np.float32))
+    np.testing.assert_array_equal(cpidx.bf16_to_float32(bits), [1.5, -3.0])
+    np.testing.assert_array_equal(cpidx.bf16_to_float32(bits.astype(">u2")), [1.5, -3.0])
+    for bad in (np.array([1.5, 3.0]), np.array([-1, 70000]), [16320]):
+        with pytest.raises(TypeError, match="^bits: expected uint16 bf16 bit patterns, got dtype"):
+            cpidx.bf16_to_float32(bad)
