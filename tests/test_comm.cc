@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -345,6 +346,7 @@ class AgreeingDeviceComm final : public cpidx::Communicator {
   }
   cpidx::Status check_agree(long long value, const char* what) override {
     asked.emplace_back(what);
+    offered.push_back(value);
     if (value == refuse) return cpidx::Status(cpidx::StatusCode::kCommError, what);
     return cpidx::Status::ok();
   }
@@ -352,6 +354,7 @@ class AgreeingDeviceComm final : public cpidx::Communicator {
   int gathers = 0;
   long long refuse = -1;
   std::vector<std::string> asked;
+  std::vector<long long> offered;
 };
 
 TEST(ThreadComm, DefaultCheckAgreeAllOnDeviceMemoryAsksEachValue) {
@@ -373,6 +376,7 @@ TEST(ThreadComm, DefaultCheckAgreeAllOnDeviceMemoryAsksEachValue) {
   EXPECT_EQ(none.code(), cpidx::StatusCode::kInvalidArgument);
   EXPECT_EQ(none.message(), "check_agree_all: null values with count 2");
   EXPECT_EQ(unnamed.asked, (std::vector<std::string>{"value", "value"}));
+  EXPECT_EQ(unnamed.offered, (std::vector<long long>{LLONG_MIN, LLONG_MIN}));
   EXPECT_EQ(comm.gathers + refusing.gathers, 0);
   EXPECT_EQ(comm.max_bytes_per_rank(), SIZE_MAX);  // the default: any size goes
 }

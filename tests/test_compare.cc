@@ -124,29 +124,27 @@ TEST(CompareIds, RefusedInputsMakeADifferingRowBad) {
 // two of them otherwise: a swap of two init or two local blocks is bad, though their scores are
 // equal. A swap of two unforced blocks with equal scores stays a near tie.
 TEST(CompareIds, ForcedBlocksOutOfOrderAreBad) {
-  DecodeData d = random_decode(fresh_seed(), 1, 1, {1024}, 1024, cpidx::DType::kBF16,
-                               Values::kTies, 1.0f);
-  const cpidx::Selection sel{6, 2, 2};  // 8 visible blocks: init 0-1, local 6-7, two free
+  // 8 visible blocks: init 0-1, local 6-7; of the free ones 3 and 4 score 50 (a tie), 2 and 5
+  // score 40 and 30.
+  ExactDots m(1, {1024}, 1024);
+  const float dots[8] = {10, 10, 40, 50, 50, 30, 10, 10};
+  for (int b = 0; b < 8; ++b) m.set_block(b, dots[b]);
+  const cpidx::Selection sel{7, 2, 2};
   IdsBuffer want(1, 1, sel.topk);
   int32_t err = 0;
-  ASSERT_TRUE(cpidx::ref::decode_topk(d.all_heads(), sel, want.out(), nullptr, &err).is_ok());
+  ASSERT_TRUE(cpidx::ref::decode_topk(m.d.all_heads(), sel, want.out(), nullptr, &err).is_ok());
   const std::vector<int32_t> w(want.ids.begin(), want.ids.end());
-  ASSERT_EQ(std::vector<int32_t>(w.begin(), w.begin() + 4), (std::vector<int32_t>{1, 0, 7, 6}));
+  ASSERT_EQ(w, (std::vector<int32_t>{1, 0, 7, 6, 4, 3, 2}));
   auto swapped = [&](int i, int j) {
     std::vector<int32_t> got = w;
     std::swap(got[static_cast<size_t>(i)], got[static_cast<size_t>(j)]);
-    return compare_row(d, sel, got, w);
+    return compare_row(m.d, sel, got, w);
   };
-  EXPECT_EQ(swapped(0, 1).bad_rows, 1) << "init blocks 0 and 1";
+  EXPECT_EQ(swapped(0, 1).bad_rows, 1) << "init blocks 1 and 0";
   EXPECT_EQ(swapped(2, 3).bad_rows, 1) << "local blocks 7 and 6";
   EXPECT_EQ(swapped(1, 2).bad_rows, 1) << "an init and a local block";
-  // The two free blocks: a near tie when their scores are equal, else bad.
-  std::vector<float> scores(static_cast<size_t>(d.max_blocks()));
-  ASSERT_TRUE(cpidx::ref::block_scores(d.all_heads(), 1, 0, scores.data(), &err).is_ok());
-  const bool equal = scores[static_cast<size_t>(w[4])] == scores[static_cast<size_t>(w[5])];
-  const cpidx::ref::IdsComparison free_pair = swapped(4, 5);
-  EXPECT_EQ(free_pair.near_tie_rows, equal ? 1 : 0);
-  EXPECT_EQ(free_pair.bad_rows, equal ? 0 : 1);
+  EXPECT_EQ(swapped(4, 5).near_tie_rows, 1) << "free blocks 4 and 3, equal scores";
+  EXPECT_EQ(swapped(5, 6).bad_rows, 1) << "free blocks 3 and 2, 50 and 40";
 }
 
 // CONTRACT.md section 4: a swapped block must score within 1e-3 relative of want's K-th score.

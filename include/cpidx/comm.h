@@ -46,9 +46,11 @@ class Communicator {
   // for each in turn on a device-memory one (`count` host rounds: the library's NCCL and peer
   // communicators forward it to their host channel, one round; a subclass of your own should
   // too). `count` is the same on every rank: 0 agrees at once, a negative one is kInvalidArgument
-  // (neither makes a collective). Null `values` with a count fail every rank (kInvalidArgument
-  // naming the lowest such rank, or kCommError on the ranks that gave theirs, on a
-  // device-memory one); null `names` (or a null name) are named "value".
+  // (neither makes a collective). Null `values` with a count fail every rank that agrees through
+  // host memory: kInvalidArgument naming the lowest such rank (the default), or the kCommError
+  // of the first value where some ranks gave theirs (a device-memory one's check_agree rounds).
+  // An NCCL communicator without a host channel checks nothing across ranks, so only a rank
+  // without values fails there. Null `names` (or a null name) are named "value".
   virtual Status check_agree_all(const long long* values, const char* const* names, int count);
   virtual Status barrier() = 0;
   // The most bytes a rank may send in one all_gather (the peer communicator's bound, fixed at

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import functools
 import numbers
+import operator
 import sys
 import threading
 import time
@@ -185,32 +186,44 @@ def _signature_params(fn: Any) -> list:
     return params
 
 
+def _scalar_type_error(name: str, kind: str, value: Any) -> Optional[Exception]:
+    """A TypeError naming ``name`` when ``value`` cannot be a ``kind`` at all, else None. As
+    nanobind converts: an int from anything with ``__index__``, a float from anything with
+    ``__float__`` or ``__index__`` (not from a str), a bool or a str from one only."""
+    if value is None:
+        return TypeError(f"{name}: expected {kind}, got None")
+    has = functools.partial(hasattr, type(value))
+    ok = {"int": has("__index__"), "float": has("__float__") or has("__index__"),
+          "bool": isinstance(value, bool), "str": isinstance(value, str)}[kind]
+    if ok:
+        return None
+    what = {"int": "an int", "float": "a number"}.get(kind, kind)
+    return TypeError(f"{name}: expected {what}, got {type(value).__name__}")
+
+
 def _bad_scalar(fn: Any, args: tuple, kwargs: dict) -> Optional[Exception]:
-    """The error naming the first scalar argument of ``fn`` that its annotation refuses, or
-    None when every scalar converts (the TypeError then was about something else)."""
+    """The error naming a scalar argument of ``fn`` that nanobind cannot convert, or None when
+    every scalar converts (the TypeError then was about something else). Types first, then
+    ranges: an int past a C int is judged so unless it is one of _WIDE_INTS, so a wide argument
+    the binding takes does not hide another's bad type."""
     params = [p for p in _signature_params(fn) if p[0] != "*"]
     given = dict(zip((name for name, _ in params), args))
     given.update(kwargs)
+    scalars = []
     for name, annotation in params:
-        if name not in given:
-            continue
-        value = given[name]
         optional = annotation.endswith(" | None")
         kind = annotation[:-len(" | None")] if optional else annotation
-        if value is None:
-            if not optional and kind in ("int", "float", "bool", "str"):
-                return TypeError(f"{name}: expected {kind}, got None")
-        elif kind == "int":
-            if not isinstance(value, numbers.Integral):
-                return TypeError(f"{name}: expected an int, got {type(value).__name__}")
-            lo, hi = _WIDE_INTS.get(name, _C_INT)
-            if not lo <= value <= hi:
-                return ValueError(f"{name}: expected an int from {lo} to {hi}, got {value}")
-        elif kind == "float" and not isinstance(value, numbers.Real):
-            return TypeError(f"{name}: expected a number, got {type(value).__name__}")
-        elif (kind == "bool" and not isinstance(value, bool)) or \
-                (kind == "str" and not isinstance(value, str)):
-            return TypeError(f"{name}: expected {kind}, got {type(value).__name__}")
+        if name in given and kind in ("int", "float", "bool", "str") and \
+                not (optional and given[name] is None):
+            scalars.append((name, kind, given[name]))
+    for name, kind, value in scalars:
+        error = _scalar_type_error(name, kind, value)
+        if error is not None:
+            return error
+    for name, kind, value in scalars:
+        lo, hi = _WIDE_INTS.get(name, _C_INT)
+        if kind == "int" and not lo <= operator.index(value) <= hi:
+            return ValueError(f"{name}: expected an int from {lo} to {hi}, got {value}")
     return None
 
 
@@ -284,6 +297,7 @@ def cp_gather_bytes(*, total_heads: int, world_size: int, rank: int = 0, max_tok
 
 def _init_naming_scalars(base: Any) -> Any:
     """``__init__`` of a public class over ``base``: its scalar arguments named (_bad_scalar)."""
+    @functools.wraps(base.__init__)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         _call_naming_scalars(base.__init__, (self,) + args, kwargs)
     return __init__
@@ -720,7 +734,8 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     two >= n), whose workspace serves one stream at a time (:class:`Registry`). With
     ``decoder`` or ``registry`` given, or the sparse-table arguments as host arrays, the call
     goes to the binding directly rather than through the op, also under torch.compile (a graph
-    break there: ``fullgraph=True`` refuses it).
+    break there: ``fullgraph=True`` refuses it). Host arrays keep the same ``max_tokens`` rule:
+    a call of more rows is refused on either path.
 
     ``error_flag``: optional one-element int32 array or tensor on the inputs' device. The call
     ORs into it the bits of the values it clamped instead of reading out of bounds
@@ -773,17 +788,17 @@ def decode_topk(index_query: Any, index_cache: Any, block_table: Any, seq_lens: 
     return out
 
 
-def _check_host_max_tokens(max_tokens: Any, rows: int, what: str, most: Optional[int]) -> None:
+def _check_host_max_tokens(max_tokens: Any, rows: int, what: str, most: int) -> None:
     """On CUDA tensors ``max_tokens`` sizes the registry's Decoder or Prefiller, which refuses a
     bad bound and a call past it; host arrays keep the same rule, so that a call the reference
     takes runs on the GPU too. None or 0: automatic (no bound). ``most``: the largest bound."""
     if max_tokens is None or (isinstance(max_tokens, numbers.Integral) and max_tokens == 0):
         return
-    if not isinstance(max_tokens, numbers.Integral) or isinstance(max_tokens, bool):
+    if not isinstance(max_tokens, numbers.Integral):
         raise TypeError(f"max_tokens: expected an int, got {type(max_tokens).__name__}")
-    if max_tokens < 1 or (most is not None and max_tokens > most):
-        raise ValueError(f"max_tokens: expected 1 to {most if most is not None else 'INT_MAX'} "
-                         f"(None or 0: automatic), got {max_tokens}")
+    if not 1 <= max_tokens <= most:
+        raise ValueError(f"max_tokens: expected 1 to {most} (None or 0: automatic), got "
+                         f"{max_tokens}")
     if rows > max_tokens:
         raise ValueError(f"index_query: {rows} {what} exceed max_tokens ({max_tokens})")
 
@@ -860,7 +875,8 @@ def prefill_topk(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     stream (under torch.compile through ``torch.ops.cpidx.prefill_topk``) through the registry's
     :class:`cpidx.Prefiller` for this shape (``max_tokens`` fixes its size; default: the next
     power of two >= tokens; with ``registry`` given, that registry's, called directly rather
-    than through the op). Allocation-free after the first call of a shape. ``error_flag``: as
+    than through the op; host arrays keep the same rule: a call of more tokens is refused).
+    Allocation-free after the first call of a shape. ``error_flag``: as
     for :func:`decode_topk` (the prefiller's own flag is left untouched on CUDA tensors); here
     ``ERR_SEQ_LEN_OUT_OF_RANGE`` also stands for a ``context_lens`` or ``seq_lens`` entry out of
     ``[0, max_seq_len]`` and a ``cu_seqlens_q`` that is not non-decreasing in ``[0, tokens]``
@@ -898,7 +914,7 @@ def _prefill_now(index_query: Any, index_cache: Any, block_table: Any, cu_seqlen
     if tokens == 0:  # nothing to check or write, on either path
         return
     if not _is_cuda(index_query):
-        _check_host_max_tokens(max_tokens, tokens, "tokens", None)
+        _check_host_max_tokens(max_tokens, tokens, "tokens", _C_INT[1])  # a Prefiller's C int
         query = _host_bf16(index_query, "index_query")
         cache = _as_bits(_host_bf16(index_cache, "index_cache"))
         _check_host_arrays(("out",), error_flag, _table_read(block_table, seq_lens, max_seq_len),

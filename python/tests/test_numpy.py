@@ -1183,6 +1183,7 @@ def test_version_is_the_one_in_version_h_and_pyproject():
     ("query_len", "2", TypeError, "expected an int, got str"),
     ("scale", "0.5", TypeError, "expected a number, got str"),
     ("max_seq_len", 2**63, ValueError, "expected an int from"),
+    ("topk", np.int64(2**40), ValueError, "expected an int from"),  # numpy ints convert
 ])
 def test_a_scalar_the_binding_cannot_convert_is_named(name, value, exc, text):
     # nanobind's own TypeError lists the signature and names no argument.
@@ -1211,6 +1212,10 @@ def test_class_and_bound_scalars_are_named():
         cpidx.cp_gather_bytes(total_heads=8, world_size=2, max_tokens=2**55, topk=64)
     with pytest.raises(TypeError, match="^topk: expected int, got None"):
         cpidx.cp_gather_bytes(total_heads=8, world_size=2, max_tokens=2, topk=None)
+    # Types are judged before ranges: an int64 max_tokens past a C int does not take the blame.
+    with pytest.raises(TypeError, match="^topk: expected int, got None"):
+        cpidx.cp_gather_bytes(total_heads=8, world_size=2, max_tokens=2**40, topk=None)
+    assert cpidx.Decoder.__init__.__doc__ == cpidx._C.Decoder.__init__.__doc__
 
 
 def test_host_calls_keep_the_gpu_paths_max_tokens():
@@ -1234,8 +1239,9 @@ def test_host_calls_keep_the_gpu_paths_max_tokens():
     with pytest.raises(ValueError, match=f"^index_query: {tokens} tokens exceed max_tokens "
                                          rf"\({tokens - 1}\)$"):
         cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out, **common, max_tokens=tokens - 1)
-    with pytest.raises(ValueError, match="^max_tokens: expected 1 to INT_MAX"):
-        cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out, **common, max_tokens=-7)
+    for bound in (-7, 2**31):  # a Prefiller's max_tokens is a C int
+        with pytest.raises(ValueError, match="^max_tokens: expected 1 to 2147483647 "):
+            cpidx.prefill_topk(query, cache, bt, cu, ctx, sl, out, **common, max_tokens=bound)
 
 
 def test_host_error_flag_is_judged_against_the_block_table_columns_read():

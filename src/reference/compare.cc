@@ -1,5 +1,6 @@
 // src/reference/compare.cc: the contract's acceptance rule for ids from another path: exact, or
-// swaps among blocks within 1e-3 relative of the K-th score (fp32 rounding at near ties). Block
+// swaps of blocks whose scores differ by at most 1e-3 of the K-th score's magnitude (fp32
+// rounding at near ties), never of two forced blocks (constants on every path). Block
 // scores are computed only once a row differs, so identical outputs cost one pass over the ids.
 #include <algorithm>
 #include <cmath>

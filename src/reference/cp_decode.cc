@@ -137,8 +137,9 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
   // allocation): the ranks agree on it before the key gather, so a rank that failed does not
   // leave its peers waiting there.
   Status scored;
+  int32_t shard_err = 0;  // into *err once every rank scored: a failed step leaves it as it was
   try {
-    scored = shard_topk_keys(full, sel, world, geo.rank, keys_mine, err);
+    scored = shard_topk_keys(full, sel, world, geo.rank, keys_mine, &shard_err);
   } catch (const std::exception& e) {
     scored = Status(StatusCode::kInternal, std::string("cp_decode: scoring failed: ") + e.what());
   }
@@ -147,6 +148,7 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
       comm.check_agree(scored.is_ok() ? 0 : -1, "shard scoring (-1: failed on that rank)");
   CPIDX_RETURN_IF_ERROR(scored);
   CPIDX_RETURN_IF_ERROR(agree_scored);
+  if (err != nullptr) *err |= shard_err;
 
   // (3) All-gather the keys: [world][T][n][K].
   start = Clock::now();
