@@ -57,6 +57,14 @@ void describe_bad_row(int head, int64_t row, const int32_t* got, const int32_t* 
   res->first_bad = os.str();
 }
 
+void describe_refused_row(int head, int64_t row, const Status& refusal, IdsComparison* res) {
+  if (res->bad_rows++ != 0) return;
+  ::cpidx::detail::Message os;
+  os << "head " << head << ", row " << row
+     << ": differs, and the reference refused the inputs: " << refusal.message();
+  res->first_bad = os.str();
+}
+
 }  // namespace detail
 
 IdsComparison compare_ids(const DecodeInputs& in, const Selection& sel, const TopkOutput& got,
@@ -81,12 +89,7 @@ IdsComparison compare_ids(const DecodeInputs& in, const Selection& sel, const To
         scored = block_scores(in, 1, 0, scores.data(), &err);
       }
       if (!scored.is_ok()) {  // no scores to judge a difference by: the row is bad
-        if (res.bad_rows++ == 0) {
-          ::cpidx::detail::Message os;
-          os << "head " << h << ", row " << row
-             << ": differs, and the reference refused the inputs: " << scored.message();
-          res.first_bad = os.str();
-        }
+        detail::describe_refused_row(h, row, scored, &res);
         continue;
       }
       int32_t err = 0;

@@ -77,12 +77,7 @@ IdsComparison compare_ids(const PrefillInputs& in, const Selection& sel, const T
         continue;
       }
       if (!valid.is_ok()) {
-        if (res.bad_rows++ == 0) {
-          ::cpidx::detail::Message os;
-          os << "head " << h << ", row " << token
-             << ": differs, and the reference refused the inputs: " << valid.message();
-          res.first_bad = os.str();
-        }
+        detail::describe_refused_row(h, token, valid, &res);
         continue;
       }
       const TokenPlace& place = places[static_cast<size_t>(token)];

@@ -138,6 +138,8 @@ bool ids_row_acceptable(const int32_t* got, const int32_t* want, int k, int64_t 
                         const Selection& sel, const std::function<float(int32_t)>& forced);
 void describe_bad_row(int head, int64_t row, const int32_t* got, const int32_t* want, int k,
                       IdsComparison* res);
+// The same for a row that differs where the reference refused the inputs (`refusal`).
+void describe_refused_row(int head, int64_t row, const Status& refusal, IdsComparison* res);
 
 // What every rank of a context-parallel step must share besides its rows, or the merge mixes
 // lists scored differently (no crash, silently wrong ids): topk, init and local blocks,
