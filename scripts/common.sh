@@ -3,7 +3,7 @@
 # they are missing (apt-get update only then), puts CUDA on PATH when it is installed, and
 # configures + builds the `ci` preset (build-ci/). Safe to run again: it only does what is missing.
 
-CPIDX_APT_PACKAGES=(cmake g++ make libgtest-dev libbenchmark-dev openmpi-bin libopenmpi-dev)
+CPIDX_APT_PACKAGES=(cmake g++ make libgtest-dev openmpi-bin libopenmpi-dev)
 CPIDX_MIN_CMAKE=3.25
 
 cpidx_log() { printf '==> %s\n' "$*" >&2; }
@@ -45,11 +45,16 @@ cpidx_ensure_packages() {
   else
     cpidx_log "no dpkg: not a Debian system, assuming ${CPIDX_APT_PACKAGES[*]} are installed"
   fi
-  # The presets need CMake >= 3.25; older systems get it from pip.
+  # The presets need CMake >= 3.25; older systems get it from pip, into a virtual environment of
+  # the checkout's (a system Python that PEP 668 marks externally managed refuses --user).
   if ! cpidx_cmake_ok; then
-    cpidx_log "installing cmake>=${CPIDX_MIN_CMAKE} with pip"
-    python3 -m pip install --user "cmake>=${CPIDX_MIN_CMAKE}"
-    export PATH="$HOME/.local/bin:$PATH"
+    local venv
+    venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/build-ci/cmake-venv"
+    cpidx_log "installing cmake>=${CPIDX_MIN_CMAKE} with pip into ${venv}"
+    if command -v dpkg-query >/dev/null 2>&1; then cpidx_apt_install_missing python3-venv; fi
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --disable-pip-version-check -q "cmake>=${CPIDX_MIN_CMAKE}"
+    export PATH="$venv/bin:$PATH"
   fi
 }
 

@@ -36,13 +36,26 @@
 #endif
 
 namespace cpidx::tools {
+namespace {
+
+// `--prefill` or `--prefill=true` (or =1) anywhere: the prefill benchmark, which has its own
+// flags. `--prefill=false` stays with the decode benchmark, whose parser takes it.
+bool prefill_asked(int argc, char** argv) {
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--prefill" || arg == "--prefill=true" || arg == "--prefill=1") return true;
+  }
+  return false;
+}
+
+}  // namespace
 
 #if !defined(CPIDX_WITH_CUDA)
 int run_bench(int argc, char** argv) {
-  for (int i = 2; i < argc; ++i) {  // the prefill benchmark has its own flags
-    if (std::string(argv[i]) == "--prefill") return run_prefill_bench(argc, argv);
-  }
+  if (prefill_asked(argc, argv)) return run_prefill_bench(argc, argv);
+  bool prefill = false;
   Flags flags("cpidx bench [flags]", "GPU decode benchmark; needs a CUDA build.");
+  flags.add("prefill", &prefill, "run the prefill benchmark instead (its own flags)");
   if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   std::fprintf(stderr, "cpidx bench: this build has no CUDA; `cpidx demo` runs on the CPU.\n");
   return kExitFailed;
@@ -618,16 +631,14 @@ void print_trace(const TraceSnapshot& snap, double page_bytes) {
 }  // namespace
 
 int run_bench(int argc, char** argv) {
-  for (int i = 2; i < argc; ++i) {  // the prefill benchmark has its own flags
-    if (std::string(argv[i]) == "--prefill") return run_prefill_bench(argc, argv);
-  }
+  if (prefill_asked(argc, argv)) return run_prefill_bench(argc, argv);
   std::vector<std::string> modes = {"plain1", "plain4", "cp2", "cp4"};
   std::vector<int64_t> reqs = {1, 8, 64}, contexts = {8 << 10, 64 << 10, 256 << 10, 1 << 20},
                        qlens = {1, 4};
   std::string json, dtype = "bf16", exchange = "both";
   int64_t replays = 10, pool_mb = 4096, split_pages = DecodeConfig::kAutoSplit, ctas_per_sm = 0,
           min_calls = 0, max_tokens = 0, max_query_len = 0;
-  bool pdl = true, trace = false, steal = true;
+  bool pdl = true, trace = false, steal = true, prefill = false;
   double late_cta_us = 0;
   Neighbour neighbour;
   int64_t neighbour_smem_kb = neighbour.smem_kb, neighbour_ctas = neighbour.ctas_per_sm;
@@ -647,13 +658,13 @@ int run_bench(int argc, char** argv) {
               "queued, the GPU's time alone). GB/s counts index-cache bytes read by the rank\n"
               "(its 1/P shard in cpP modes, as floor_us does); cache_MB is the whole batch's.\n"
               "`cpidx bench --prefill --help`: the prefill benchmark.");
-  flags.add("modes", &modes, "plainH / cpP / stepP")
+  flags.add("modes", &modes, "plainH (H 1-8) / cpP / stepP (P 2, 4 or 8)")
       .add("reqs", &reqs, "batch sizes (requests)", 1, 1 << 20)
       .add("contexts", &contexts, "context lengths", 1, 1 << 30)
       .add("qlens", &qlens, "query lengths", 1, kMaxQueryLen)
       .add("dtype", &dtype, "index cache dtype", {"bf16", "fp8"})
-      .add("replays", &replays, "timed graph replays per shape")
-      .add("pool-mb", &pool_mb, "MiB of random key pages to draw from")
+      .add("replays", &replays, "timed graph replays per shape", 1, 1 << 20)
+      .add("pool-mb", &pool_mb, "MiB of random key pages to draw from", 1, int64_t{1} << 20)
       .add("pdl", &pdl, "launch with programmatic dependent launch")
       .add("exchange", &exchange,
            "stepP exchanges: NCCL, peer stores (keys through the device channel), peer-gather "
@@ -662,7 +673,7 @@ int run_bench(int argc, char** argv) {
       .add("split-pages", &split_pages,
            "steps with at most this many pages per rank take the split path (-1: automatic, "
            "0: fused path only)")
-      .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic, 1-4)")
+      .add("ctas-per-sm", &ctas_per_sm, "scoring CTAs per SM (0: automatic)", 0, 4)
       .add("max-tokens", &max_tokens,
            "the Decoders' max_tokens at least this (0: each shape's rows); the scoring kernel's "
            "shared memory grows with it (grid/stg shows the plan it gets)", 0, int64_t{1} << 24)
@@ -692,6 +703,7 @@ int run_bench(int argc, char** argv) {
       .add("neighbour-ctas-per-sm", &neighbour_ctas, "neighbour CTAs launched per SM", 1, 32)
       .add("neighbour-early", &neighbour.early_launch,
            "the neighbour lets the decode call launch at its start (PDL's trigger)")
+      .add("prefill", &prefill, "run the prefill benchmark instead (its own flags)")
       .add("json", &json, "write the results as JSON to this file");
   if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
   neighbour.smem_kb = static_cast<int>(neighbour_smem_kb);
@@ -704,7 +716,8 @@ int run_bench(int argc, char** argv) {
     std::fprintf(stderr, "cpidx bench: --late-cta-us must be >= 0\n");
     return kExitUsage;
   }
-  // Each mode is a kind and a number: plainH (heads 1..8), cpP / stepP (ranks 2..8).
+  // Each mode is a kind and a number: plainH (heads 1..8), cpP / stepP (ranks 2, 4 or 8: the
+  // world sizes of their 4 heads).
   struct Mode {
     std::string name, kind;
     int x = 0;
@@ -719,9 +732,9 @@ int run_bench(int argc, char** argv) {
         md.x = m[n] - '0';
       }
     }
-    if (md.kind.empty() || (md.kind != "plain" && md.x < 2)) {
-      std::fprintf(stderr, "cpidx bench: bad mode '%s' in --modes (plain1..plain8, cp2..cp8, "
-                   "step2..step8)\n", m.c_str());
+    if (md.kind.empty() || (md.kind != "plain" && md.x != 2 && md.x != 4 && md.x != 8)) {
+      std::fprintf(stderr, "cpidx bench: bad mode '%s' in --modes (plain1..plain8, cp2, cp4, "
+                   "cp8, step2, step4, step8)\n", m.c_str());
       return kExitUsage;
     }
     mode_list.push_back(md);

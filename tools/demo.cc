@@ -285,6 +285,11 @@ int run_threads(const DemoOptions& o, const SyntheticConfig& config, const Selec
   const int code =
       print_report(o, step, sel, runs, plain, plain_bytes, plain_ms, plain_errors, plain_status);
   if (!o.gpu || !gpu_available()) return code;
+  if (P > kMaxWorldSize) {  // the CPU reference takes any P, the GPU decode up to 8
+    std::printf("# GPU step skipped: %d ranks, and the GPU decode takes at most %d\n", P,
+                kMaxWorldSize);
+    return code;
+  }
   // Real GPUs when asked (--gpus) or when P equals the GPU count; else P ranks on GPU 0.
   const bool real = o.gpus || (P >= 2 && gpu_count() == P && built_with_nccl());
   progress(true, real ? "GPU decode and context-parallel step on real GPUs"
@@ -377,10 +382,13 @@ int run_mpi(const DemoOptions& o, int* argc, char*** argv, const SyntheticConfig
     return kExitFailed;
   }
   const int fewest = *std::min_element(counts.begin(), counts.end());
-  if (fewest == 0) return verdicts[0];  // no GPU: the CPU report is the demo, as with threads
+  if (fewest == 0 && !built_with_cuda()) return verdicts[0];  // the CPU report is the demo
   const bool built = o.exchange == "peer" ? built_with_peer() : built_with_nccl();
-  if (fewest < P || !built) {
-    if (printer && fewest < P) {
+  if (fewest < P || !built || P > kMaxWorldSize) {
+    if (printer && P > kMaxWorldSize) {
+      std::printf("# GPU step skipped: %d MPI processes, and the GPU decode takes at most %d\n",
+                  P, kMaxWorldSize);
+    } else if (printer && fewest < P) {
       std::printf("# GPU step skipped: %d GPU%s on this host for %d MPI processes (it needs one "
                   "GPU per process)\n", fewest, fewest == 1 ? "" : "s", P);
     } else if (printer) {

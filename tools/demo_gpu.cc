@@ -33,6 +33,7 @@ namespace cpidx::tools {
 
 #if !defined(CPIDX_WITH_CUDA)
 
+bool built_with_cuda() { return false; }
 int gpu_count() { return 0; }
 bool built_with_nccl() { return false; }
 bool built_with_peer() { return false; }
@@ -45,6 +46,8 @@ int run_demo_gpu_mpi(Communicator&, const SyntheticStep&, const Selection&, cons
 }
 
 #else
+
+bool built_with_cuda() { return true; }
 
 int gpu_count() {
   int count = 0;

@@ -14,6 +14,8 @@
 
 namespace cpidx::tools {
 
+// True when the build has the CUDA kernels.
+bool built_with_cuda();
 // CUDA devices visible to this build (0 in a CPU build or without a GPU).
 int gpu_count();
 // True when the build has the NCCL communicator (cpidx_comm_nccl).

@@ -1,8 +1,11 @@
 // tools/main.cc: the `cpidx` command. Dispatches `cpidx <subcommand> [flags]` through one table;
 // `cpidx --help` lists the subcommands, `cpidx <subcommand> --help` lists its flags, `cpidx
-// --version` prints the library's version.
+// --version` prints the library's version. A subcommand whose sizes do not fit in host memory
+// exits 2 (a bad command line for this host), saying so.
 #include <cstdio>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 
 #include "cpidx/version.h"
 #include "subcommands.h"
@@ -53,7 +56,17 @@ int main(int argc, char** argv) {
     return cpidx::tools::kExitOk;
   }
   for (const Subcommand& s : kSubcommands) {
-    if (!std::strcmp(argv[1], s.name)) return s.run(argc, argv);
+    if (std::strcmp(argv[1], s.name) != 0) continue;
+    try {
+      return s.run(argc, argv);
+    } catch (const std::bad_alloc&) {  // sizes within the flags' ranges, past this host's memory
+      std::fprintf(stderr, "cpidx %s: out of host memory for the sizes these flags ask for "
+                   "(see --help)\n", s.name);
+    } catch (const std::length_error&) {
+      std::fprintf(stderr, "cpidx %s: the sizes these flags ask for exceed what one buffer "
+                   "holds (see --help)\n", s.name);
+    }
+    return cpidx::tools::kExitUsage;
   }
   std::fprintf(stderr, "cpidx: unknown command '%s'\n\n", argv[1]);
   print_usage(stderr);

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -478,24 +479,32 @@ int run_soak(int argc, char** argv) {
               "captured per (batch bucket, Q) in CUDA graphs and replayed --steps times with new\n"
               "seq_lens (padding rows included), block tables and queries between replays; every\n"
               "--check-every steps each rank's owned heads are compared bitwise with the plain\n"
-              "decode on its GPU and the error words are read; device memory must not change.");
-  flags.add("steps", &o.steps, "graph replays (steps)")
+              "decode on its GPU and the error words are read; device memory must not change.\n"
+              "Exit code 0 when every check passes, 1 on a mismatch or an error, 2 on bad flags,\n"
+              "3 when the ranks make no progress for --stall-seconds (a hang).");
+  constexpr int64_t kMost = std::numeric_limits<int64_t>::max();
+  flags.add("steps", &o.steps, "graph replays (steps)", 1, kMost)
       .add("exchange", &o.exchange, "the step's exchanges", {"peer", "nccl"})
-      .add("check-every", &o.check_every, "steps between checks against the plain decode")
-      .add("max-reqs", &o.max_reqs, "largest batch (requests); buckets are powers of two")
-      .add("max-qlen", &o.max_qlen, "largest Q (each Q in 1..max has its graphs)")
-      .add("max-context", &o.max_context, "longest request (tokens)")
-      .add("pool-mb", &o.pool_mb, "MiB of random cache pages per GPU")
+      .add("check-every", &o.check_every, "steps between checks against the plain decode", 1,
+           kMost)
+      .add("max-reqs", &o.max_reqs, "largest batch (requests); buckets are powers of two", 1,
+           1 << 20)
+      .add("max-qlen", &o.max_qlen, "largest Q (each Q in 1..max has its graphs)", 1,
+           kMaxQueryLen)
+      .add("max-context", &o.max_context, "longest request (tokens)", 1, 1 << 24)
+      .add("pool-mb", &o.pool_mb, "MiB of random cache pages per GPU", 1, int64_t{1} << 20)
       .add("seed", &o.seed, "seed of the inputs and of the step schedule")
       .add("stall-seconds", &o.stall_seconds, "report a hang after this long without progress")
       .add("peer-timeout", &o.peer_timeout,
            "seconds a peer gather waits before raising its error word")
       .add("json", &o.json, "write the summary as JSON to this file");
   if (int code = 0; !parse_flags(flags, argc, argv, &code)) return code;
-  if (o.steps < 1 || o.check_every < 1 || o.max_reqs < 1 || o.max_qlen < 1 ||
-      o.max_qlen > kMaxQueryLen || o.max_context < 1 || o.max_context > (1 << 24) ||
-      o.pool_mb < 1) {
-    std::fprintf(stderr, "cpidx soak: a size flag is out of range (see --help)\n");
+  const auto positive = [](const char* name, double seconds) {
+    if (seconds > 0) return true;
+    std::fprintf(stderr, "cpidx soak: --%s must be > 0, got %g\n", name, seconds);
+    return false;
+  };
+  if (!positive("stall-seconds", o.stall_seconds) || !positive("peer-timeout", o.peer_timeout)) {
     return kExitUsage;
   }
   // Load every kernel when CUDA starts (unless the caller chose otherwise): with lazy loading, a
