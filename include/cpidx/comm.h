@@ -61,6 +61,10 @@ class Communicator {
   // nullptr. The peer communicator has one; cp_decode then fuses its key gather into its
   // selection and merge kernels.
   virtual const DeviceChannel* device_channel() const { return nullptr; }
+  // The CUDA device a device-memory communicator gathers on, or -1 where it does not say (host
+  // memory, or a subclass of your own). Decoder::cp_decode refuses one on another device than
+  // its own: its gathers would run on that device, unordered with the Decoder's stream.
+  virtual int device() const { return -1; }
 };
 
 // P communicators whose ranks are threads of this process (one communicator per thread).

@@ -204,8 +204,10 @@ class Decoder {
 
   // Device buffers of the exchange, for communicators that need registered memory: the query and
   // key gathers' send and receive buffers, 0 bytes where the Decoder has none (world_size 1, or
-  // exchange_buffers off). The workspace past them (the split path's keys, the work-stealing
-  // words) is the kernels' own between calls.
+  // exchange_buffers off). A query given packed ([n, L, 128] contiguous) is gathered from where
+  // it lies, not from its send buffer here: a communicator that gathers from registered memory
+  // only needs the query given otherwise (a strided view) or registered too. The workspace past
+  // them (the split path's keys, the work-stealing words) is the kernels' own between calls.
   void* exchange_buffer() const;
   size_t exchange_buffer_bytes() const;
 

@@ -225,6 +225,8 @@ class NcclCommunicator final : public Communicator {
     return holds_.wait_for_release_on(device_, wait_seconds);
   }
 
+  int device() const override { return device_; }
+
   Status barrier() override {
     if (host_ != nullptr) return host_->barrier();
     int prev = 0;

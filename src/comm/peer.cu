@@ -614,6 +614,7 @@ class PeerCommunicator final : public Communicator {
   size_t max_bytes_per_rank() const override { return parts_.max_bytes; }
 
   const DeviceChannel* device_channel() const override { return &channel_; }
+  int device() const override { return parts_.device; }
 
   int32_t* error_word() const { return base_.error; }
 

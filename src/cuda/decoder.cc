@@ -424,6 +424,10 @@ Status Decoder::cp_decode(Communicator& comm, const DecodeInputs& local, const T
                                       << " of " << P << ")");
     CPIDX_CHECK(comm.memory_space() == MemorySpace::kDevice,
                 "communicator must exchange device memory for the GPU decode");
+    CPIDX_CHECK(comm.device() < 0 || comm.device() == im.device,
+                "communicator gathers on device " << comm.device()
+                    << ", the Decoder runs on device " << im.device
+                    << ": make both for one device");
     CPIDX_RETURN_IF_ERROR(check_cp_decode(local, out, table));  // n is valid from here
     // Each gather within the communicator's bound (the peer communicator's, fixed at its
     // creation): refused here, before any kernel runs, not by the gather after the scoring.

@@ -651,13 +651,14 @@ cudaError_t prefill_wgmma_available(int device, bool* available) {
   // The build may hold sm_90 (not sm_90a) code, or PTX for an older target: ask the device.
   int* flag = nullptr;
   if ((e = cudaMalloc(&flag, sizeof(int))) != cudaSuccess) return e;
-  prefill_wgmma_probe_kernel<<<1, 1>>>(flag);
+  // The launch's own status (not cudaGetLastError, which would also take, and clear, an error
+  // the caller left pending: a failed allocation read as this probe's, or as "no wgmma").
+  e = launch_with_pdl(false, prefill_wgmma_probe_kernel, dim3(1), dim3(1), 0, nullptr, flag);
   int found = 0;
-  e = cudaGetLastError();
   if (e == cudaSuccess) e = cudaMemcpy(&found, flag, sizeof(int), cudaMemcpyDeviceToHost);
   cuda_host::free_relaxed(flag);  // freed even when a capture under way refused the copy
   if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction) {
-    cudaGetLastError();  // not sticky: no image for this device simply means no wgmma
+    cudaGetLastError();  // the probe's own, not sticky: no image here simply means no wgmma
     return cudaSuccess;
   }
   *available = e == cudaSuccess && found == 1;

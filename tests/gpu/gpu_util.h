@@ -413,6 +413,7 @@ class ScriptedComm final : public cpidx::Communicator {
     return channel ? &*channel : nullptr;
   }
   size_t max_bytes_per_rank() const override { return max_bytes; }
+  int device() const override { return gpu_device; }
   int gathers = 0;
   std::vector<long long> offered;
   std::vector<std::string> labels;
@@ -422,6 +423,7 @@ class ScriptedComm final : public cpidx::Communicator {
   std::optional<cpidx::DeviceChannel> channel;
   size_t max_bytes = SIZE_MAX;
   bool gather_writes = false;  // all_gather zeroes recv on the stream (see all_gather)
+  int gpu_device = -1;         // the device it says it gathers on (-1: it does not say)
 
  private:
   int rank_, world_;

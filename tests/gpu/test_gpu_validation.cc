@@ -516,6 +516,12 @@ TEST(GpuValidation, CpDecodeRejectsBeforeAnyCollective) {
                    2,
                    {"exceed the communicator's max_bytes_per_rank (64)"}});
   comms.back().comm.max_bytes = 64;
+  // A communicator of another device would gather there, unordered with the Decoder's stream.
+  comms.push_back({"a communicator of another device",
+                   ScriptedComm(0, 2),
+                   2,
+                   {"communicator gathers on device 1, the Decoder runs on device 0"}});
+  comms.back().comm.gpu_device = 1;
   for (auto& c : comms) {
     f.poison();
     EXPECT_TRUE(
