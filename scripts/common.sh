@@ -50,11 +50,13 @@ cpidx_ensure_packages() {
   if ! cpidx_cmake_ok; then
     local venv
     venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/build-ci/cmake-venv"
-    cpidx_log "installing cmake>=${CPIDX_MIN_CMAKE} with pip into ${venv}"
-    if command -v dpkg-query >/dev/null 2>&1; then cpidx_apt_install_missing python3-venv; fi
-    python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install --disable-pip-version-check -q "cmake>=${CPIDX_MIN_CMAKE}"
     export PATH="$venv/bin:$PATH"
+    if ! cpidx_cmake_ok; then  # not there from an earlier run either
+      cpidx_log "installing cmake>=${CPIDX_MIN_CMAKE} with pip into ${venv}"
+      if command -v dpkg-query >/dev/null 2>&1; then cpidx_apt_install_missing python3-venv; fi
+      python3 -m venv "$venv"
+      "$venv/bin/python" -m pip install --disable-pip-version-check -q "cmake>=${CPIDX_MIN_CMAKE}"
+    fi
   fi
 }
 

@@ -1,13 +1,15 @@
 // tools/main.cc: the `cpidx` command. Dispatches `cpidx <subcommand> [flags]` through one table;
 // `cpidx --help` lists the subcommands, `cpidx <subcommand> --help` lists its flags, `cpidx
-// --version` prints the library's version. A subcommand whose sizes do not fit in host memory
-// exits 2 (a bad command line for this host), saying so.
+// --version` prints the library's version. A subcommand whose buffers, allocated on its main
+// thread, do not fit in host memory exits 2 (a bad command line for this host), saying so;
+// under mpirun it ends as an uncaught exception does.
 #include <cstdio>
 #include <cstring>
 #include <new>
 #include <stdexcept>
 
 #include "cpidx/version.h"
+#include "mpi_session.h"
 #include "subcommands.h"
 
 namespace {
@@ -57,12 +59,17 @@ int main(int argc, char** argv) {
   }
   for (const Subcommand& s : kSubcommands) {
     if (std::strcmp(argv[1], s.name) != 0) continue;
+    // Under mpirun an exception ends the process as before (std::terminate): mpirun then ends
+    // the job, where a rank returning would leave its peers in a collective.
+    const bool alone = !cpidx::tools::launched_by_mpi();
     try {
       return s.run(argc, argv);
     } catch (const std::bad_alloc&) {  // sizes within the flags' ranges, past this host's memory
+      if (!alone) throw;
       std::fprintf(stderr, "cpidx %s: out of host memory for the sizes these flags ask for "
                    "(see --help)\n", s.name);
     } catch (const std::length_error&) {
+      if (!alone) throw;
       std::fprintf(stderr, "cpidx %s: the sizes these flags ask for exceed what one buffer "
                    "holds (see --help)\n", s.name);
     }

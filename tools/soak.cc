@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -482,7 +481,7 @@ int run_soak(int argc, char** argv) {
               "decode on its GPU and the error words are read; device memory must not change.\n"
               "Exit code 0 when every check passes, 1 on a mismatch or an error, 2 on bad flags,\n"
               "3 when the ranks make no progress for --stall-seconds (a hang).");
-  constexpr int64_t kMost = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMost = int64_t{1} << 40;  // "1..1048576M": past any soak's steps
   flags.add("steps", &o.steps, "graph replays (steps)", 1, kMost)
       .add("exchange", &o.exchange, "the step's exchanges", {"peer", "nccl"})
       .add("check-every", &o.check_every, "steps between checks against the plain decode", 1,

@@ -189,10 +189,10 @@ class Decoder {
 
   // The checks cp_decode runs on this rank's arguments before its first collective (the current
   // device, inputs of L = local heads, outputs [L, n, K], the sparse table; the communicator's
-  // rank, memory space and max_bytes_per_rank are cp_decode's own), host side only. For front ends that
-  // agree with their peers themselves before calling cp_decode (the Python binding does,
-  // through a host group), so that a rank with bad arguments fails together with the others
-  // instead of leaving them in a collective.
+  // rank, memory space, device and max_bytes_per_rank are cp_decode's own), host side only. For
+  // front ends that agree with their peers themselves before calling cp_decode (the Python
+  // binding does, through a host group), so that a rank with bad arguments fails together with
+  // the others instead of leaving them in a collective.
   Status check_cp_decode(const DecodeInputs& local, const TopkOutput& out,
                          const SparseTableOutput* table) const;
 
