@@ -409,6 +409,9 @@ class IndexerCPDecode:
             if not self._cuda or not group.device_memory:
                 raise ValueError("group: a cpidx Communicator needs device='cuda' and a "
                                  "device-memory communicator (NCCL or peer)")
+            if group.device != self.device.index:  # its gathers would run on that device
+                raise ValueError(f"group: the communicator gathers on cuda:{group.device}, this "
+                                 f"instance runs on {self.device}")
             if exchange not in ("auto", group.kind):
                 raise ValueError(f"exchange: {exchange!r} does not match the given cpidx "
                                  f"Communicator ({group.kind!r}); pass exchange='auto'")

@@ -164,6 +164,9 @@ void bind_comm(nb::module_& m) {
       .def_prop_ro("device_memory",
                    [](PyCommunicator& c) { return c.get().memory_space() == MemorySpace::kDevice; })
       .def_prop_ro(
+          "device", [](PyCommunicator& c) { return c.get().device(); },
+          "The CUDA device its gathers run on (-1 for host memory).")
+      .def_prop_ro(
           "kind", [](const PyCommunicator& c) { return c.kind(); }, "'nccl', 'peer' or 'threads'.")
       .def_prop_ro("closed", &PyCommunicator::closed)
       .def("close", &PyCommunicator::close,

@@ -842,7 +842,8 @@ needs_peer = pytest.mark.skipif(not cpidx.has_peer, reason="the peer communicato
 def test_peer_communicator_holds_its_bootstrap_until_closed():
     (boot,) = cpidx._C._thread_communicators(1)
     peer = cpidx._C.make_peer_communicator(boot, 0, 4096)
-    assert (peer.kind, peer.rank, peer.world_size, peer.device_memory) == ("peer", 0, 1, True)
+    assert (peer.kind, peer.rank, peer.world_size, peer.device_memory, peer.device) == \
+        ("peer", 0, 1, True, 0)
     assert peer.read_error_flag() == 0
     peer.clear_error_flag(stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()

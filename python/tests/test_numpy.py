@@ -676,8 +676,8 @@ def test_cp_gather_bytes_names_bad_arguments(kw, name):
 
 def test_communicator_close_is_idempotent_and_use_after_close_is_named():
     a, b = _C._thread_communicators(2)
-    assert (a.rank, a.world_size, a.kind, a.device_memory, a.closed) == \
-        (0, 2, "threads", False, False)
+    assert (a.rank, a.world_size, a.kind, a.device_memory, a.device, a.closed) == \
+        (0, 2, "threads", False, -1, False)
     assert a.read_error_flag() is None  # only peer communicators have an error word
     a.clear_error_flag()  # nothing to clear
     assert cpidx.PEER_ERROR_TIMEOUT == 1
@@ -688,7 +688,7 @@ def test_communicator_close_is_idempotent_and_use_after_close_is_named():
     assert a._close_blocker() is None  # closed: nothing to refuse
     assert a.closed and not b.closed and b.rank == 1
     assert "closed" in repr(a)
-    for use in (lambda: a.rank, lambda: a.world_size, lambda: a.device_memory,
+    for use in (lambda: a.rank, lambda: a.world_size, lambda: a.device_memory, lambda: a.device,
                 a.read_error_flag, a.clear_error_flag):
         with pytest.raises(RuntimeError, match=r"Communicator\(threads, rank 0 of 2\) is closed"):
             use()
