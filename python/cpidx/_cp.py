@@ -603,14 +603,15 @@ class IndexerCPDecode:
             if n == 0:
                 return out
             return self._step(n, local_q, _as_bits(kv_cache), block_table, seq_lens, query_len,
-                              out, scale, table, error_flag)
+                              out, scale, table, error_flag, agree)
 
     def _step(self, n: int, local_q: torch.Tensor, kv_cache: torch.Tensor,
               block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int,
               out: torch.Tensor, scale: float, table: dict,
-              error_flag: Optional[torch.Tensor]) -> torch.Tensor:
+              error_flag: Optional[torch.Tensor], agree: bool) -> torch.Tensor:
         """The step after its checks and agreement (``n > 0`` rows, this instance's device
-        current)."""
+        current). ``agree``: the ranks agreed on this step (and agree on a CPU step's scoring
+        too)."""
         stream = self._stream()
 
         def host_bits(bits: int) -> None:  # a CPU step's reference bits, after its collectives
@@ -641,10 +642,18 @@ class IndexerCPDecode:
             self._decoder.shard_keys(full, kv_cache, block_table, seq_lens, query_len, keys,
                                      scale=scale, error_flag=error_flag, stream=stream)
         else:
-            bits = _native(
-                _C.ref_shard_topk_keys, full, kv_cache, block_table, seq_lens, query_len, keys,
-                scale=scale, max_seq_len=self.max_seq_len, world_size=P, rank=self.rank,
-                **self._sel())
+            failure = None
+            try:
+                bits = _native(
+                    _C.ref_shard_topk_keys, full, kv_cache, block_table, seq_lens, query_len,
+                    keys, scale=scale, max_seq_len=self.max_seq_len, world_size=P,
+                    rank=self.rank, **self._sel())
+            except Exception as e:  # noqa: BLE001 - a MemoryError, say: raised after agreeing
+                if not agree:
+                    raise
+                failure = e
+            if agree:
+                self._agree_scored(failure)
         gathered = self._keys_gathered[: P * T * n * K]
         dist.all_gather_into_tensor(gathered, keys.view(-1), group=self._pg)
         gathered = gathered.view(P, T, n, K)
@@ -965,6 +974,18 @@ class IndexerCPDecode:
         warnings.warn(f"{self!r}.close(): the host group failed ({self._host_failure}): the "
                       f"instance was let go without a collective, as when dropped{kept}",
                       RuntimeWarning, stacklevel=3)
+
+    def _agree_scored(self, failure: Optional[BaseException]) -> None:
+        """A CPU step's scoring, agreed before its key gather when the step was agreed on: a
+        rank whose scoring raised (an allocation, say) raises that, and every other rank says
+        so, where they would otherwise wait in the gather until the group's timeout."""
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
+        self._host_all_reduce(flag, "the step's scoring agreement")
+        if failure is not None:
+            raise failure
+        if flag.item() != 0:
+            raise RuntimeError(f"{self!r}: another rank's scoring failed this step (it raised); "
+                               f"no keys were gathered and no ids written")
 
     def _host_all_reduce(self, values: torch.Tensor, what: str) -> None:
         """MAX all-reduce over the host group. Its failure is kept: the group is unusable from

@@ -829,7 +829,8 @@ def test_indexer_cp_decode_gloo_two_ranks(T):
 
 def _gloo_agreement_rank(rank, world, port, results):
     """Steps that one rank cannot run (other rows, refused arguments, no rows) raise on every
-    rank before any collective; a good step afterwards still equals the plain decode."""
+    rank before any collective, and a scoring that raises on one rank raises on every rank
+    before the key gather; a good step afterwards still equals the plain decode."""
     import torch.distributed as dist
 
     seen = []
@@ -856,8 +857,21 @@ def _gloo_agreement_rank(rank, world, port, results):
             out = torch.zeros((1, 4, K), dtype=torch.int32)
             cp(q[:4, off: off + 1].contiguous(), k, bt[:1], sl[:1], 4, out, scale=b.scale)
 
+        def scoring_fails_on_rank_1():  # after the agreement: an allocation, say
+            real = cpidx._C.ref_shard_topk_keys
+
+            def fail(*args, **kwargs):
+                raise MemoryError("no room for the scores")
+            if rank == 1:
+                cpidx._C.ref_shard_topk_keys = fail
+            try:
+                return step(2)
+            finally:
+                cpidx._C.ref_shard_topk_keys = real
+
         cases = [
             ("rows differ", lambda: step(2 if rank == 0 else 3)),
+            ("scoring fails on rank 1", scoring_fails_on_rank_1),
             ("bad argument on rank 1", lambda: step(3, sl[:3].long() if rank == 1 else None)),
             ("no rows on rank 0", lambda: step(0 if rank == 0 else 2)),
             ("query_len past the bound on rank 1", lambda: step(2) if rank == 0 else beyond_q()),
@@ -911,6 +925,10 @@ def test_indexer_cp_decode_ranks_fail_together_instead_of_hanging():
     assert kind == "ValueError" and msg.startswith("query_len: expected 1 to max_query_len 2")
     kind, msg = r0["query_len past the bound on rank 1"]
     assert kind == "ValueError" and "another rank's arguments" in msg
+    kind, msg = r1["scoring fails on rank 1"]
+    assert kind == "MemoryError" and msg == "no room for the scores", msg
+    kind, msg = r0["scoring fails on rank 1"]
+    assert kind == "RuntimeError" and "another rank's scoring failed this step" in msg, msg
     kind, msg = r1["bad error_flag on rank 1"]
     assert kind == "ValueError" and msg.startswith("error_flag: expected one writable int32"), msg
     kind, msg = r0["bad error_flag on rank 1"]
