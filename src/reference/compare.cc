@@ -35,8 +35,9 @@ bool ids_row_acceptable(const int32_t* got, const int32_t* want, int k, int64_t 
     // leaves none: infinities are exact, and inf - 5 <= inf would accept any block for one.
     const float kth = forced(want[count - 1]);
     const float tol = std::isfinite(kth) ? 1e-3f * std::fabs(kth) : 0.0f;
-    const int64_t local_start = std::max<int64_t>(0, visible - sel.local_blocks);
-    auto is_forced = [&](int32_t b) { return b < sel.init_blocks || b >= local_start; };
+    auto is_forced = [&](int32_t b) {  // the contract's rule, as forced_score applies it
+      return forced_score(0.0f, b, visible, sel.init_blocks, sel.local_blocks) != 0.0f;
+    };
     for (int i = 0; i < count && ok; ++i) {
       if (got[i] == want[i]) continue;
       ok = !(is_forced(got[i]) && is_forced(want[i])) &&

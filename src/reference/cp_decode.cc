@@ -77,8 +77,9 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
   const int lh = geo.local_heads;
   const int k = sel.topk;
   const int64_t n = local.num_rows();
-  const size_t q_elems = static_cast<size_t>(n) * lh * kHeadDim;
-  const size_t key_elems = static_cast<size_t>(total) * n * k;  // [T][n][K] a rank
+  const size_t q_elems = static_cast<size_t>(n) * lh * kHeadDim;     // [n][L][D] a rank
+  const size_t q_full_elems = static_cast<size_t>(n) * total * kHeadDim;  // [n][T][D]
+  const size_t key_elems = static_cast<size_t>(total) * n * k;        // [T][n][K] a rank
   // Every rank joins the agreement even when its own inputs are bad or its buffers cannot be
   // allocated (it sends -1), so a mistake on one rank is an error on all ranks, never a hang in
   // a later collective.
@@ -86,11 +87,11 @@ Status cp_decode(Communicator& comm, const Geometry& geo, const DecodeInputs& lo
   if (local_status.is_ok()) {
     try {
       q_gathered.resize(q_elems * world);
-      q_full.resize(static_cast<size_t>(n) * total * kHeadDim);
+      q_full.resize(q_full_elems);
       keys_gathered.resize(key_elems * world);
     } catch (const std::exception& e) {  // std::bad_alloc, std::length_error
-      const size_t bytes = (q_elems * world + static_cast<size_t>(n) * total * kHeadDim) *
-                               sizeof(uint16_t) + key_elems * world * sizeof(Key);
+      const size_t bytes =
+          (q_elems * world + q_full_elems) * sizeof(uint16_t) + key_elems * world * sizeof(Key);
       local_status = Status(StatusCode::kInternal,
                             "cp_decode: could not allocate the step's gather buffers (" +
                                 std::to_string(bytes) + " bytes): " + e.what());

@@ -130,10 +130,10 @@ Status check_table_args(const SparseTableOutput& table, int num_reqs, int query_
 
 // compare_ids' acceptance rule for one row (CONTRACT.md section 4): ids exact, or distinct and
 // visible with -1 after min(K, V), every differing position's two forced scores within 1e-3 of
-// the K-th forced score's magnitude, and no two forced blocks (sel's init and local ones) in each other's place:
-// their scores are constants on every path, so rounding cannot order them otherwise. forced(b)
-// gives block b's forced score. describe_bad_row counts a failing row and records the first
-// one in res->first_bad.
+// the K-th forced score's magnitude, and no two forced blocks (sel's init and local ones) in
+// each other's place: their scores are constants on every path, so rounding cannot order them
+// otherwise. forced(b) gives block b's forced score. describe_bad_row counts a failing row and
+// records the first one in res->first_bad.
 bool ids_row_acceptable(const int32_t* got, const int32_t* want, int k, int64_t visible,
                         const Selection& sel, const std::function<float(int32_t)>& forced);
 void describe_bad_row(int head, int64_t row, const int32_t* got, const int32_t* want, int k,
