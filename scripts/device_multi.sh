@@ -5,8 +5,13 @@
 # mpirun, and the 2-GPU soak with each exchange (issue #7). Every stage is
 # time-boxed against one deadline (DEADLINE seconds, default 500) so the call fits the device
 # budget; at most 8 files land under $OUT (the bench and demo
-# logs in step2.log; the soak prints its JSON into soak.log). WITH_SINGLE=1 also runs the single-GPU suite first.
-# Knobs: STEP_REQS, STEP_CTX (bench shapes), SOAK_STEPS (default 100000 per exchange).
+# logs in step2.log; the soak prints its JSON into soak.log). The single-GPU suite's one test
+# that needs two GPUs (GpuValidation.CallsWithAnotherDeviceCurrentAreRefused) runs first;
+# WITH_SINGLE=1 runs the whole single-GPU suite instead. Last, with PYTHON=1 (the default) and
+# at least 200 s before the deadline, scripts/device_python.sh on test_gpu.py: its 2-GPU tests
+# and the torchrun example with each exchange (their logs in python.log). The single-GPU
+# suite's log heads multigpu_tests.log: 8 files come back, the device tool's limit.
+# Knobs: STEP_REQS, STEP_CTX (bench shapes), SOAK_STEPS (default 100000 per exchange), PYTHON.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -19,8 +24,7 @@ box() { local left=$((DEADLINE - SECONDS)); [ "$left" -lt "$1" ] && echo $((left
   > "$OUT/build.log" 2>&1
 gtest_src=()
 [ -d .deps/googletest ] && gtest_src=(-DCPIDX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
-targets=(cpidx_tool cpidx_multigpu_tests cpidx_multigpu_mpi_tests)
-[ "${WITH_SINGLE:-0}" = 1 ] && targets+=(cpidx_gpu_tests)
+targets=(cpidx_tool cpidx_multigpu_tests cpidx_multigpu_mpi_tests cpidx_gpu_tests)
 echo "== build (${targets[*]})"
 { cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DCPIDX_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a "${gtest_src[@]}" &&
@@ -29,14 +33,20 @@ echo "== build (${targets[*]})"
 echo "build done at ${SECONDS}s"
 
 rc=0
-if [ "${WITH_SINGLE:-0}" = 1 ]; then
-  echo "== single-GPU tests"
-  timeout "$(box 240)" build-device/tests/cpidx_gpu_tests > "$OUT/gpu_tests.log" 2>&1 || rc=1
-  grep -E "^\[  (FAILED|PASSED|SKIPPED)|Failure" "$OUT/gpu_tests.log" | head -30
-fi
+single_filter=GpuValidation.CallsWithAnotherDeviceCurrentAreRefused  # needs a second GPU
+[ "${WITH_SINGLE:-0}" = 1 ] && single_filter='*'
+echo "== single-GPU suite: $single_filter"
+single_log=$(mktemp)
+timeout "$(box 240)" build-device/tests/cpidx_gpu_tests --gtest_filter="$single_filter" \
+  > "$single_log" 2>&1 || rc=1
+grep -E "^\[  (FAILED|PASSED|SKIPPED)|Failure" "$single_log" | head -30
 
 echo "== multi-GPU tests (one process, a thread per GPU; NCCL and peer)"
 timeout "$(box 200)" build-device/tests/cpidx_multigpu_tests > "$OUT/multigpu_tests.log" 2>&1; m=$?
+# The single-GPU suite's log goes first in the same file (the device tool returns 8 files).
+{ echo "== cpidx_gpu_tests --gtest_filter=$single_filter"; cat "$single_log"
+  echo "== cpidx_multigpu_tests"; cat "$OUT/multigpu_tests.log"; } > "$single_log.all"
+mv "$single_log.all" "$OUT/multigpu_tests.log"; rm -f "$single_log"
 grep -E "^\[  (FAILED|PASSED|SKIPPED)|OK \]|Failure" "$OUT/multigpu_tests.log" | head -60; echo "multigpu rc=$m (${SECONDS}s)"
 
 echo "== multi-GPU tests under MPI (one process per GPU; NCCL and peer over CUDA IPC)"
@@ -75,5 +85,17 @@ for ex in peer nccl; do
 done
 grep -E '"status"' "$OUT/soak.log" | cut -c1-400
 
+py=0
+if [ "${PYTHON:-1}" = 1 ] && [ $((DEADLINE - SECONDS)) -ge 200 ]; then
+  echo "== Python suite on test_gpu.py (its 2-GPU tests) and the torchrun example (${SECONDS}s)"
+  py_out=$(mktemp -d)  # its three logs become one, python.log (8 files come back)
+  OUT=$py_out PYTHON_TESTS=test_gpu.py timeout "$(box 400)" scripts/device_python.sh || py=1
+  for f in "$py_out"/*.log; do echo "== $(basename "$f")"; cat "$f"; done > "$OUT/python.log"
+  rm -rf "$py_out"
+  echo "python rc=$py (${SECONDS}s)"
+elif [ "${PYTHON:-1}" = 1 ]; then
+  echo "== Python suite skipped: $((DEADLINE - SECONDS)) s left before the deadline"
+fi
+
 [ $rc -eq 0 ] && [ $m -eq 0 ] && [ $mm -eq 0 ] && [ $b -eq 0 ] && [ $bm -eq 0 ] && [ $dm -eq 0 ] &&
-  [ $s -eq 0 ]
+  [ $s -eq 0 ] && [ $py -eq 0 ]

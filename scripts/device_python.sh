@@ -3,7 +3,8 @@
 # image carries nanobind and scikit-build-core) into a scratch folder and run the whole pytest
 # suite there, GPU tests included (with 2 GPUs its two-process test checks that "auto" picks the
 # peer exchange). With 2+ GPUs also the torchrun example with --exchange peer and with
-# --exchange nccl. Three logs under $OUT.
+# --exchange nccl. Then test_numpy.py's tests of a CUDA build with no GPU visible
+# (CUDA_VISIBLE_DEVICES empty). Three logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -19,6 +20,12 @@ read -r -a tests <<<"${PYTHON_TESTS:-.}"
 cd /tmp && PYTHONPATH="$site:$OLDPWD/python/tests" python3 -m pytest -q -p no:cacheprovider \
   -rs --durations=12 "${tests[@]/#/$OLDPWD/python/tests/}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 rc=${PIPESTATUS[0]}
+# The CUDA build with no GPU visible: the tests that need the peer communicator built and no
+# GPU (CI builds without CUDA, so they run nowhere else). Their lines go to the same log.
+CUDA_VISIBLE_DEVICES='' PYTHONPATH="$site:$OLDPWD/python/tests" python3 -m pytest -q \
+  -p no:cacheprovider -rs "$OLDPWD/python/tests/test_numpy.py" -k "without_gpu" 2>&1 |
+  tee -a "$OUT/pytest_gpu.log" | tail -3
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 cd "$OLDPWD" || exit 1
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$ngpu" -ge 2 ]; then

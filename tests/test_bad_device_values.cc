@@ -266,12 +266,18 @@ TEST(BadDeviceValues, PrefillLengthsAndCuSeqlensAreClampedAndFlagged) {
 
   // cu_seqlens_q out of order or past num_tokens: clamped into a non-decreasing sequence in
   // [0, num_tokens]; rows no request covers are -1; flagged.
-  for (const std::vector<int32_t>& bad_cu :
-       std::vector<std::vector<int32_t>>{{0, 5, 2}, {0, -4, 6}, {0, 3, 99}, {-7, 3, 6}}) {
+  // Each bad cu_seqlens_q with the sequence its clamp gives: the ids are that sequence's.
+  const std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> clamped = {
+      {{0, 5, 2}, {0, 5, 5}}, {{0, -4, 6}, {0, 0, 6}}, {{0, 3, 99}, {0, 3, 6}},
+      {{-7, 3, 6}, {0, 3, 6}}};
+  for (const auto& [bad_cu, clamp] : clamped) {
+    SCOPED_TRACE(::testing::Message() << bad_cu[0] << " " << bad_cu[1] << " " << bad_cu[2]);
     err = 0;
     const std::vector<int32_t> got = run(inputs(bad_cu, ctx, seq, d.block_table), &err);
-    EXPECT_EQ(err, cpidx::kErrSeqLenOutOfRange)
-        << bad_cu[0] << " " << bad_cu[1] << " " << bad_cu[2];
+    EXPECT_EQ(err, cpidx::kErrSeqLenOutOfRange);
+    err = 0;
+    EXPECT_EQ(got, run(inputs(clamp, ctx, seq, d.block_table), &err));
+    EXPECT_EQ(err, 0) << "the clamped sequence is in range";
   }
   err = 0;
   const std::vector<int32_t> shifted = run(inputs({2, 3, 6}, ctx, seq, d.block_table), &err);

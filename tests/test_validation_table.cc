@@ -526,6 +526,10 @@ TEST(ValidationTable, SparseTableOnEveryEntryPoint) {
   std::vector<int32_t> sel_ids(static_cast<size_t>(n * kK), 0);
   std::vector<Key> keys(static_cast<size_t>(kT * n * kK));
   ASSERT_TRUE(cpidx::ref::shard_topk_keys(d.all_heads(), sel, 1, 0, keys.data(), nullptr).is_ok());
+  // The scoring calls take a batch whose scoring would raise the error flag (a length past
+  // max_seq_len), so a table refused only after scoring shows in `err`.
+  DecodeData flagged = d;
+  flagged.seq_lens[0] = 5000;
   int checked = 0;
   for (const TableCase& c : table_cases()) {
     SCOPED_TRACE(c.name);
@@ -540,14 +544,16 @@ TEST(ValidationTable, SparseTableOnEveryEntryPoint) {
       EXPECT_TRUE(failed_as(cpidx::ref::validate(t, c.heads), e)) << "validate";
     }
     EXPECT_TRUE(
-        failed_as(cpidx::ref::decode_topk(d.inputs(0, c.heads), sel, ids.out(), &t, &err), e))
+        failed_as(
+            cpidx::ref::decode_topk(flagged.inputs(0, c.heads), sel, ids.out(), &t, &err), e))
         << "decode_topk";
     EXPECT_EQ(err, 0) << "decode_topk scored before rejecting the table";
     cpidx::Geometry g;
     ASSERT_TRUE(cpidx::make_geometry(c.heads, 1, 0, &g).is_ok());
     auto comms = cpidx::make_thread_communicators(1);
     EXPECT_TRUE(failed_as(
-        cpidx::ref::cp_decode(*comms[0], g, d.inputs(0, c.heads), sel, ids.out(), &t, &err), e))
+        cpidx::ref::cp_decode(*comms[0], g, flagged.inputs(0, c.heads), sel, ids.out(), &t, &err),
+        e))
         << "cp_decode";
     EXPECT_EQ(err, 0) << "cp_decode scored before rejecting the table";
     EXPECT_TRUE(failed_as(

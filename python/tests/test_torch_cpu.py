@@ -571,14 +571,21 @@ def _cp_op(cp, local_q, k, bt, sl, query_len, out, scale, error_flag=None):
 
 
 def _one_rank_step(seed):
-    """A one-rank CPU instance, a batch, and the instance's own ids for it (called directly)."""
+    """A one-rank CPU instance, a batch, and the instance's own ids for it (called directly).
+
+    The ids are checked against the plain decode's, and hold no 77 (the callers' poison; ids
+    are below 12 here), so a later call that writes nothing does not equal them."""
     b = random_decode(np.random.default_rng(seed), 2, 2, [1500, 129, 0, 640], max_seq_len=1536)
     q, k, bt, sl = as_torch(b)
     cp = cpidx.IndexerCPDecode(total_heads=2, rank=0, world_size=1, max_tokens=16,
                                max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
                                group=None, device="cpu")
-    want = torch.full((2, b.rows, 6), 77, dtype=torch.int32)
+    want = torch.full((2, b.rows, 6), -9, dtype=torch.int32)
     cp(q, k, bt, sl, 2, want, scale=b.scale)
+    plain = torch.full_like(want, -9)
+    cpidx.decode_topk(q, k, bt, sl, 2, plain, scale=b.scale, topk=6, init_blocks=1,
+                      local_blocks=1, max_seq_len=1536)
+    assert torch.equal(want, plain) and not (want == 77).any() and not (want == -9).any()
     return b, (q, k, bt, sl), cp, want
 
 

@@ -1265,13 +1265,22 @@ TEST(GpuDecode, HostErrorsBeforeAnyKernel) {
   cpidx::DecodeConfig bad = config_for(d, sel_of(16));
   bad.world_size = 3;
   cpidx::Status st = cpidx::Decoder::create(bad, 0, &dec);
-  EXPECT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find("3"), std::string::npos) << st.message();
+  EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("world_size (3)"), std::string::npos) << st.message();
+  EXPECT_EQ(dec, nullptr);
+  // A Decoder of max_tokens 1 given 2 rows: refused, nothing written, the flag left as it was.
   ASSERT_TRUE(cpidx::Decoder::create(config_for(d, sel_of(16), 1, 0, 1), 0, &dec).is_ok());
   DeviceVec<int32_t> ids(4 * 2 * 16);
+  ids.poison();
+  CUDA_OK(cudaMemset(dec->error_flag(), 0, sizeof(int32_t)));
   st = dec->decode(b.all_heads(), cpidx::TopkOutput{ids.ptr, 32, 16}, nullptr, nullptr);
   EXPECT_EQ(st.code(), cpidx::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("max_tokens"), std::string::npos) << st.message();
+  CUDA_OK(cudaDeviceSynchronize());
+  for (int32_t v : ids.download()) ASSERT_EQ(v, cpidx_test::kPoison) << "an id was written";
+  int32_t flag = -1;
+  CUDA_OK(cudaMemcpy(&flag, dec->error_flag(), sizeof(flag), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(flag, 0);
 }
 
 }  // namespace

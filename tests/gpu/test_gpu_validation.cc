@@ -62,6 +62,17 @@ const cpidx_test::DecodeData& batch() {
   return d;
 }
 
+// batch() with its first length past max_seq_len: scoring it raises the error flag, so a call
+// refused only after a kernel ran shows there (Fixture::expect_untouched).
+const cpidx_test::DecodeData& flagged_batch() {
+  static const cpidx_test::DecodeData d = [] {
+    cpidx_test::DecodeData f = batch();
+    f.seq_lens[0] = f.max_seq_len + 1;
+    return f;
+  }();
+  return d;
+}
+
 struct InputCase {
   std::string name;
   std::function<void(DecodeInputs&)> edit;
@@ -169,7 +180,7 @@ std::vector<OutCase> out_cases() {
 
 struct Fixture {
   explicit Fixture(int world = 1, int rank = 0)
-      : d(batch()), b(d), ids(static_cast<size_t>(kT * d.rows() * kK + 64)) {
+      : d(flagged_batch()), b(d), ids(static_cast<size_t>(kT * d.rows() * kK + 64)) {
     cpidx::DecodeConfig c = config_for(d, {kK, 1, 1}, world, rank);
     const Status s = cpidx::Decoder::create(c, 0, &dec);
     EXPECT_TRUE(s.is_ok()) << s.to_string();
@@ -227,10 +238,14 @@ TEST(GpuValidation, DecodeRejectsEachBadArgumentBeforeAnyKernel) {
                           {kInv, {"num_heads", "[1, 4]", "got " + std::to_string(heads)}}));
     f.expect_untouched("decode: heads " + std::to_string(heads));
   }
-  // The untouched call works (the table's edits are what fail).
+  // The untouched call works (the table's edits are what fail), and raises the flag that
+  // expect_untouched reads: the batch's first length is past max_seq_len.
   f.poison();
   EXPECT_TRUE(f.dec->decode(f.b.all_heads(), f.dense(), nullptr, nullptr).is_ok());
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  int32_t flag = 0;
+  cudaMemcpy(&flag, f.dec->error_flag(), sizeof(flag), cudaMemcpyDeviceToHost);
+  EXPECT_NE(flag & cpidx::kErrSeqLenOutOfRange, 0) << "the fixture's batch left the flag " << flag;
 }
 
 TEST(GpuValidation, SparseTableArgumentsOnDecodeMergeAndCp) {
@@ -639,7 +654,8 @@ TEST(GpuValidation, CallsWithAnotherDeviceCurrentAreRefused) {
   ASSERT_NE(one.dec, nullptr);
   one.poison();
   DeviceVec<Key> keys(static_cast<size_t>(2 * kT * f.d.rows() * kK));
-  const Expected e{kInv, {"the current CUDA device is 1, but this Decoder was created on device 0"}};
+  const Expected e{kInv,
+                   {"the current CUDA device is 1, but this Decoder was created on device 0"}};
   cpidx::PrefillConfig pc;
   pc.num_heads = kT;
   pc.max_tokens = 64;

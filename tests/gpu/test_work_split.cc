@@ -56,20 +56,35 @@ TEST(FusedWorkSplit, RangesPartitionThePagesAndMergeSlotsWereAllWritten) {
       ASSERT_TRUE(c >= 0 && c < g && begin[c] <= x && x < begin[c + 1]) << "x " << x;
     }
 
-    // Slots written: CTA c, for each request r it scores part of, when r spans CTAs.
+    // Lists written: CTA c's of each column, for each request r it scores part of, when r spans
+    // CTAs, at partial_index(col, c + r, ...) (score_topk's store); every one inside the call's
+    // partial_slots and none written twice.
+    const int cols = 1 + static_cast<int>(rng() % 3), K = 1 + static_cast<int>(rng() % 64);
+    const int64_t slots = cpidx::cuda::partial_slots(grid, B);
+    const int64_t elems = cpidx::cuda::partial_index(cols, 0, slots, K);
     std::set<int64_t> written;
     for (int r = 0; r < B; ++r) {
       if (prefix[r + 1] == prefix[r]) continue;
       const int64_t c0 = cta_of(prefix[r], total, g), c1 = cta_of(prefix[r + 1] - 1, total, g);
       if (c0 == c1) continue;  // finished inside one CTA, nothing to merge
       for (int64_t c = 0; c < g; ++c) {
-        const bool scores_part = std::max(begin[c], prefix[r]) < std::min(begin[c + 1], prefix[r + 1]);
+        const bool scores_part =
+            std::max(begin[c], prefix[r]) < std::min(begin[c + 1], prefix[r + 1]);
         if (!scores_part) continue;
-        ASSERT_TRUE(written.insert(c + r).second) << "slot " << c + r << " written twice";
-        ASSERT_LT(c + r, static_cast<int64_t>(grid) + B) << "slot past the workspace";
+        for (int col = 0; col < cols; ++col) {
+          const int64_t at = cpidx::cuda::partial_index(col, c + r, slots, K);
+          ASSERT_TRUE(at >= 0 && at + K <= elems) << "list past the call's slots";
+          ASSERT_TRUE(written.insert(at).second) << "list at " << at << " written twice";
+        }
       }
-      // select_topk reads slots c0 + r .. c1 + r: each was written by this launch.
-      for (int64_t c = c0; c <= c1; ++c) ASSERT_TRUE(written.count(c + r)) << "stale slot " << c + r;
+      // select_topk reads each column's (c1 - c0 + 1) * K keys from partial_index(col, c0 + r,
+      // ...) on: every list of them was written by this launch.
+      for (int col = 0; col < cols; ++col) {
+        const int64_t first = cpidx::cuda::partial_index(col, c0 + r, slots, K);
+        for (int64_t i = 0; i <= c1 - c0; ++i) {
+          ASSERT_TRUE(written.count(first + i * K)) << "stale list at " << first + i * K;
+        }
+      }
       ++checked;
     }
   }

@@ -203,15 +203,22 @@ TEST_F(MultiGpu, GraphReplay1000WithChangingInputs) {
 TEST_F(MultiGpu, DisagreeingBatchSizeFailsBeforeAnyCollective) {
   DecodeData d = random_decode(1300, 4, 2, {3000, 500, 7000, 100}, 8192);
   const Selection sel = sel_of(16);
-  // Rank 1 claims 3 requests, rank 0 all 4: both fail in the agreement, no NCCL call is made.
+  // Rank 1 claims 3 requests, rank 0 all 4: both fail in the agreement, no NCCL call is made
+  // and no id is written.
   std::vector<RankResult> res(kWorld);
+  std::vector<int> gathers(kWorld, -1);
   on_ranks([&](int r, Communicator& comm) {
-    res[r] = cp_rank(comm, r, d, sel, r == 1 ? 3 : -1);
+    GatherCountingComm counting(comm);
+    res[r] = cp_rank(counting, r, d, sel, r == 1 ? 3 : -1);
+    gathers[r] = counting.gathers;
   });
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_EQ(res[r].status.code(), StatusCode::kCommError) << res[r].status.to_string();
     EXPECT_NE(res[r].status.message().find("decode rows"), std::string::npos)
         << res[r].status.message();
+    EXPECT_EQ(gathers[r], 0) << "rank " << r;
+    ASSERT_FALSE(res[r].ids.empty());
+    for (int32_t x : res[r].ids) ASSERT_EQ(x, cpidx_test::kPoison) << "rank " << r;
   }
   // The communicators are still in step: a correct batch goes through.
   expect_cp_equals_plain(d, sel, "after the refused steps");
