@@ -407,18 +407,18 @@ int run_mpi(const DemoOptions& o, int* argc, char*** argv, const SyntheticConfig
 int run_demo(int argc, char** argv) {
   DemoOptions o;
   Flags flags("cpidx demo [flags]",
-              "Builds one synthetic decode step (random-normal bf16 queries and index cache,\n"
-              "shuffled block table, seq_lens uniform in (context-128, context]) and selects its\n"
-              "top-K blocks twice: context-parallel over --ranks ranks (threads, or one MPI\n"
-              "process per rank under mpirun) and plain on all heads. Checks that both select\n"
-              "identical ids in identical order and reports, per rank, the index-cache bytes read\n"
-              "and the time of each stage. With a GPU (CUDA build) it then runs the plain GPU\n"
-              "decode and the context-parallel step (threads: P real GPUs through NCCL, or P\n"
-              "ranks simulated on GPU 0; under mpirun: one process per GPU through --exchange,\n"
-              "skipped with fewer GPUs than processes) with CUDA-event stage times, and checks\n"
-              "GPU ids against the CPU reference (near-ties within 1e-3 allowed) and\n"
-              "context-parallel against plain GPU (bitwise). Exit code 0 when everything agrees,\n"
-              "1 when not, 2 on bad flags.");
+              "Builds one synthetic decode step (random-normal bf16 queries, a bf16 index cache or\n"
+              "with --dtype=fp8 an fp8 e4m3 one, shuffled block table, seq_lens uniform in\n"
+              "(context-128, context]) and selects its top-K blocks twice: context-parallel over\n"
+              "--ranks ranks (threads, or one MPI process per rank under mpirun) and plain on all\n"
+              "heads. Checks that both select identical ids in identical order and reports, per\n"
+              "rank, the index-cache bytes read and the time of each stage. With a GPU (CUDA build)\n"
+              "it then runs the plain GPU decode and the context-parallel step (threads: P real\n"
+              "GPUs through NCCL, or P ranks simulated on GPU 0; under mpirun: one process per GPU\n"
+              "through --exchange, skipped with fewer GPUs than processes) with CUDA-event stage\n"
+              "times, and checks GPU ids against the CPU reference (near-ties within 1e-3 allowed)\n"
+              "and context-parallel against plain GPU (bitwise). Exit code 0 when everything\n"
+              "agrees, 1 when not, 2 on bad flags.");
   // Integers are range-checked by the parser, which names the flag.
   flags.add("heads", &o.heads, "index heads T", 1, kMaxHeads)
       .add("ranks", &o.ranks, "tensor-parallel ranks P, run as threads (under MPI: the processes)",

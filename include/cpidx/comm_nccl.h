@@ -3,9 +3,10 @@
 // Built as the optional target cpidx_comm_nccl (cpidx::comm_nccl); nccl.h is not included here.
 //
 // NCCL environment: NVLink SHARP / multicast (NVLS) must stay off. Run with NCCL_NVLS_ENABLE=0;
-// when the variable is unset, the factories below set it to 0, and they refuse to create a
-// communicator while it asks for NVLS. NCCL reads the variable once per process, when its first
-// communicator is created: setting it here takes effect only if the process (a framework that
+// when the variable is unset, nccl_unique_id and the factories that create a communicator set it to
+// 0, and they refuse (kUnsupported) while it asks for NVLS. adopt_nccl_communicator checks nothing
+// of it: its ncclComm_t was made by its owner. NCCL reads the variable once per process, when its
+// first communicator is created: setting it here takes effect only if the process (a framework that
 // shares the NCCL library, say) has created none before, so set it at launch when it may have.
 // cpidx never calls cuMulticastCreate. NCCL_GRAPH_MIXING_SUPPORT is left to the caller (see
 // docs/design/exchange.md).
@@ -25,7 +26,8 @@ namespace cpidx {
 using NcclUniqueId = std::array<char, 128>;
 
 // A fresh NCCL unique id, made on one rank and handed to every rank by the caller (MPI_Bcast,
-// torch.distributed, a file). On failure returns zeros and sets *status (kCommError).
+// torch.distributed, a file). On failure returns zeros and sets *status: kCommError from NCCL,
+// kUnsupported while NCCL_NVLS_ENABLE asks for NVLS.
 NcclUniqueId nccl_unique_id(Status* status);
 
 // How long make_nccl_communicator waits, by default, for every rank to join: 10 minutes, the

@@ -198,19 +198,21 @@ class IndexerCPDecode:
     ``n`` or a setting all raise one naming it, instead of some waiting forever in a collective (or
     merging wrong ids without an error). Every rank must make the call, with 0 rows when it has
     none. The check is one gloo all-reduce of 18 integers, a median 0.44-0.47 ms between two
-    processes on a 2-core machine (0.28-0.33 for the rows alone), paid by every layer's call, so by
-    default (``None``) it runs only while a CUDA graph is captured: nothing on its replays, and
-    every captured batch size checked once. ``True`` checks every step, eager ones too (for
-    debugging, as ``TORCH_DISTRIBUTED_DEBUG`` does for torch's collectives); ``False`` never. The
-    host group is the ``cpu_group`` of a vLLM GroupCoordinator (any ``group`` with ``device_group``
-    and ``cpu_group``), or ``group`` itself when it is a gloo group. For any other ProcessGroup
-    (NCCL-only) the instance makes a gloo group over the same ranks at construction (unless
-    ``check_agreement=False``), on the default store under a name rank 0 draws (sent with the NCCL
-    unique id), waiting at most ``cpidx._cp.HOST_GROUP_TIMEOUT`` (30 min, torch's default) for a
-    rank, there and in each all-reduce; ``close()`` drops it. With a :class:`cpidx.Communicator` as
-    ``group``, with ``check_agreement=False`` over an NCCL-only group, or without
-    ``init_process_group``'s store (or under an MPI default group), there is none and no check, as
-    with the C++ NCCL communicator without a host channel; ``check_agreement=True`` then warns once.
+    processes on a 2-core machine (0.28-0.33 for the rows alone; a CPU instance adds a second, small
+    one after its scoring, so that a rank whose scoring raised fails every rank), paid by every
+    layer's call, so by default (``None``) it runs only while a CUDA graph is captured: nothing on
+    its replays, and every captured batch size checked once. ``True`` checks every step, eager ones
+    too (for debugging, as ``TORCH_DISTRIBUTED_DEBUG`` does for torch's collectives); ``False``
+    never. The host group is the ``cpu_group`` of a vLLM GroupCoordinator (any ``group`` with
+    ``device_group`` and ``cpu_group``), or ``group`` itself when it is a gloo group. For any other
+    ProcessGroup (NCCL-only) the instance makes a gloo group over the same ranks at construction
+    (unless ``check_agreement=False``), on the default store under a name rank 0 draws (sent with
+    the NCCL unique id), waiting at most ``cpidx._cp.HOST_GROUP_TIMEOUT`` (30 min, torch's default)
+    for a rank, there and in each all-reduce; ``close()`` drops it. With a
+    :class:`cpidx.Communicator` as ``group``, with ``check_agreement=False`` over an NCCL-only
+    group, or without ``init_process_group``'s store (or under an MPI default group), there is none
+    and no check, as with the C++ NCCL communicator without a host channel; ``check_agreement=True``
+    then warns once.
     A host group that fails (a rank missing past the timeout, a peer gone) cannot be used again:
     that step raises :class:`cpidx.HostGroupError`, so do later steps that agree, and ``close()``
     lets the instance go without a collective (as when dropped; what a live CUDA graph may still use
