@@ -8,12 +8,14 @@ CUDA graph and replayed with new lengths. The exchange (the two all-gathers of a
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import inspect
 import itertools
 import os
 import threading
+import time
 import uuid
 import warnings
 import weakref
@@ -150,12 +152,40 @@ def _float32_of_bits(bits: int) -> str:
     return str(np.int32(bits).view(np.float32))
 
 
+# When a gloo collective of this module last completed (time.monotonic()), or None. Gloo's worker
+# thread lets go of a collective's tensors just after its wait() has returned here, and torch
+# frees a tensor's hold on its Python object under the GIL, so that worker waits for the GIL while
+# this thread runs on. If the interpreter starts exiting before it got it (a close() just before
+# exit, say), taking it then ends the worker inside C++ and the process aborts ("terminate called
+# without an active exception"), as after a bare ProcessGroupGloo.allreduce(...).wait() before
+# exit. At exit, _let_gloo_workers_finish gives them the GIL first.
+_gloo_done_at: Optional[float] = None
+_GLOO_SETTLE_S = 0.05  # how long after its last collective exit waits for gloo's workers
+
+
+def _gloo_done() -> None:
+    global _gloo_done_at
+    _gloo_done_at = time.monotonic()
+
+
+def _let_gloo_workers_finish() -> None:
+    """At interpreter exit (atexit, before the interpreter finalizes): sleeps, the GIL released,
+    until _GLOO_SETTLE_S after this module's last gloo collective (at least 1 ms), so that gloo's
+    workers have let go of its tensors (_gloo_done_at)."""
+    if _gloo_done_at is not None:
+        time.sleep(max(_GLOO_SETTLE_S - (time.monotonic() - _gloo_done_at), 0.001))
+
+
+atexit.register(_let_gloo_workers_finish)
+
+
 def _all_reduce_max(group: Any, values: torch.Tensor) -> None:
     """In-place MAX all-reduce of a host tensor over ``group`` (a registered ProcessGroup or
     one made by :func:`_make_host_group`), waited for."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
     group.allreduce([values], opts).wait()
+    _gloo_done()
 
 
 class IndexerCPDecode:
@@ -505,6 +535,8 @@ class IndexerCPDecode:
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         with torch.cuda.device(self.device) if nccl and self._cuda else contextlib.nullcontext():
             dist.all_gather_object(boxes, mine, group=group)  # NCCL: on the current device
+            if not nccl:
+                _gloo_done()  # gloo's workers hold its host tensors
         if failed is not None:
             raise failed
         for q, (verdict, value) in enumerate(boxes):
@@ -658,6 +690,8 @@ class IndexerCPDecode:
                 self._agree_scored(failure)
         gathered = self._keys_gathered[: P * T * n * K]
         dist.all_gather_into_tensor(gathered, keys.view(-1), group=self._pg)
+        if not self._cuda:
+            _gloo_done()
         gathered = gathered.view(P, T, n, K)
         if self._cuda:
             self._decoder.merge(gathered, seq_lens, query_len, out, stream=stream, **table)
@@ -782,6 +816,8 @@ class IndexerCPDecode:
             q.copy_(local_q)
         gathered = self._q_gathered[: P * n * L * D]
         dist.all_gather_into_tensor(gathered, q.reshape(-1), group=self._pg)
+        if not self._cuda:
+            _gloo_done()
         # Replicated ranks carry the same head; keep the first of each group.
         owners = gathered.view(P, n, L, D)[::R]
         full = self._q_full[: n * T * D].view(n, T, D)

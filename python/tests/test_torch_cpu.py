@@ -834,6 +834,43 @@ def test_indexer_cp_decode_gloo_two_ranks(T):
     assert run_ranks(_gloo_rank, T) == {0: True, 1: True}
 
 
+_CLOSE_THEN_EXIT = """
+import torch.distributed as dist, cpidx
+dist.init_process_group("gloo")
+cp = cpidx.IndexerCPDecode(total_heads=4, rank=dist.get_rank(), world_size=2, max_tokens=16,
+                           max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
+                           group=dist.group.WORLD, device="cpu")
+cp.close()
+"""
+
+
+def test_close_just_before_exit_leaves_the_process_to_exit_cleanly():
+    # A script that ends right after close() (whose agreement is a gloo all-reduce), leaving the
+    # process group to the interpreter's exit, as under torchrun. Gloo's worker lets go of a
+    # collective's tensors just after its wait() returns, taking the GIL to do it; a process that
+    # began to exit before the worker got the GIL aborted ("terminate called without an active
+    # exception", SIGABRT) in about one run in four. cpidx's atexit hook now gives the workers the
+    # GIL first. Four runs of two ranks, each rank its own interpreter with OMP_NUM_THREADS=1, as
+    # torchrun sets it (without the hook, three test runs in four failed so).
+    import socket
+    import subprocess
+    import sys
+
+    for run in range(4):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, "-c", _CLOSE_THEN_EXIT],
+                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
+                                           OMP_NUM_THREADS="1"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        codes = [p.returncode for p in procs]
+        assert codes == [0, 0], f"run {run}: exit codes {codes}: {outs}"
+
+
 def _gloo_agreement_rank(rank, world, port, results):
     """Steps that one rank cannot run (other rows, refused arguments, no rows) raise on every
     rank before any collective, and a scoring that raises on one rank raises on every rank
