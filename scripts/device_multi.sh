@@ -90,12 +90,16 @@ if [ "${PYTHON:-1}" = 1 ] && [ $((DEADLINE - SECONDS)) -ge 200 ]; then
   echo "== Python suite on test_gpu.py (its 2-GPU tests) and the torchrun example (${SECONDS}s)"
   py_out=$(mktemp -d)  # its three logs become one, python.log (8 files come back)
   OUT=$py_out PYTHON_TESTS=test_gpu.py timeout "$(box 400)" scripts/device_python.sh || py=1
-  for f in "$py_out"/*.log; do echo "== $(basename "$f")"; cat "$f"; done > "$OUT/python.log"
+  shopt -s nullglob  # none when it ended early (the pip install's log says why)
+  for f in "$py_out"/*.log /tmp/cpidx_pip_install.log; do echo "== $(basename "$f")"; cat "$f"
+  done > "$OUT/python.log"
+  shopt -u nullglob
   rm -rf "$py_out"
   echo "python rc=$py (${SECONDS}s)"
 elif [ "${PYTHON:-1}" = 1 ]; then
   echo "== Python suite skipped: $((DEADLINE - SECONDS)) s left before the deadline"
 fi
 
+rm -f "$OUT"/*.tmp  # a bench killed while rewriting its JSON: the 8 files are all that come back
 [ $rc -eq 0 ] && [ $m -eq 0 ] && [ $mm -eq 0 ] && [ $b -eq 0 ] && [ $bm -eq 0 ] && [ $dm -eq 0 ] &&
   [ $s -eq 0 ] && [ $py -eq 0 ]

@@ -32,8 +32,10 @@ if [ "$ngpu" -ge 2 ]; then
   read -r -a example_args <<<"${EXAMPLE_ARGS:-}"
   for exchange in peer nccl; do
     echo "== torchrun --nproc_per_node=2 examples/indexer_layer.py --exchange $exchange"
-    PYTHONPATH="$site" timeout 180 torchrun --nproc_per_node=2 examples/indexer_layer.py \
-      --exchange "$exchange" "${example_args[@]}" 2>&1 | tee "$OUT/torchrun_$exchange.log" | tail -12
+    # --foreground: in a caller's timeout's process group, so the caller's time box reaches it.
+    PYTHONPATH="$site" timeout --foreground 180 torchrun --nproc_per_node=2 \
+      examples/indexer_layer.py --exchange "$exchange" "${example_args[@]}" 2>&1 |
+      tee "$OUT/torchrun_$exchange.log" | tail -12
     rc2=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] && rc=$rc2
   done

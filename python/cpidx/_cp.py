@@ -152,13 +152,15 @@ def _float32_of_bits(bits: int) -> str:
     return str(np.int32(bits).view(np.float32))
 
 
-# When a gloo collective of this module last completed (time.monotonic()), or None. Gloo's worker
-# thread lets go of a collective's tensors just after its wait() has returned here, and torch
-# frees a tensor's hold on its Python object under the GIL, so that worker waits for the GIL while
-# this thread runs on. If the interpreter starts exiting before it got it (a close() just before
-# exit, say), taking it then ends the worker inside C++ and the process aborts ("terminate called
-# without an active exception"), as after a bare ProcessGroupGloo.allreduce(...).wait() before
-# exit. At exit, _let_gloo_workers_finish gives them the GIL first.
+# When a collective of this module that may have run on gloo last completed (time.monotonic()), or
+# None (each is noted whatever its backend: an NCCL one costs the exit at most the wait below, and a
+# group's backend name does not always tell where a collective runs). Gloo's worker thread lets go
+# of a collective's tensors just after its wait() has returned here, and torch frees a tensor's hold
+# on its Python object under the GIL, so that worker waits for the GIL while this thread runs on. If
+# the interpreter starts exiting before it got it (a close() just before exit, say), taking it then
+# ends the worker inside C++ and the process aborts ("terminate called without an active
+# exception"), as after a bare ProcessGroupGloo.allreduce(...).wait() before exit. At exit,
+# _let_gloo_workers_finish gives them the GIL first.
 _gloo_done_at: Optional[float] = None
 _GLOO_SETTLE_S = 0.05  # how long after its last collective exit waits for gloo's workers
 
@@ -535,8 +537,7 @@ class IndexerCPDecode:
         nccl = "nccl" in str(dist.get_backend(group)).lower()
         with torch.cuda.device(self.device) if nccl and self._cuda else contextlib.nullcontext():
             dist.all_gather_object(boxes, mine, group=group)  # NCCL: on the current device
-            if not nccl:
-                _gloo_done()  # gloo's workers hold its host tensors
+            _gloo_done()  # on gloo where the group serves the CPU ("cpu:gloo,cuda:nccl" too)
         if failed is not None:
             raise failed
         for q, (verdict, value) in enumerate(boxes):
@@ -690,8 +691,7 @@ class IndexerCPDecode:
                 self._agree_scored(failure)
         gathered = self._keys_gathered[: P * T * n * K]
         dist.all_gather_into_tensor(gathered, keys.view(-1), group=self._pg)
-        if not self._cuda:
-            _gloo_done()
+        _gloo_done()  # gloo on the CPU, or a CUDA instance's exchange="torch" over gloo
         gathered = gathered.view(P, T, n, K)
         if self._cuda:
             self._decoder.merge(gathered, seq_lens, query_len, out, stream=stream, **table)
@@ -816,8 +816,7 @@ class IndexerCPDecode:
             q.copy_(local_q)
         gathered = self._q_gathered[: P * n * L * D]
         dist.all_gather_into_tensor(gathered, q.reshape(-1), group=self._pg)
-        if not self._cuda:
-            _gloo_done()
+        _gloo_done()
         # Replicated ranks carry the same head; keep the first of each group.
         owners = gathered.view(P, n, L, D)[::R]
         full = self._q_full[: n * T * D].view(n, T, D)

@@ -835,8 +835,8 @@ def test_indexer_cp_decode_gloo_two_ranks(T):
 
 
 _CLOSE_THEN_EXIT = """
-import torch.distributed as dist, cpidx
-dist.init_process_group("gloo")
+import datetime, torch.distributed as dist, cpidx
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 cp = cpidx.IndexerCPDecode(total_heads=4, rank=dist.get_rank(), world_size=2, max_tokens=16,
                            max_seq_len=1536, topk=6, init_blocks=1, local_blocks=1,
                            group=dist.group.WORLD, device="cpu")
@@ -866,7 +866,13 @@ def test_close_just_before_exit_leaves_the_process_to_exit_cleanly():
                                            OMP_NUM_THREADS="1"),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(2)]
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:  # a rank left waiting (its peer failed at once: a port taken, say) is killed
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         codes = [p.returncode for p in procs]
         assert codes == [0, 0], f"run {run}: exit codes {codes}: {outs}"
 
