@@ -198,28 +198,6 @@ TEST(CpDecode, RejectsMismatchedGeometry) {
   }
 }
 
-// A rank's communicator that records the byte counts of its all_gathers.
-class RecordingComm final : public cpidx::Communicator {
- public:
-  explicit RecordingComm(cpidx::Communicator& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int world_size() const override { return inner_.world_size(); }
-  cpidx::MemorySpace memory_space() const override { return inner_.memory_space(); }
-  cpidx::Status all_gather(const void* send, void* recv, size_t bytes,
-                           cudaStream_t stream) override {
-    sizes.push_back(bytes);
-    return inner_.all_gather(send, recv, bytes, stream);
-  }
-  cpidx::Status check_agree(long long value, const char* what) override {
-    return inner_.check_agree(value, what);
-  }
-  cpidx::Status barrier() override { return inner_.barrier(); }
-  std::vector<size_t> sizes;
-
- private:
-  cpidx::Communicator& inner_;
-};
-
 // cp_gather_bytes names the two payloads the step gathers, and nothing gathered is larger
 // (what a peer communicator for cp_decode must hold per rank).
 TEST(CpDecode, GatherBytesAreTheStepsPayloads) {

@@ -343,4 +343,35 @@ inline std::vector<int32_t> lengths(std::mt19937& rng, int reqs, int32_t max_len
   return s;
 }
 
+// A rank's communicator that forwards everything to `inner` and records the byte counts of its
+// all_gathers (none for a step refused before any collective; the agreements go through
+// check_agree / check_agree_all, forwarded).
+class RecordingComm final : public cpidx::Communicator {
+ public:
+  explicit RecordingComm(cpidx::Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  cpidx::MemorySpace memory_space() const override { return inner_.memory_space(); }
+  cpidx::Status all_gather(const void* send, void* recv, size_t bytes,
+                           cudaStream_t stream) override {
+    sizes.push_back(bytes);
+    return inner_.all_gather(send, recv, bytes, stream);
+  }
+  cpidx::Status check_agree(long long value, const char* what) override {
+    return inner_.check_agree(value, what);
+  }
+  cpidx::Status check_agree_all(const long long* values, const char* const* names,
+                                int count) override {
+    return inner_.check_agree_all(values, names, count);
+  }
+  cpidx::Status barrier() override { return inner_.barrier(); }
+  size_t max_bytes_per_rank() const override { return inner_.max_bytes_per_rank(); }
+  const cpidx::DeviceChannel* device_channel() const override { return inner_.device_channel(); }
+  int device() const override { return inner_.device(); }
+  std::vector<size_t> sizes;
+
+ private:
+  cpidx::Communicator& inner_;
+};
+
 }  // namespace cpidx_test

@@ -61,34 +61,6 @@ inline std::vector<int32_t> plain_decode_on(int device, const DecodeData& d, con
   return cpidx_gpu_test::gpu_decode(d, sel, nullptr, device);
 }
 
-// Forwards everything to `inner`, counting its all_gathers (a step refused before any
-// collective makes none; the agreement goes through check_agree / check_agree_all).
-class GatherCountingComm final : public Communicator {
- public:
-  explicit GatherCountingComm(Communicator& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int world_size() const override { return inner_.world_size(); }
-  cpidx::MemorySpace memory_space() const override { return inner_.memory_space(); }
-  Status all_gather(const void* send, void* recv, size_t bytes, cudaStream_t stream) override {
-    ++gathers;
-    return inner_.all_gather(send, recv, bytes, stream);
-  }
-  Status check_agree(long long value, const char* what) override {
-    return inner_.check_agree(value, what);
-  }
-  Status check_agree_all(const long long* values, const char* const* names, int count) override {
-    return inner_.check_agree_all(values, names, count);
-  }
-  Status barrier() override { return inner_.barrier(); }
-  size_t max_bytes_per_rank() const override { return inner_.max_bytes_per_rank(); }
-  const cpidx::DeviceChannel* device_channel() const override { return inner_.device_channel(); }
-  int device() const override { return inner_.device(); }
-  int gathers = 0;
-
- private:
-  Communicator& inner_;
-};
-
 struct RankResult {
   Status status;
   cpidx::Geometry geo;

@@ -208,9 +208,9 @@ TEST_F(MultiGpu, DisagreeingBatchSizeFailsBeforeAnyCollective) {
   std::vector<RankResult> res(kWorld);
   std::vector<int> gathers(kWorld, -1);
   on_ranks([&](int r, Communicator& comm) {
-    GatherCountingComm counting(comm);
-    res[r] = cp_rank(counting, r, d, sel, r == 1 ? 3 : -1);
-    gathers[r] = counting.gathers;
+    cpidx_test::RecordingComm recording(comm);
+    res[r] = cp_rank(recording, r, d, sel, r == 1 ? 3 : -1);
+    gathers[r] = static_cast<int>(recording.sizes.size());
   });
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_EQ(res[r].status.code(), StatusCode::kCommError) << res[r].status.to_string();
